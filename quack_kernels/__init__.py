@@ -1,0 +1,11 @@
+"""quack-kernels: memory-bound GPU kernels for PyTorch, written in CuTe-DSL for Hopper.
+
+Public functions are differentiable and backed by ``torch.ops.quack_kernels.*`` custom
+ops (CPU reference implementations, CUDA kernels for sm_90+).
+"""
+
+from . import nn
+from .ops.softmax import log_softmax, softmax
+
+__version__ = "0.1.0"
+__all__ = ["softmax", "log_softmax", "nn", "__version__"]

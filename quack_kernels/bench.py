@@ -1,0 +1,734 @@
+"""Benchmark runner: quack_kernels against torch eager, torch.compile, Liger and QuACK.
+
+    python -m quack_kernels.bench [--op softmax_fwd,softmax_bwd] [--dtype bf16] [--quick]
+
+Every kernel here is memory bound, so the figure of merit is bandwidth: each case
+reports the time, the bandwidth implied by a simple byte model (every input read once,
+every output written once) and that bandwidth as a percentage of a device-to-device
+copy measured in the same process. The copy is the practical ceiling: a kernel that
+reads and writes each byte once cannot go faster than the copy engine of the same GPU.
+
+Without a GPU the runner falls back to ``quack_kernels.report``, which compiles every
+kernel for sm_90a and prints their resource usage, so the command is useful anywhere.
+
+Adding an op means adding one :class:`OpBench` entry to ``OPS``; ops whose
+``quack_kernels`` API does not exist yet are skipped, so the runner works while ops land.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import functools
+import gc
+import importlib
+import importlib.metadata
+import importlib.util
+import itertools
+import math
+import pathlib
+import re
+import statistics
+import sys
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+# Largest footprint a case may have; bigger cases are skipped rather than risking an
+# OOM that would take the rest of the run down with it.
+MAX_CASE_BYTES = 40 * GiB
+# Copy-ceiling buffer: far larger than L2, so the copy streams from and to DRAM.
+COPY_CEILING_BYTES = 2 * GiB
+# Inputs smaller than this many L2s are rotated among several copies so that each call
+# reads data that the previous calls have pushed out of L2.
+COLD_L2_MULTIPLE = 4
+MAX_INPUT_COPIES = 32
+# H200 has 60 MiB of L2; used when the device properties do not say.
+DEFAULT_L2_BYTES = 60 * MiB
+# Budgets for one timing, in milliseconds of GPU time.
+WARMUP_MS = 25
+REP_MS = 100
+HOST_SAMPLES = 10
+
+OURS = "quack_kernels"
+
+Inputs = dict[str, torch.Tensor]
+Builder = Callable[[Inputs], Callable[[], object]]
+
+
+class Unavailable(Exception):
+    """Raised by a builder whose baseline package is not installed: skipped silently."""
+
+
+@dataclass(frozen=True)
+class OpBench:
+    """One benchmarked op.
+
+    ``ours`` and each baseline are *builders*: given one set of inputs they do any
+    per-input preparation (compiling, precomputing launch settings) and return a
+    zero-argument callable that is what gets timed. A builder raises
+    :class:`Unavailable` when its package is absent; any other exception is recorded in
+    the CSV as that implementation's error and the run continues.
+    """
+
+    name: str
+    group: str  # CSV file the results go to, one per family of ops
+    available: Callable[[], bool]  # whether quack_kernels has the API yet
+    make_inputs: Callable[[int, int, torch.dtype], Inputs]
+    ours: Builder
+    baselines: dict[str, Builder]
+    model_bytes: Callable[[int, int, torch.dtype], int]
+    shapes: tuple[tuple[int, int], ...]
+    quick_shapes: tuple[tuple[int, int], ...]
+    dtypes: tuple[str, ...] = tuple(DTYPES)
+    # Time back-to-back calls instead of isolated ones, so that host overhead (Python,
+    # dispatch, autograd) shows up whenever it exceeds the GPU time.
+    host_inclusive: bool = False
+
+
+@dataclass
+class Result:
+    """One (op, dtype, shape, implementation) measurement; ``error`` set on failure."""
+
+    op: str
+    dtype: str
+    M: int
+    N: int
+    impl: str
+    time_us: float | None = None
+    gbps: float | None = None
+    pct_of_copy: float | None = None
+    speedup_vs_best_baseline: float | None = None
+    error: str = ""
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _quack_kernels():
+    """Our package, imported on first use so that ``--help`` and the no-GPU path stay
+    free of the DSL import."""
+    return importlib.import_module("quack_kernels")
+
+
+def _has_api(*names: str) -> bool:
+    """Whether ``quack_kernels`` exports every name (the op has landed)."""
+    qk = _quack_kernels()
+    return all(hasattr(qk, name) for name in names)
+
+
+def _has_torch_op(name: str) -> bool:
+    """Whether ``torch.ops.quack_kernels.<name>`` is registered (importing the package
+    registers its ops)."""
+    _quack_kernels()
+    return hasattr(torch.ops.quack_kernels, name)
+
+
+def _optional_module(module: str):
+    """Import a baseline's module; :class:`Unavailable` when its package is not
+    installed. An installed package that fails to import raises, which records an
+    error: a broken baseline should be visible, an absent one should not."""
+    if importlib.util.find_spec(module.split(".")[0]) is None:
+        raise Unavailable(module)
+    return importlib.import_module(module)
+
+
+@functools.cache
+def _compiled(fn: Callable) -> Callable:
+    """torch.compile of an eager reference, made once per function.
+
+    ``dynamic=False`` specialises on each shape and dtype, like a kernel library does;
+    the first call of a case (the warm-up in :func:`_measure`) triggers that
+    specialisation, so compile time never lands in a timing. The recompile limit is
+    raised because one function sees every shape and dtype of a run, more than the
+    default allows before Dynamo silently falls back to eager.
+    """
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+    return torch.compile(fn, dynamic=False)
+
+
+def _elem(dtype: torch.dtype) -> int:
+    return dtype.itemsize
+
+
+# ------------------------------------------------------------------- softmax family
+#
+# Shapes: M*N = 2^27 elements (256 MiB in bf16) for a sweep of row lengths, a few
+# model-like shapes, and one very long row that needs a full 16-CTA cluster.
+
+SOFTMAX_SHAPES = tuple((2**27 // n, n) for n in (1024, 4096, 16384, 65536, 262144)) + (
+    (4096, 4096),
+    (1024, 8192),
+    (256, 32000),
+    (128, 1048576),
+)
+SOFTMAX_QUICK_SHAPES = ((4096, 4096), (2**27 // 262144, 262144))
+
+
+def _eager_softmax(x):
+    return torch.softmax(x, -1)
+
+
+def _eager_log_softmax(x):
+    return torch.log_softmax(x, -1)
+
+
+def _eager_softmax_bwd(y, dy):
+    return torch._softmax_backward_data(dy, y, -1, y.dtype)
+
+
+def _eager_log_softmax_bwd(y, dy):
+    return torch._log_softmax_backward_data(dy, y, -1, y.dtype)
+
+
+def _rows(M: int, N: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(M, N, device="cuda", dtype=dtype)
+
+
+def _forward_inputs(M, N, dtype) -> Inputs:
+    return {"x": _rows(M, N, dtype)}
+
+
+def _backward_inputs(log: bool) -> Callable[[int, int, torch.dtype], Inputs]:
+    """Inputs of a backward: a genuine forward output ``y`` (the kernels rely on its
+    range) and a random upstream gradient ``dy``."""
+    reference = _eager_log_softmax if log else _eager_softmax
+
+    def make(M, N, dtype) -> Inputs:
+        return {"y": reference(_rows(M, N, dtype)), "dy": _rows(M, N, dtype)}
+
+    return make
+
+
+def _training_inputs(M, N, dtype) -> Inputs:
+    return {"x": _rows(M, N, dtype).requires_grad_(), "dy": _rows(M, N, dtype)}
+
+
+def _unary(resolve: Callable[[], Callable]) -> Builder:
+    """Builder timing ``f(x)``; ``resolve`` returns ``f`` and runs at build time so
+    that optional imports happen inside the runner's error handling."""
+    return lambda inputs: functools.partial(resolve(), inputs["x"])
+
+
+def _binary(resolve: Callable[[], Callable]) -> Builder:
+    """Builder timing ``f(y, dy)``."""
+    return lambda inputs: functools.partial(resolve(), inputs["y"], inputs["dy"])
+
+
+def _training_step(resolve: Callable[[], Callable]) -> Builder:
+    """Builder timing one autograd step ``f(x).backward(dy)``, as a training loop runs
+    it. ``x.grad`` is dropped first so that backward writes a fresh gradient instead of
+    accumulating into the previous one (an extra read-modify-write)."""
+
+    def build(inputs):
+        f, x, dy = resolve(), inputs["x"], inputs["dy"]
+
+        def step():
+            x.grad = None
+            f(x).backward(dy)
+
+        return step
+
+    return build
+
+
+def _ours_softmax(log: bool) -> Callable:
+    return functools.partial(getattr(_quack_kernels(), "log_softmax" if log else "softmax"), dim=-1)
+
+
+def _ours_softmax_bwd(log: bool) -> Callable:
+    op = torch.ops.quack_kernels.softmax_backward
+    return lambda y, dy: op(y, dy, log)
+
+
+def _liger_softmax() -> Callable:
+    return _optional_module("liger_kernel.ops.softmax").LigerSoftmaxFunction.apply
+
+
+def _liger_softmax_bwd(inputs: Inputs) -> Callable[[], object]:
+    """Liger's backward kernel alone. Its launch settings come from its forward helper,
+    run once here on a tensor of the same shape; only the backward is timed."""
+    liger = _optional_module("liger_kernel.ops.softmax")
+    y, dy = inputs["y"], inputs["dy"]
+    _, *settings = liger._softmax_forward(y)
+    return lambda: liger._softmax_backward(dy, y, *settings)
+
+
+def _quack_softmax() -> Callable:
+    """QuACK's autograd softmax. Its package ``__init__`` rebinds ``quack.softmax`` from
+    the submodule to the function; take the function either way."""
+    fn = _optional_module("quack").softmax
+    return fn.softmax if isinstance(fn, type(sys)) else fn
+
+
+def _quack_softmax_bwd() -> Callable:
+    quack_softmax = _optional_module("quack.softmax")
+    return lambda y, dy: quack_softmax.softmax_bwd(dy, y)
+
+
+def _softmax_forward_bench(log: bool) -> OpBench:
+    eager = _eager_log_softmax if log else _eager_softmax
+    baselines = {
+        "torch": _unary(lambda: eager),
+        "torch_compile": _unary(lambda: _compiled(eager)),
+    }
+    if not log:  # Liger and QuACK have no log-softmax
+        baselines |= {"liger": _unary(_liger_softmax), "quack": _unary(_quack_softmax)}
+    return OpBench(
+        name="log_softmax_fwd" if log else "softmax_fwd",
+        group="softmax",
+        available=lambda: _has_api("log_softmax" if log else "softmax"),
+        make_inputs=_forward_inputs,
+        ours=_unary(lambda: _ours_softmax(log)),
+        baselines=baselines,
+        # read x, write y: 2 * M * N elements
+        model_bytes=lambda M, N, dtype: 2 * M * N * _elem(dtype),
+        shapes=SOFTMAX_SHAPES,
+        quick_shapes=SOFTMAX_QUICK_SHAPES,
+    )
+
+
+def _softmax_backward_bench(log: bool) -> OpBench:
+    eager = _eager_log_softmax_bwd if log else _eager_softmax_bwd
+    baselines = {
+        "torch": _binary(lambda: eager),
+        "torch_compile": _binary(lambda: _compiled(eager)),
+    }
+    if not log:
+        baselines |= {"liger": _liger_softmax_bwd, "quack": _binary(_quack_softmax_bwd)}
+    return OpBench(
+        name="log_softmax_bwd" if log else "softmax_bwd",
+        group="softmax",
+        available=lambda: _has_torch_op("softmax_backward"),
+        make_inputs=_backward_inputs(log),
+        ours=_binary(lambda: _ours_softmax_bwd(log)),
+        baselines=baselines,
+        # read y and dy, write dx: 3 * M * N elements
+        model_bytes=lambda M, N, dtype: 3 * M * N * _elem(dtype),
+        shapes=SOFTMAX_SHAPES,
+        quick_shapes=SOFTMAX_QUICK_SHAPES,
+    )
+
+
+def _softmax_training_bench() -> OpBench:
+    """Forward plus backward through the public API and autograd, timed back to back:
+    this is what a model pays per call, host overhead included, which is the point."""
+    return OpBench(
+        name="softmax_fwdbwd",
+        group="softmax",
+        available=lambda: _has_api("softmax"),
+        make_inputs=_training_inputs,
+        ours=_training_step(lambda: _ours_softmax(False)),
+        baselines={
+            "torch": _training_step(lambda: _eager_softmax),
+            "torch_compile": _training_step(lambda: _compiled(_eager_softmax)),
+            "liger": _training_step(_liger_softmax),
+            "quack": _training_step(_quack_softmax),
+        },
+        # forward reads x, writes y; backward reads y, dy, writes dx: 5 * M * N elements
+        model_bytes=lambda M, N, dtype: 5 * M * N * _elem(dtype),
+        shapes=((4096, 4096),),
+        quick_shapes=((4096, 4096),),
+        dtypes=("bf16",),
+        host_inclusive=True,
+    )
+
+
+OPS: dict[str, OpBench] = {
+    op.name: op
+    for op in (
+        _softmax_forward_bench(log=False),
+        _softmax_forward_bench(log=True),
+        _softmax_backward_bench(log=False),
+        _softmax_backward_bench(log=True),
+        _softmax_training_bench(),
+    )
+}
+
+
+# -------------------------------------------------------------------------- timing
+
+
+def _triton_do_bench():
+    """``triton.testing.do_bench`` when triton is installed, else None."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    return importlib.import_module("triton.testing").do_bench
+
+
+def _estimate_ms(fn: Callable[[], object], calls: int = 5) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return max(start.elapsed_time(end) / calls, 1e-3)
+
+
+def _isolated_calls_ms(fn: Callable[[], object]) -> float:
+    """Median time of isolated calls, each after an L2 flush, each bracketed by its own
+    CUDA events: the stand-in for ``do_bench`` when triton is missing."""
+    flush = torch.empty(256 * MiB, dtype=torch.uint8, device="cuda")
+    per_call = _estimate_ms(fn)
+    for _ in range(max(1, int(WARMUP_MS / per_call))):
+        fn()
+    times = []
+    for _ in range(max(1, int(REP_MS / per_call))):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        times.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in times)
+
+
+def time_device_ms(fn: Callable[[], object]) -> float:
+    """Median GPU time of one call, host overhead hidden behind the previous work."""
+    do_bench = _triton_do_bench()
+    if do_bench is None:
+        return _isolated_calls_ms(fn)
+    return do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
+
+
+def time_host_inclusive_ms(fn: Callable[[], object]) -> float:
+    """Median per-call time of back-to-back calls: the GPU drains whenever the host is
+    slower than the kernels, so host overhead counts exactly when it matters."""
+    per_call = _estimate_ms(fn)
+    calls = max(1, int(REP_MS / HOST_SAMPLES / per_call))
+    samples = []
+    for _ in range(HOST_SAMPLES):
+        samples.append(_estimate_ms(fn, calls))
+    return statistics.median(samples)
+
+
+def measure_copy_ceiling_gbps() -> float:
+    """Device-to-device copy bandwidth (bytes read + bytes written) on this GPU."""
+    src = torch.empty(COPY_CEILING_BYTES, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    src.fill_(1)
+    ms = time_device_ms(lambda: dst.copy_(src))
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * COPY_CEILING_BYTES / (ms * 1e-3) / 1e9
+
+
+# ------------------------------------------------------------------------ one case
+
+
+def _l2_bytes() -> int:
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return getattr(props, "L2_cache_size", 0) or DEFAULT_L2_BYTES
+
+
+def _input_copies(op: OpBench, M: int, N: int, dtype: torch.dtype) -> list[Inputs]:
+    """Enough independent input sets that cycling through them never finds the current
+    inputs in L2 (one set when a single one is already several L2s)."""
+    first = op.make_inputs(M, N, dtype)
+    nbytes = sum(t.numel() * t.element_size() for t in first.values())
+    count = min(MAX_INPUT_COPIES, max(1, math.ceil(COLD_L2_MULTIPLE * _l2_bytes() / nbytes)))
+    return [first] + [op.make_inputs(M, N, dtype) for _ in range(count - 1)]
+
+
+def _rotating(fns: list[Callable[[], object]]) -> Callable[[], object]:
+    if len(fns) == 1:
+        return fns[0]
+    order = itertools.cycle(fns)
+    return lambda: next(order)()
+
+
+def _error_text(exc: BaseException) -> str:
+    first_line = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first_line}"[:300]
+
+
+def _measure(build: Builder, copies: list[Inputs], host_inclusive: bool) -> float:
+    """Build one callable per input set, run it once (compiles, autotunes and catches
+    failures before timing), then time the rotation. Returns milliseconds."""
+    fn = _rotating([build(inputs) for inputs in copies])
+    fn()
+    torch.cuda.synchronize()
+    return (time_host_inclusive_ms if host_inclusive else time_device_ms)(fn)
+
+
+def run_case(
+    op: OpBench, dtype_name: str, M: int, N: int, ceiling_gbps: float, with_baselines: bool
+) -> list[Result]:
+    """Time ours and every installed baseline on one shape; ours comes first."""
+    dtype = DTYPES[dtype_name]
+    impls = {OURS: op.ours} | (op.baselines if with_baselines else {})
+    copies = _input_copies(op, M, N, dtype)
+    model_bytes = op.model_bytes(M, N, dtype)
+    results = []
+    for impl, build in impls.items():
+        result = Result(op.name, dtype_name, M, N, impl)
+        try:
+            ms = _measure(build, copies, op.host_inclusive)
+        except Unavailable:
+            continue
+        except Exception as exc:  # one broken implementation must not end the run
+            result.error = _error_text(exc)
+            torch.cuda.empty_cache()
+        else:
+            result.time_us = ms * 1e3
+            result.gbps = model_bytes / (ms * 1e-3) / 1e9
+            result.pct_of_copy = 100 * result.gbps / ceiling_gbps
+        results.append(result)
+    del copies
+    gc.collect()
+    torch.cuda.empty_cache()
+    _set_speedup(results)
+    return results
+
+
+def _set_speedup(results: list[Result]) -> None:
+    """Speedup of ours over the fastest baseline that ran, stored on our row."""
+    ours = next((r for r in results if r.impl == OURS and r.time_us), None)
+    baseline_times = [r.time_us for r in results if r.impl != OURS and r.time_us]
+    if ours and baseline_times:
+        ours.speedup_vs_best_baseline = min(baseline_times) / ours.time_us
+
+
+# -------------------------------------------------------------------------- output
+
+CSV_COLUMNS = (
+    "op", "dtype", "M", "N", "impl", "time_us", "gbps", "pct_of_copy", "copy_ceiling_gbps",
+    "speedup_vs_best_baseline", "gpu", "date", "torch", "triton", "cutlass_dsl",
+    "quack_kernels_version", "liger", "quack", "error",
+)  # fmt: skip
+
+
+def _installed_version(import_name: str) -> str:
+    """Version of the distribution providing ``import_name`` ("" when absent).
+
+    Looked up by import name because distribution names collide: QuACK is published
+    as ``quack-kernels`` but imports as ``quack``.
+    """
+    if importlib.util.find_spec(import_name) is None:
+        return ""
+    for dist in importlib.metadata.packages_distributions().get(import_name, []):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return ""
+
+
+def environment(gpu: str) -> dict[str, str]:
+    """The CSV columns that describe the machine and software of this run."""
+    ours = _installed_version("quack_kernels") or getattr(_quack_kernels(), "__version__", "")
+    return {
+        "gpu": gpu,
+        "date": datetime.datetime.now().isoformat(timespec="minutes"),
+        "torch": torch.__version__,
+        "triton": _installed_version("triton"),
+        "cutlass_dsl": _installed_version("cutlass"),
+        "quack_kernels_version": ours,
+        "liger": _installed_version("liger_kernel"),
+        "quack": _installed_version("quack"),
+    }
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "" if value is None else format(value, spec)
+
+
+class CsvSink:
+    """One CSV per op group, appended and flushed row by row so that a run cut short
+    (time limit, crash) still leaves its results on disk."""
+
+    def __init__(self, out_dir: pathlib.Path, gpu_slug: str, stamp: str, columns: dict):
+        self.out_dir, self.gpu_slug, self.stamp = out_dir, gpu_slug, stamp
+        self.columns = columns  # environment and ceiling, the same on every row
+        self.files: dict[str, tuple] = {}
+        self.paths: list[pathlib.Path] = []
+
+    def write(self, group: str, result: Result) -> None:
+        if group not in self.files:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            path = self.out_dir / f"{group}_{self.gpu_slug}_{self.stamp}.csv"
+            handle = path.open("w", newline="")
+            writer = csv.DictWriter(handle, fieldnames=CSV_COLUMNS)
+            writer.writeheader()
+            self.files[group] = (handle, writer)
+            self.paths.append(path)
+        handle, writer = self.files[group]
+        writer.writerow(
+            {
+                **self.columns,
+                "op": result.op,
+                "dtype": result.dtype,
+                "M": result.M,
+                "N": result.N,
+                "impl": result.impl,
+                "time_us": _fmt(result.time_us, ".2f"),
+                "gbps": _fmt(result.gbps, ".1f"),
+                "pct_of_copy": _fmt(result.pct_of_copy, ".1f"),
+                "speedup_vs_best_baseline": _fmt(result.speedup_vs_best_baseline, ".3f"),
+                "error": result.error,
+            }
+        )
+        handle.flush()
+
+    def close(self) -> None:
+        for handle, _ in self.files.values():
+            handle.close()
+
+
+TABLE_FORMAT = "{:<16} {:<5} {:>7} {:>8} {:<14} {:>10} {:>8} {:>7} {:>8}"
+
+
+def print_table_header() -> None:
+    print(TABLE_FORMAT.format("op", "dtype", "M", "N", "impl", "time_us", "GB/s", "%copy", "speedup"))
+
+
+def print_row(r: Result) -> None:
+    if r.error:
+        print(TABLE_FORMAT.format(r.op, r.dtype, r.M, r.N, r.impl, "ERROR", "", "", ""), r.error)
+    else:
+        speedup = _fmt(r.speedup_vs_best_baseline, ".2f") + ("x" if r.speedup_vs_best_baseline else "")
+        print(
+            TABLE_FORMAT.format(
+                r.op, r.dtype, r.M, r.N, r.impl, f"{r.time_us:.1f}", f"{r.gbps:.0f}",
+                f"{r.pct_of_copy:.1f}", speedup,
+            )
+        )  # fmt: skip
+    sys.stdout.flush()
+
+
+def print_summary(cases: list[list[Result]]) -> None:
+    """Last lines of the run: per case, our %copy and whether we beat every baseline."""
+    print("\nsummary (ours vs fastest baseline)")
+    for results in cases:
+        ours = next(r for r in results if r.impl == OURS)
+        case = f"{ours.op:<16} {ours.dtype:<5} {ours.M:>7}x{ours.N:<8}"
+        if ours.error:
+            print(f"{case} ERROR {ours.error}")
+            continue
+        timed = [r for r in results if r.impl != OURS and r.time_us]
+        if not timed:
+            print(f"{case} {ours.pct_of_copy:5.1f}% of copy  (no baseline)")
+            continue
+        best = min(timed, key=lambda r: r.time_us)
+        verdict = "beats" if ours.speedup_vs_best_baseline > 1 else "LOSES to"
+        print(
+            f"{case} {ours.pct_of_copy:5.1f}% of copy  {verdict} {best.impl} "
+            f"({ours.speedup_vs_best_baseline:.2f}x, {best.impl} at {best.pct_of_copy:.1f}%)"
+        )
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def _comma_list(values: list[str] | None) -> list[str]:
+    return [item.strip() for value in values or [] for item in value.split(",") if item.strip()]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m quack_kernels.bench",
+        description="Time quack_kernels ops and their baselines against the GPU's copy "
+        "bandwidth. Without a GPU, print the kernel resource report instead.",
+    )
+    parser.add_argument(
+        "--op",
+        action="append",
+        metavar="NAME[,NAME...]",
+        help=f"op(s) to run, repeatable (default: every op whose API exists): {', '.join(OPS)}",
+    )
+    parser.add_argument(
+        "--dtype", default="bf16,fp32", help=f"comma list of {', '.join(DTYPES)} (default: both)"
+    )
+    parser.add_argument("--quick", action="store_true", help="a couple of shapes per op")
+    parser.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=pathlib.Path("benchmarks/results"),
+        help="directory for the CSV files (default: benchmarks/results)",
+    )
+    parser.add_argument(
+        "--no-baselines", action="store_true", help="time quack_kernels only"
+    )
+    args = parser.parse_args(argv)
+    args.op = _comma_list(args.op) or list(OPS)
+    args.dtype = _comma_list([args.dtype])
+    for kind, chosen, known in (("op", args.op, OPS), ("dtype", args.dtype, DTYPES)):
+        unknown = [name for name in chosen if name not in known]
+        if unknown:
+            parser.error(f"unknown {kind} {', '.join(unknown)}; known: {', '.join(known)}")
+    return args
+
+
+def _available_ops(names: list[str]) -> list[OpBench]:
+    ops = []
+    for name in names:
+        if OPS[name].available():
+            ops.append(OPS[name])
+        else:
+            print(f"skipping {name}: its quack_kernels API does not exist yet")
+    return ops
+
+
+def _cases(op: OpBench, dtypes: list[str], quick: bool):
+    for dtype_name in (d for d in dtypes if d in op.dtypes):
+        for M, N in op.quick_shapes if quick else op.shapes:
+            yield dtype_name, M, N
+
+
+def run(args: argparse.Namespace) -> int:
+    """The GPU path: ceiling, then every case; returns 1 if any of ours failed."""
+    ops = _available_ops(args.op)
+    gpu = torch.cuda.get_device_name()
+    ceiling = measure_copy_ceiling_gbps()
+    timer = "triton do_bench" if _triton_do_bench() else "CUDA events"
+    print(f"{gpu}: copy ceiling {ceiling:.0f} GB/s ({COPY_CEILING_BYTES // GiB} GiB D2D, {timer})")
+
+    env = environment(gpu)
+    print(", ".join(f"{k} {v}" for k, v in env.items() if k not in ("gpu", "date") and v))
+    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M")
+    sink = CsvSink(args.out, slug, stamp, {**env, "copy_ceiling_gbps": f"{ceiling:.1f}"})
+
+    print_table_header()
+    cases = []
+    try:
+        for op in ops:
+            for dtype_name, M, N in _cases(op, args.dtype, args.quick):
+                estimate = 2 * op.model_bytes(M, N, DTYPES[dtype_name]) + COLD_L2_MULTIPLE * _l2_bytes()
+                if estimate > MAX_CASE_BYTES:
+                    print(f"skipping {op.name} {dtype_name} {M}x{N}: needs ~{estimate / GiB:.0f} GiB")
+                    continue
+                results = run_case(op, dtype_name, M, N, ceiling, not args.no_baselines)
+                for result in results:
+                    print_row(result)
+                    sink.write(op.group, result)
+                cases.append(results)
+    finally:
+        sink.close()
+    for path in sink.paths:
+        print(f"wrote {path}")
+    print_summary(cases)
+    return int(any(r.error for results in cases for r in results if r.impl == OURS))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("No CUDA device: compiling every kernel for sm_90a and printing the resource report.")
+        from quack_kernels import report
+
+        return report.main([])
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

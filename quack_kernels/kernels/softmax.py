@@ -1,0 +1,146 @@
+"""Softmax and log-softmax over the last dimension, forward and backward.
+
+Forward:  m = max_j x_j,  s = sum_j exp(x_j - m)
+          softmax: y = exp(x - m) / s           log_softmax: y = x - m - log(s)
+Backward: softmax:     dx = y * (dy - sum_j y_j dy_j)
+          log_softmax: dx = dy - exp(y) * sum_j dy_j
+Bytes: forward reads x and writes y (2 MN elements), backward reads y, dy and writes dx
+(3 MN elements).
+
+Layout: RowKernel geometry (rows split over a cluster of up to 16 CTAs). The forward
+reduces the pair (max, sum of exp) in one online pass and one row_allreduce, so a row
+costs a single barrier / DSMEM exchange; the backward reduces one sum.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.memory import SmemAllocator
+from cutlass import Float32
+
+from ..primitives import reduce as red
+from ..primitives.config import RowConfig
+from ..primitives.rows import ReductionSlot, RowKernel, RowTiles
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+
+
+def _finite_or_zero(m: Float32) -> Float32:
+    return Float32(cutlass.select_(m == -math.inf, Float32(0.0), m))
+
+
+def _online_softmax_combine(a, b):
+    """Merge two (max, sum of exp(x - max)) partials; an all -inf side contributes 0."""
+    m = cute.arch.fmax(a[0], b[0])
+    m_safe = _finite_or_zero(m)  # fully masked: avoid -inf - -inf = nan
+    return (m, a[1] * cute.math.exp2((a[0] - m_safe) * LOG2_E, fastmath=True)
+            + b[1] * cute.math.exp2((b[0] - m_safe) * LOG2_E, fastmath=True))
+
+
+class SoftmaxForward(RowKernel):
+    values_per_reduction = 2
+
+    def __init__(self, cfg: RowConfig, dtype, out_dtype, log: bool):
+        self.cfg = cfg
+        self.staged_dtypes = (dtype,)
+        self.log = log
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mY: cute.Tensor, stream):
+        self.launch(self.kernel(mX, mY), mX.shape[0], stream)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mY: cute.Tensor):
+        cfg = self.cfg
+        smem = SmemAllocator()
+        tiles = RowTiles(cfg, [mX], smem)
+        slot = ReductionSlot(smem, cfg, 2)
+        tiles.issue_loads()
+        if cutlass.const_expr(cfg.cluster_size > 1):
+            cute.arch.cluster_wait()
+
+        kept = []
+        stats = (Float32(-math.inf), Float32(0.0))
+        for c in cutlass.range_constexpr(cfg.num_chunks):
+            tiles.wait_chunk(c)
+            x = tiles.values(0, c, fill=-math.inf)
+            chunk_max = red.thread_reduce(x, cute.ReductionOp.MAX, -math.inf)
+            chunk_max_safe = _finite_or_zero(chunk_max)
+            e = cute.math.exp2((x - chunk_max_safe) * LOG2_E, fastmath=True)
+            stats = _online_softmax_combine(
+                stats, (chunk_max, red.thread_reduce(e, cute.ReductionOp.ADD, 0.0)))
+            if cutlass.const_expr(cfg.staging == "registers"):
+                kept.append(e if not self.log else x)
+                kept_max = chunk_max_safe
+        row_max, row_sum = slot.allreduce(stats, _online_softmax_combine,
+                                          (Float32(-math.inf), Float32(0.0)))
+
+        for c in cutlass.range_constexpr(cfg.num_chunks):
+            if cutlass.const_expr(cfg.staging == "registers"):
+                if cutlass.const_expr(self.log):
+                    y = kept[c] - (row_max + cute.math.log(row_sum, fastmath=True))
+                else:
+                    # e was exp(x - thread max): rescale to the row max in one multiply
+                    scale = cute.math.exp2((kept_max - row_max) * LOG2_E, fastmath=True) \
+                        * cute.arch.rcp_approx(row_sum)
+                    y = kept[c] * scale
+            else:
+                x = tiles.values(0, c)
+                if cutlass.const_expr(self.log):
+                    y = x - (row_max + cute.math.log(row_sum, fastmath=True))
+                else:
+                    y = cute.math.exp2((x - row_max) * LOG2_E, fastmath=True) \
+                        * cute.arch.rcp_approx(row_sum)
+            tiles.store(mY, c, y)
+
+
+class SoftmaxBackward(RowKernel):
+    values_per_reduction = 1
+
+    def __init__(self, cfg: RowConfig, y_dtype, dy_dtype, dx_dtype, log: bool):
+        self.cfg = cfg
+        self.staged_dtypes = (y_dtype, dy_dtype)
+        self.log = log
+
+    @cute.jit
+    def __call__(self, mY: cute.Tensor, mdY: cute.Tensor, mdX: cute.Tensor, stream):
+        self.launch(self.kernel(mY, mdY, mdX), mY.shape[0], stream)
+
+    @cute.kernel
+    def kernel(self, mY: cute.Tensor, mdY: cute.Tensor, mdX: cute.Tensor):
+        cfg = self.cfg
+        smem = SmemAllocator()
+        tiles = RowTiles(cfg, [mY, mdY], smem)
+        slot = ReductionSlot(smem, cfg, 1)
+        tiles.issue_loads()
+        if cutlass.const_expr(cfg.cluster_size > 1):
+            cute.arch.cluster_wait()
+
+        kept = []
+        partial = Float32(0.0)
+        for c in cutlass.range_constexpr(cfg.num_chunks):
+            tiles.wait_chunk(c)
+            y = tiles.values(0, c, fill=0.0)
+            dy = tiles.values(1, c, fill=0.0)
+            # log_softmax needs sum(dy); softmax needs sum(y * dy)
+            term = dy if self.log else y * dy
+            partial = partial + red.thread_reduce(term, cute.ReductionOp.ADD, 0.0)
+            if cutlass.const_expr(cfg.staging == "registers"):
+                kept.append((y, dy))
+        (dot,) = slot.allreduce((partial,), red.sum_combine, (Float32(0.0),))
+
+        for c in cutlass.range_constexpr(cfg.num_chunks):
+            if cutlass.const_expr(cfg.staging == "registers"):
+                y, dy = kept[c]
+            else:
+                y = tiles.values(0, c)
+                dy = tiles.values(1, c)
+            if cutlass.const_expr(self.log):
+                dx = dy - cute.math.exp2(y * LOG2_E, fastmath=True) * dot
+            else:
+                dx = y * (dy - dot)
+            tiles.store(mdX, c, dx)

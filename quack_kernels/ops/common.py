@@ -1,0 +1,76 @@
+"""Torch-side helpers shared by every op: input checks, row views, launch plumbing."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..primitives.compile_cache import SUPPORTED_DTYPES, compiled, cutlass_dtype, target_arch
+
+MIN_CAPABILITY = (9, 0)  # cluster launch, DSMEM and st.async are sm_90 features
+
+
+def check_float_dtype(name: str, tensor: torch.Tensor) -> None:
+    if tensor.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"quack_kernels: {name} has dtype {tensor.dtype}; supported dtypes are "
+            "torch.float32, torch.float16 and torch.bfloat16"
+        )
+
+
+def check_same_device(**tensors: torch.Tensor) -> None:
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    if len(set(devices.values())) > 1:
+        listing = ", ".join(f"{name} on {dev}" for name, dev in devices.items())
+        raise ValueError(f"quack_kernels: tensors must be on one device, got {listing}")
+
+
+def check_gpu(tensor: torch.Tensor) -> None:
+    """Our CUDA kernels need Hopper (sm_90) or newer."""
+    capability = torch.cuda.get_device_capability(tensor.device)
+    if capability < MIN_CAPABILITY:
+        name = torch.cuda.get_device_name(tensor.device)
+        raise RuntimeError(
+            f"quack_kernels: the CUDA kernels need compute capability 9.0 (Hopper) or newer; "
+            f"{name} is sm_{capability[0]}{capability[1]}. Use the CPU path or torch's ops."
+        )
+
+
+def as_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """(..., N) -> (M, N) with unit column stride, a view when the layout allows."""
+    n_cols = tensor.shape[-1]
+    rows = tensor.reshape(-1, n_cols)
+    if rows.stride(-1) != 1 and rows.shape[0] > 0:
+        rows = rows.contiguous()
+    return rows
+
+
+def vector_limit(*rows: torch.Tensor) -> int:
+    """Largest element count a 16-byte access may cover for all of ``rows``: the base
+    pointer and the row stride must both be multiples of it."""
+    limit = 16
+    for t in rows:
+        elem = t.element_size()
+        per_access = 16 // elem
+        align = math.gcd(per_access, t.data_ptr() // elem if t.data_ptr() % elem == 0 else 1)
+        if t.shape[0] > 1:
+            align = math.gcd(align, t.stride(0))
+        limit = min(limit, align)
+    return max(1, limit)
+
+
+def kernel_key(name: str, *parts) -> tuple:
+    return (name, target_arch(), *parts)
+
+
+__all__ = [
+    "check_float_dtype",
+    "check_same_device",
+    "check_gpu",
+    "as_rows",
+    "vector_limit",
+    "kernel_key",
+    "compiled",
+    "cutlass_dtype",
+]

@@ -1,0 +1,164 @@
+"""softmax / log_softmax as torch custom ops: CPU reference, CUDA kernel, fake kernel,
+autograd. The ops work on the last dimension; ``quack_kernels.softmax`` moves any other
+dim there first."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..kernels.softmax import SoftmaxBackward, SoftmaxForward
+from ..primitives.compile_cache import compile_kernel, fake_rows
+from ..primitives.config import RowConfig, row_config
+from .common import (
+    as_rows,
+    check_float_dtype,
+    check_gpu,
+    compiled,
+    cutlass_dtype,
+    kernel_key,
+    vector_limit,
+)
+
+
+# ----------------------------------------------------------------------------- configs
+def forward_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None) -> RowConfig:
+    return row_config(n_cols, torch.finfo(dtype).bits // 8, staged_tensors=1, max_vec=max_vec)
+
+
+def backward_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None) -> RowConfig:
+    return row_config(n_cols, torch.finfo(dtype).bits // 8, staged_tensors=2, max_vec=max_vec)
+
+
+def compile_forward(cfg: RowConfig, dtype: torch.dtype, log: bool):
+    def build():
+        dt = cutlass_dtype(dtype)
+        kernel = SoftmaxForward(cfg, dt, dt, log)
+        return compile_kernel(kernel, fake_rows(dt, cfg.n_cols, cfg.vec), fake_rows(dt, cfg.n_cols, cfg.vec))
+
+    return compiled(kernel_key("softmax_fwd", dtype, cfg, log), build)
+
+
+def compile_backward(cfg: RowConfig, dtype: torch.dtype, log: bool):
+    def build():
+        dt = cutlass_dtype(dtype)
+        kernel = SoftmaxBackward(cfg, dt, dt, dt, log)
+        fakes = [fake_rows(dt, cfg.n_cols, cfg.vec) for _ in range(3)]
+        return compile_kernel(kernel, *fakes)
+
+    return compiled(kernel_key("softmax_bwd", dtype, cfg, log), build)
+
+
+# -------------------------------------------------------------------------- references
+def softmax_reference(x: Tensor, log: bool) -> Tensor:
+    """fp32 math, output in x's dtype."""
+    xf = x.float()
+    y = torch.log_softmax(xf, dim=-1) if log else torch.softmax(xf, dim=-1)
+    return y.to(x.dtype)
+
+
+def softmax_backward_reference(y: Tensor, dy: Tensor, log: bool) -> Tensor:
+    yf, dyf = y.float(), dy.float()
+    if log:
+        dx = dyf - torch.exp(yf) * dyf.sum(-1, keepdim=True)
+    else:
+        dx = yf * (dyf - (yf * dyf).sum(-1, keepdim=True))
+    return dx.to(dy.dtype)
+
+
+# ----------------------------------------------------------------------------- the ops
+@torch.library.custom_op("quack_kernels::softmax_forward", mutates_args=(), device_types="cpu")
+def softmax_forward(x: Tensor, log: bool) -> Tensor:
+    """softmax (log=False) or log_softmax (log=True) over the last dimension."""
+    check_float_dtype("x", x)
+    return softmax_reference(x, log)
+
+
+@softmax_forward.register_kernel("cuda")
+def _softmax_forward_cuda(x: Tensor, log: bool) -> Tensor:
+    check_float_dtype("x", x)
+    check_gpu(x)
+    rows = as_rows(x)
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    if rows.numel() > 0:
+        cfg = forward_config(rows.shape[1], x.dtype, vector_limit(rows))
+        compile_forward(cfg, x.dtype, log)(rows, out)
+    return out.view(x.shape)
+
+
+@softmax_forward.register_fake
+def _softmax_forward_fake(x: Tensor, log: bool) -> Tensor:
+    check_float_dtype("x", x)
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("quack_kernels::softmax_backward", mutates_args=(), device_types="cpu")
+def softmax_backward(y: Tensor, dy: Tensor, log: bool) -> Tensor:
+    """Gradient wrt the input, from the forward output ``y`` and its gradient ``dy``."""
+    _check_backward_inputs(y, dy)
+    return softmax_backward_reference(y, dy, log)
+
+
+@softmax_backward.register_kernel("cuda")
+def _softmax_backward_cuda(y: Tensor, dy: Tensor, log: bool) -> Tensor:
+    _check_backward_inputs(y, dy)
+    check_gpu(y)
+    y_rows, dy_rows = as_rows(y), as_rows(dy)
+    dx = torch.empty(y_rows.shape, dtype=dy.dtype, device=dy.device)
+    if dx.numel() > 0:
+        cfg = backward_config(y_rows.shape[1], y.dtype, vector_limit(y_rows, dy_rows))
+        compile_backward(cfg, y.dtype, log)(y_rows, dy_rows, dx)
+    return dx.view(y.shape)
+
+
+@softmax_backward.register_fake
+def _softmax_backward_fake(y: Tensor, dy: Tensor, log: bool) -> Tensor:
+    _check_backward_inputs(y, dy)
+    return dy.new_empty(dy.shape)
+
+
+def _check_backward_inputs(y: Tensor, dy: Tensor) -> None:
+    check_float_dtype("y", y)
+    check_float_dtype("dy", dy)
+    if y.shape != dy.shape or y.dtype != dy.dtype or y.device != dy.device:
+        raise ValueError(
+            "quack_kernels: softmax_backward needs y and dy of one shape, dtype and device; "
+            f"got {tuple(y.shape)} {y.dtype} {y.device} and {tuple(dy.shape)} {dy.dtype} {dy.device}"
+        )
+
+
+def _setup_context(ctx, inputs, output):
+    _, log = inputs
+    ctx.log = log
+    ctx.save_for_backward(output)
+
+
+def _backward(ctx, grad):
+    (y,) = ctx.saved_tensors
+    return softmax_backward(y, grad, ctx.log), None
+
+
+softmax_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------ public API
+def _along_last(fn, x: Tensor, dim: int, log: bool) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"quack_kernels: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dim() == 0:
+        return fn(x.reshape(1), log).reshape(())
+    if not -x.dim() <= dim < x.dim():
+        raise IndexError(f"quack_kernels: dim {dim} is out of range for a {x.dim()}-d tensor")
+    if dim % x.dim() == x.dim() - 1:
+        return fn(x, log)
+    return fn(x.movedim(dim, -1), log).movedim(-1, dim)
+
+
+def softmax(x: Tensor, dim: int = -1) -> Tensor:
+    """Softmax over ``dim`` (fp32 math, output in x's dtype). Differentiable."""
+    return _along_last(softmax_forward, x, dim, False)
+
+
+def log_softmax(x: Tensor, dim: int = -1) -> Tensor:
+    """Log-softmax over ``dim`` (fp32 math, output in x's dtype). Differentiable."""
+    return _along_last(softmax_forward, x, dim, True)

@@ -1,0 +1,97 @@
+"""Compile cache: one binary per (kernel, dtypes, N, flags, arch), row count symbolic.
+
+Kernels are compiled against fake tensors whose row count (and row stride) are
+symbolic, so a new batch size never recompiles. Launch goes through the DSL's TVM-FFI
+path: the compiled function takes torch tensors directly and launches on torch's
+current stream (CUDA-graph capture and torch.compile see an ordinary launch).
+
+The target architecture is the current GPU's, or ``CUTE_DSL_ARCH`` (e.g. ``sm_90a``)
+on machines without one, where compiling still produces PTX/cubin for the resource
+report.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Callable, Hashable
+
+import torch
+
+_cache: dict[Hashable, Any] = {}
+_lock = threading.Lock()
+_key_locks: dict[Hashable, threading.Lock] = {}
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def cutlass_dtype(dtype: torch.dtype):
+    import cutlass
+
+    return {
+        torch.float32: cutlass.Float32,
+        torch.float16: cutlass.Float16,
+        torch.bfloat16: cutlass.BFloat16,
+    }[dtype]
+
+
+def target_arch() -> str:
+    """The arch kernels are compiled for: CUTE_DSL_ARCH if set, else the current GPU's
+    (sm_90a for Hopper: cluster launch and DSMEM need the 'a' features)."""
+    arch = os.environ.get("CUTE_DSL_ARCH")
+    if arch:
+        return arch
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}a" if major >= 9 else f"sm_{major}{minor}"
+
+
+def compiled(key: Hashable, build: Callable[[], Any]) -> Any:
+    """Return the compiled kernel for ``key``, building it once (thread-safe: two
+    threads asking for the same key compile it once; different keys compile in
+    parallel)."""
+    fn = _cache.get(key)
+    if fn is not None:
+        return fn
+    with _lock:
+        key_lock = _key_locks.setdefault(key, threading.Lock())
+    with key_lock:
+        fn = _cache.get(key)
+        if fn is None:
+            fn = build()
+            _cache[key] = fn
+    return fn
+
+
+def cache_size() -> int:
+    return len(_cache)
+
+
+def fake_rows(dtype, n_cols: int, vec: int, rows=None):
+    """A fake (M, n_cols) tensor: M symbolic, unit column stride, row stride symbolic
+    but a multiple of ``vec`` (64-bit, so tensors over 2^31 elements index safely), base
+    aligned to one vector."""
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    if rows is None:
+        rows = cute.sym_int()
+    row_stride = cute.sym_int(64, divisibility=vec)
+    return make_fake_tensor(
+        dtype, (rows, n_cols), (row_stride, 1), assumed_align=vec * dtype.width // 8
+    )
+
+
+def fake_vector(dtype, length, align_elems: int = 1):
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    return make_fake_compact_tensor(dtype, (length,), assumed_align=align_elems * dtype.width // 8)
+
+
+def compile_kernel(kernel_obj, *fake_args):
+    """cute.compile with TVM-FFI and the caller's stream taken from torch."""
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
+
+    stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(kernel_obj, *fake_args, stream, options="--enable-tvm-ffi")

@@ -1,0 +1,162 @@
+"""Launch configuration for row-wise kernels: the one place where heuristics live.
+
+Every kernel family (softmax, norms, cross-entropy) maps a row length ``n_cols`` and
+the bytes per column it keeps on chip to a :class:`RowConfig` through
+:func:`row_config`. Each decision is one small function with its reason next to it.
+
+Vocabulary:
+  vector       one global-memory access of ``vec`` contiguous elements (16 bytes when
+               the row length allows it)
+  chunk        the (rows_per_block, cols_per_chunk) tile a CTA holds in registers at a
+               time; ``num_chunks`` of them make the CTA's share of the row
+  cluster      ``cluster_size`` CTAs (one per SM) that split one row between them and
+               combine their partial reductions through distributed shared memory
+  staging      where the CTA's share of the row lives between the reduction pass and
+               the output pass: "registers" (one chunk), "smem" (every chunk staged in
+               shared memory), or "global" (re-read from memory, mostly from L2)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# Hopper limits (sm_90): 16 CTAs per cluster with the non-portable attribute,
+# 227 KB of shared memory per CTA, 64K 32-bit registers per SM.
+MAX_CLUSTER_SIZE = 16
+SMEM_BYTES_PER_CTA = 227 * 1024
+ACCESS_BYTES = 16  # widest global load/store a thread can issue (ld.global.v4.b32)
+
+# Row values a thread keeps in fp32 registers, summed over the staged tensors. 64 keeps
+# a 256-thread CTA under ~128 registers/thread so two CTAs fit on an SM and one can
+# load while the other stores.
+VALUES_PER_THREAD = 64
+# Threads per row grow before the cluster does: a 256-thread row needs 8 warps in the
+# block reduction, beyond that the smem round trip and barrier stall start to cost more
+# than a DSMEM exchange.
+MAX_THREADS_PER_ROW = 256
+# Small rows pack several rows into a block so a block still has >= 4 warps in flight.
+MIN_THREADS_PER_BLOCK = 128
+# Vectors a thread loads per chunk when the row is short: 4 x 16 B in flight per thread
+# (with ~16 warps per SM) covers HBM latency; more only adds registers.
+MIN_VECS_PER_THREAD = 4
+# Shared memory we allow the staged row to take, leaving room for reduction scratch.
+STAGING_SMEM_BYTES = 200 * 1024
+
+
+def _next_pow2(value: int) -> int:
+    return 1 if value <= 1 else 1 << (value - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class RowConfig:
+    n_cols: int
+    vec: int  # elements per vector access
+    threads_per_row: int
+    rows_per_block: int
+    cluster_size: int
+    vecs_per_thread: int  # vectors per thread per chunk
+    num_chunks: int
+    staging: str  # "registers" | "smem" | "global"
+
+    @property
+    def threads_per_block(self) -> int:
+        return self.threads_per_row * self.rows_per_block
+
+    @property
+    def warps_per_row(self) -> int:
+        return max(1, self.threads_per_row // 32)
+
+    @property
+    def cols_per_chunk(self) -> int:
+        return self.vec * self.threads_per_row * self.vecs_per_thread
+
+    @property
+    def cols_per_cta(self) -> int:
+        return self.cols_per_chunk * self.num_chunks
+
+    @property
+    def cols_covered(self) -> int:
+        """Columns the grid spans; more than n_cols means the tail is predicated."""
+        return self.cols_per_cta * self.cluster_size
+
+    @property
+    def needs_col_predicate(self) -> bool:
+        return self.cols_covered != self.n_cols
+
+    def staging_smem_bytes(self, bytes_per_col: int) -> int:
+        """Shared memory holding the staged row tiles of all staged tensors."""
+        chunks = self.num_chunks if self.staging == "smem" else 1
+        return self.rows_per_block * self.cols_per_chunk * chunks * bytes_per_col
+
+
+def vector_width(n_cols: int, elem_bytes: int, max_vec: int | None = None) -> int:
+    """Elements per access: 16 bytes when the row length allows, else the largest power
+    of two dividing n_cols, so every row starts aligned (ragged n by predication on
+    whole vectors, never a misaligned access). ``max_vec`` caps it for tensors whose
+    base pointer or row stride is less aligned."""
+    vec = ACCESS_BYTES // elem_bytes
+    if max_vec is not None:
+        vec = min(vec, max_vec)
+    while n_cols % vec:
+        vec //= 2
+    return vec
+
+
+def threads_per_row_for(vectors: int, max_vecs_per_thread: int) -> int:
+    """At least MIN_VECS_PER_THREAD vectors per thread before adding threads; at most
+    MAX_THREADS_PER_ROW threads. Power of two so the warp butterfly is exact."""
+    wanted = _next_pow2(math.ceil(vectors / MIN_VECS_PER_THREAD))
+    needed = _next_pow2(math.ceil(vectors / max_vecs_per_thread))
+    return min(MAX_THREADS_PER_ROW, max(wanted, needed, 1))
+
+
+def cluster_size_for(vectors: int, max_vecs_per_thread: int) -> int:
+    """Smallest power-of-two cluster whose CTAs each hold their share of the row in
+    registers (one chunk of MAX_THREADS_PER_ROW threads); capped at 16."""
+    per_cta = MAX_THREADS_PER_ROW * max_vecs_per_thread
+    return min(MAX_CLUSTER_SIZE, _next_pow2(math.ceil(vectors / per_cta)))
+
+
+def staging_for(chunks: int, chunk_bytes: int) -> str:
+    """Registers when one chunk holds the share; else shared memory when all chunks
+    fit; else re-read the row from global memory in the output pass (a 16-CTA cluster
+    reads its row twice within microseconds, so the second read mostly hits L2)."""
+    if chunks == 1:
+        return "registers"
+    if chunks * chunk_bytes <= STAGING_SMEM_BYTES:
+        return "smem"
+    return "global"
+
+
+def row_config(n_cols: int, elem_bytes: int, staged_tensors: int = 1,
+               bytes_per_col: int | None = None, max_vec: int | None = None) -> RowConfig:
+    """Configuration for rows of ``n_cols`` elements of ``elem_bytes`` each (the widest
+    staged dtype), with ``staged_tensors`` row tensors kept on chip together (e.g. y and
+    dy in a backward). ``bytes_per_col`` is the staged bytes per column over all of
+    them (defaults to staged_tensors * elem_bytes)."""
+    if n_cols < 1:
+        raise ValueError(f"row length must be >= 1, got {n_cols}")
+    if bytes_per_col is None:
+        bytes_per_col = staged_tensors * elem_bytes
+    vec = vector_width(n_cols, elem_bytes, max_vec)
+    max_vecs_per_thread = max(1, VALUES_PER_THREAD // (vec * staged_tensors))
+    vectors = math.ceil(n_cols / vec)
+    cluster = cluster_size_for(vectors, max_vecs_per_thread)
+    vectors_per_cta = math.ceil(vectors / cluster)
+    threads_per_row = threads_per_row_for(vectors_per_cta, max_vecs_per_thread)
+    vecs_needed = math.ceil(vectors_per_cta / threads_per_row)
+    vecs_per_thread = min(vecs_needed, max_vecs_per_thread)
+    num_chunks = math.ceil(vecs_needed / vecs_per_thread)
+    rows_per_block = max(1, MIN_THREADS_PER_BLOCK // threads_per_row)
+    chunk_bytes = rows_per_block * vec * threads_per_row * vecs_per_thread * bytes_per_col
+    return RowConfig(
+        n_cols=n_cols,
+        vec=vec,
+        threads_per_row=threads_per_row,
+        rows_per_block=rows_per_block,
+        cluster_size=cluster,
+        vecs_per_thread=vecs_per_thread,
+        num_chunks=num_chunks,
+        staging=staging_for(num_chunks, chunk_bytes),
+    )

@@ -1,0 +1,125 @@
+"""Row reductions: thread -> warp -> block -> cluster, for one or several fp32 values.
+
+A "combine" is any associative, commutative function on tuples of Float32 (sum, max,
+the (max, sum-of-exp) pair of an online softmax, ...). ``row_allreduce`` leaves the
+row's result in every thread of the row after at most one block barrier and, for
+clusters, one mbarrier wait on the distributed shared memory exchange:
+
+  warp:    butterfly shuffles over the row's lanes (threads_per_row <= 32) or the warp
+  block:   lane 0 of each warp writes its partial to ``scratch``; after a barrier each
+           warp reads all partials of its row and reduces them again with shuffles
+  cluster: lane r of each warp st.async's its warp partial into CTA r's scratch (so
+           each CTA receives every warp of every CTA); the mbarrier completes when all
+           bytes have landed, then every warp reduces the warps_per_row x cluster_size
+           partials of its row
+
+``scratch`` is (rows_per_block, warps_per_row * cluster_size, num_values) fp32 in shared
+memory; allocate one per reduction (scratches are never reused, so no barrier is
+needed between consecutive reductions).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Callable, Tuple
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+from cutlass._mlir.dialects import arith
+
+from .config import RowConfig
+
+Values = Tuple[Float32, ...]
+
+
+def sum_combine(a: Values, b: Values) -> Values:
+    return tuple(x + y for x, y in zip(a, b))
+
+
+def max_combine(a: Values, b: Values) -> Values:
+    return tuple(cute.arch.fmax(x, y) for x, y in zip(a, b))
+
+
+def scratch_layout(cfg: RowConfig, num_values: int) -> cute.Layout:
+    slots = cfg.warps_per_row * cfg.cluster_size
+    return cute.make_ordered_layout((cfg.rows_per_block, slots, num_values), order=(2, 1, 0))
+
+
+def scratch_tx_bytes(cfg: RowConfig, num_values: int) -> int:
+    """Bytes every CTA of a cluster receives through one reduction."""
+    return cfg.rows_per_block * cfg.warps_per_row * cfg.cluster_size * num_values * 4
+
+
+def _as_i32(value: Float32) -> Int32:
+    return Int32(arith.bitcast(Int32.mlir_type, Float32(value).ir_value()))
+
+
+@cute.jit
+def _shuffle_allreduce(values: Values, combine: Callable, width: cutlass.Constexpr[int]) -> Values:
+    """Butterfly over ``width`` consecutive lanes (a power of two <= 32)."""
+    offset = width // 2
+    while cutlass.const_expr(offset >= 1):
+        others = tuple(cute.arch.shuffle_sync_bfly(v, offset=offset) for v in values)
+        values = combine(values, others)
+        offset //= 2
+    return values
+
+
+@cute.jit
+def _reduce_slots(scratch: cute.Tensor, row: Int32, slots: cutlass.Constexpr[int],
+                  combine: Callable, identity: Values) -> Values:
+    """Every lane of a warp reads slots lane, lane + 32, ... of ``row`` and the warp
+    reduces them: all threads end with the reduction over all slots."""
+    lane = cute.arch.lane_idx()
+    acc = identity
+    for base in cutlass.range_constexpr(0, slots, 32):
+        part = identity
+        if base + lane < slots:
+            part = tuple(scratch[row, base + lane, k] for k in range(len(identity)))
+        acc = combine(acc, part)
+    return _shuffle_allreduce(acc, combine, min(32, 1 << (slots - 1).bit_length()))
+
+
+@cute.jit
+def row_allreduce(values: Values, combine: Callable, identity: Values,
+                  cfg: cutlass.Constexpr, scratch: cute.Tensor, mbar_ptr) -> Values:
+    """Reduce ``values`` (this thread's partials) over the whole row, cluster included."""
+    values = _shuffle_allreduce(values, combine, min(32, cfg.threads_per_row))
+    if cutlass.const_expr(cfg.warps_per_row == 1 and cfg.cluster_size == 1):
+        return values
+    lane = cute.arch.lane_idx()
+    warp = cute.arch.warp_idx()
+    row = warp // cfg.warps_per_row
+    warp_in_row = warp % cfg.warps_per_row
+    slots = cfg.warps_per_row * cfg.cluster_size
+    if cutlass.const_expr(cfg.cluster_size == 1):
+        if lane == 0:
+            for k in cutlass.range_constexpr(len(values)):
+                scratch[row, warp_in_row, k] = values[k]
+        cute.arch.barrier()
+    else:
+        rank = cute.arch.block_idx_in_cluster()
+        if lane < cfg.cluster_size:
+            slot = warp_in_row + cfg.warps_per_row * rank
+            for k in cutlass.range_constexpr(len(values)):
+                dst = scratch.iterator + cute.crd2idx((row, slot, k), scratch.layout)
+                cute.arch.store_async_dsmem(dst, _as_i32(values[k]), mbar_ptr, lane)
+        cute.arch.mbarrier_wait(mbar_ptr, 0)
+    return _reduce_slots(scratch, row, slots, combine, identity)
+
+
+@cute.jit
+def cluster_reduction_setup(cfg: cutlass.Constexpr, mbar_ptr, tx_bytes: cutlass.Constexpr[int]):
+    """Arm the mbarrier that one cluster reduction completes on (thread 0 arrives once
+    and expects every peer's bytes) and make the init visible cluster-wide. Call at
+    kernel start, then ``cute.arch.cluster_wait()`` before the first remote store."""
+    if cute.arch.thread_idx()[0] == 0:
+        cute.arch.mbarrier_init(mbar_ptr, 1)
+        cute.arch.mbarrier_arrive_and_expect_tx(mbar_ptr, tx_bytes)
+    cute.arch.mbarrier_init_fence()
+    cute.arch.cluster_arrive_relaxed()
+
+
+def thread_reduce(values: cute.TensorSSA, op: cute.ReductionOp, init: float) -> Float32:
+    return values.reduce(op, Float32(init), reduction_profile=0)

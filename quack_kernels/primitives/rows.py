@@ -1,0 +1,170 @@
+"""The skeleton every row-wise kernel shares: launch geometry, shared-memory staging,
+per-chunk loads of the input rows and predicated stores of the output rows.
+
+A kernel subclasses :class:`RowKernel`, lists the row tensors it stages, and writes its
+math between ``RowTiles.values`` (fp32 registers of one chunk) and ``RowTiles.store``.
+Grid: x = blocks of rows_per_block rows, y = the cluster's CTAs along the row.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+
+from . import reduce as red
+from . import tiling
+from .config import RowConfig
+
+
+class RowKernel:
+    """Base for kernels over rows of ``cfg.n_cols`` elements. Subclasses set
+    ``self.cfg`` and ``self.staged_dtypes`` (dtypes of the row tensors kept on chip,
+    in the order the kernel passes them to RowTiles)."""
+
+    cfg: RowConfig
+    staged_dtypes: tuple
+    reductions: int = 1  # cluster reductions per kernel (one scratch + mbarrier each)
+    values_per_reduction: int = 1
+
+    def smem_bytes(self) -> int:
+        staged = self.cfg.staging_smem_bytes(sum(d.width // 8 for d in self.staged_dtypes))
+        if self.cfg.staging == "global":
+            staged = 0
+        scratch = self.reductions * self.cfg.rows_per_block * self.cfg.warps_per_row \
+            * self.cfg.cluster_size * self.values_per_reduction * 4
+        return staged + scratch + 8 * self.reductions + 64
+
+    def launch(self, kernel, num_rows, stream):
+        cfg = self.cfg
+        kernel.launch(
+            grid=[cute.ceil_div(num_rows, cfg.rows_per_block), cfg.cluster_size, 1],
+            block=[cfg.threads_per_block, 1, 1],
+            cluster=[1, cfg.cluster_size, 1] if cfg.cluster_size > 1 else None,
+            smem=self.smem_bytes(),
+            stream=stream,
+        )
+
+
+class ReductionSlot:
+    """Scratch (and, for clusters, an armed mbarrier) for one row_allreduce."""
+
+    def __init__(self, smem, cfg: RowConfig, num_values: int):
+        self.cfg = cfg
+        self.scratch = smem.allocate_tensor(
+            Float32, red.scratch_layout(cfg, num_values), byte_alignment=16
+        )
+        self.mbar = None
+        if cfg.cluster_size > 1:
+            self.mbar = smem.allocate_array(Int64, num_elems=1)
+            red.cluster_reduction_setup(cfg, self.mbar, red.scratch_tx_bytes(cfg, num_values))
+
+    def allreduce(self, values, combine, identity):
+        return red.row_allreduce(values, combine, identity, self.cfg, self.scratch, self.mbar)
+
+
+class RowTiles:
+    """This thread's view of the rows of one block: tiles of every staged tensor per
+    chunk, the column predicates, and the shared-memory staging buffers."""
+
+    def __init__(self, cfg: RowConfig, staged: list, smem):
+        self.cfg = cfg
+        tidx = cute.arch.thread_idx()[0]
+        block_row = cute.arch.block_idx()[0]
+        self.cta_rank = cute.arch.block_idx()[1] if cutlass.const_expr(cfg.cluster_size > 1) else 0
+        tiler = tiling.chunk_tiler(cfg)
+        self.num_rows = staged[0].shape[0]
+        coords = cute.make_identity_tensor(staged[0].shape)
+        self.block_row = block_row
+        self.tidx = tidx
+        self.staged = staged
+        self.smem_tiles = []
+        chunks_in_smem = cfg.num_chunks if cfg.staging == "smem" else 1
+        for mX in staged:
+            if cutlass.const_expr(cfg.staging != "global"):
+                self.smem_tiles.append(
+                    smem.allocate_tensor(
+                        mX.element_type,
+                        cute.make_ordered_layout((*tiler, chunks_in_smem), order=(1, 0, 2)),
+                        byte_alignment=16,
+                    )
+                )
+        # Per chunk: coordinate partition, shared by all tensors (same shape).
+        self.copy_g2s = [tiling.tiled_copy(tiling.g2s_copy_atom(m.element_type, cfg), cfg) for m in staged]
+        self.copy_vec = [tiling.tiled_copy(tiling.vector_copy_atom(m.element_type, cfg), cfg) for m in staged]
+        thr = self.copy_vec[0].get_slice(tidx)
+        self.coords = []
+        self.preds = []
+        for c in range(cfg.num_chunks):
+            cC = cute.local_tile(coords, tiler, (block_row, self.chunk_index(c)))
+            tXcX = thr.partition_S(cC)
+            self.coords.append(tXcX)
+            self.preds.append(tiling.vector_predicate(tXcX, cfg.n_cols))
+        self.row_in_bounds = cute.elem_less(self.coords[0][(0, 0), 0, 0][0], self.num_rows)
+
+    def chunk_index(self, chunk: int):
+        return self.cta_rank * self.cfg.num_chunks + chunk
+
+    def _gmem_tile(self, mX, chunk: int):
+        return cute.local_tile(mX, tiling.chunk_tiler(self.cfg), (self.block_row, self.chunk_index(chunk)))
+
+    def _smem_slot(self, i: int, chunk: int):
+        slot = chunk if self.cfg.staging == "smem" else 0
+        return self.smem_tiles[i][None, None, slot]
+
+    @cute.jit
+    def issue_loads(self):
+        """Start the cp.async copies of every staged chunk (one commit group per chunk);
+        in "global" staging nothing is staged and values() loads directly."""
+        cfg = self.cfg
+        if cutlass.const_expr(cfg.staging != "global"):
+            for c in cutlass.range_constexpr(cfg.num_chunks if cfg.staging == "smem" else 1):
+                for i, mX in enumerate(self.staged):
+                    thr = self.copy_g2s[i].get_slice(self.tidx)
+                    tXgX = thr.partition_S(self._gmem_tile(mX, c))
+                    tXsX = thr.partition_D(self._smem_slot(i, c))
+                    if self.row_in_bounds:
+                        cute.copy(self.copy_g2s[i], tXgX, tXsX, pred=self.preds[c])
+                cute.arch.cp_async_commit_group()
+
+    def wait_chunk(self, chunk: int):
+        """Wait until this thread's copies of ``chunk`` have landed (each thread reads
+        back only what it copied, so no block barrier is needed)."""
+        if cutlass.const_expr(self.cfg.staging == "smem"):
+            cute.arch.cp_async_wait_group(self.cfg.num_chunks - 1 - chunk)
+        elif cutlass.const_expr(self.cfg.staging == "registers"):
+            cute.arch.cp_async_wait_group(0)
+
+    @cute.jit
+    def values(self, i: cutlass.Constexpr[int], chunk: cutlass.Constexpr[int], fill: cutlass.Constexpr = None) -> cute.TensorSSA:
+        """fp32 values of staged tensor ``i`` in ``chunk``; past the row end they are
+        ``fill`` when given (else unspecified)."""
+        cfg = self.cfg
+        mX = self.staged[i]
+        thr = self.copy_vec[i].get_slice(self.tidx)
+        tXgX = thr.partition_S(self._gmem_tile(mX, chunk))
+        tXrX = cute.make_fragment_like(tXgX)
+        if cutlass.const_expr(cfg.staging == "global"):
+            tXrX.fill(0)
+            if self.row_in_bounds:
+                cute.copy(self.copy_vec[i], tXgX, tXrX, pred=self.preds[chunk])
+        else:
+            cute.autovec_copy(thr.partition_S(self._smem_slot(i, chunk)), tXrX)
+        x = tXrX.load().to(Float32)
+        if cutlass.const_expr(fill is not None and cfg.needs_col_predicate):
+            x = tiling.mask_out_of_row(x, self.coords[chunk], cfg.n_cols, fill)
+        return x
+
+    @cute.jit
+    def store(self, mY: cute.Tensor, chunk: cutlass.Constexpr[int], values: cute.TensorSSA):
+        """Convert to mY's dtype and write the in-bounds vectors of ``chunk``."""
+        atom = tiling.vector_copy_atom(mY.element_type, self.cfg)
+        copy = tiling.tiled_copy(atom, self.cfg)
+        thr = copy.get_slice(self.tidx)
+        tYgY = thr.partition_D(self._gmem_tile(mY, chunk))
+        tYrY = cute.make_fragment_like(tYgY)
+        tYrY.store(values.to(mY.element_type))
+        if self.row_in_bounds:
+            cute.copy(copy, tYrY, tYgY, pred=self.preds[chunk])

@@ -1,0 +1,79 @@
+"""Thread-value layouts, tiles, predicates and copies for row-wise kernels.
+
+A chunk is a (rows_per_block, cols_per_chunk) tile. Thread ``t`` of a row owns the
+vectors t, t + threads_per_row, t + 2 * threads_per_row, ... of that row, so for each
+vector index the threads of a row touch consecutive 16-byte pieces: every load and
+store instruction of a warp is one coalesced transaction of 32 x 16 B.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Boolean, Float32, Int32
+
+from .config import RowConfig
+
+
+def chunk_tiler(cfg: RowConfig):
+    return (cfg.rows_per_block, cfg.cols_per_chunk)
+
+
+def chunk_tv_layout(cfg: RowConfig) -> cute.Layout:
+    """(thread, value) -> position in the column-major chunk tile.
+
+    thread = (t in row, row in block); value = (element in vector, vector index).
+    """
+    rows = cfg.rows_per_block
+    return cute.make_layout(
+        ((cfg.threads_per_row, rows), (cfg.vec, cfg.vecs_per_thread)),
+        stride=((cfg.vec * rows, 1), (rows, cfg.vec * cfg.threads_per_row * rows)),
+    )
+
+
+def g2s_copy_atom(dtype, cfg: RowConfig):
+    """cp.async global -> shared, one vector per instruction (bypasses L1 when 16 B).
+    cp.async moves 4, 8 or 16 bytes; a 2-byte vector (odd-length fp16 rows) is copied
+    with plain loads and stores instead."""
+    bits = dtype.width * cfg.vec
+    op = cute.nvgpu.cpasync.CopyG2SOp() if bits >= 32 else cute.nvgpu.CopyUniversalOp()
+    return cute.make_copy_atom(op, dtype, num_bits_per_copy=bits)
+
+
+def vector_copy_atom(dtype, cfg: RowConfig):
+    """Plain vectorized load/store (global <-> registers, shared -> registers)."""
+    return cute.make_copy_atom(
+        cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=dtype.width * cfg.vec
+    )
+
+
+def tiled_copy(atom, cfg: RowConfig):
+    return cute.make_tiled_copy(atom, chunk_tv_layout(cfg), chunk_tiler(cfg))
+
+
+@cute.jit
+def vector_predicate(tXcX: cute.Tensor, n_cols: Int32) -> cute.Tensor:
+    """One flag per vector of this thread: does it start inside the row? Rows are a
+    multiple of the vector width long, so a vector is either all in or all out."""
+    tXpX = cute.make_rmem_tensor(
+        cute.make_layout(
+            (cute.size(tXcX, mode=[0, 1]), cute.size(tXcX, mode=[1]), cute.size(tXcX, mode=[2])),
+            stride=(cute.size(tXcX, mode=[2]), 0, 1),
+        ),
+        Boolean,
+    )
+    for v in cutlass.range_constexpr(cute.size(tXpX, mode=[0])):
+        for k in cutlass.range_constexpr(cute.size(tXpX, mode=[2])):
+            tXpX[v, 0, k] = cute.elem_less(tXcX[(0, v), 0, k][1], n_cols)
+    return tXpX
+
+
+@cute.jit
+def mask_out_of_row(values: cute.TensorSSA, tXcX: cute.Tensor, n_cols: Int32,
+                    fill: Float32) -> cute.TensorSSA:
+    """Replace the values of vectors past the row end by ``fill`` (the identity of the
+    reduction that follows), so padding never enters a max or a sum."""
+    inside = cute.make_rmem_tensor(cute.make_layout(tXcX.shape), Boolean)
+    for i in cutlass.range_constexpr(cute.size(inside)):
+        inside[i] = cute.elem_less(tXcX[i][1], n_cols)
+    return cute.where(inside.load(), values, fill)

@@ -1,0 +1,42 @@
+"""Comparison helpers and tolerances shared by the tests."""
+
+from __future__ import annotations
+
+import torch
+
+# Relative tolerance on the whole tensor (||out - ref|| / ||ref||) and max abs error per
+# element, by output dtype. bf16 keeps 8 mantissa bits (2^-8 ~ 4e-3 per element).
+TOLERANCE = {
+    torch.float32: dict(rel=1e-5, atol=1e-5),
+    torch.float16: dict(rel=2e-3, atol=2e-3),
+    torch.bfloat16: dict(rel=1e-2, atol=1.6e-2),
+}
+
+
+def poisoned_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(t, float("nan"))
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype=None, scale: float = 1.0, name="out"):
+    """Compare with an fp64/fp32 reference; report the first mismatching index and the
+    NaN/inf pattern so a failure says where, not only that."""
+    tol = TOLERANCE[dtype or out.dtype]
+    assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    o, r = out.double(), ref.double()
+    nan_mismatch = torch.isnan(o) != torch.isnan(r)
+    inf_mismatch = torch.isinf(o) & ~(o == r)
+    bad = nan_mismatch | inf_mismatch
+    finite = torch.isfinite(o) & torch.isfinite(r)
+    err = torch.where(finite, (o - r).abs(), torch.zeros_like(o))
+    bad |= err > tol["atol"] * scale + tol["rel"] * r.abs().where(finite, torch.zeros_like(r))
+    if bad.any():
+        idx = tuple(i.item() for i in bad.nonzero()[0])
+        raise AssertionError(
+            f"{name}: {int(bad.sum())} of {bad.numel()} elements differ; first at {idx}: "
+            f"got {o[idx].item()!r}, expected {r[idx].item()!r}; "
+            f"nan mismatches {int(nan_mismatch.sum())}, max finite err {err.max().item():.3g}"
+        )
+    norm = r[finite].norm()
+    if norm > 0:
+        rel = (o[finite] - r[finite]).norm() / norm
+        assert rel <= tol["rel"] * scale, f"{name}: relative error {rel:.3g} > {tol['rel'] * scale:.3g}"

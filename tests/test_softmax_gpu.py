@@ -1,0 +1,151 @@
+"""Softmax / log-softmax CUDA kernels against an fp64 reference (run on an H200)."""
+
+import pytest
+import torch
+
+import quack_kernels as qk
+from quack_kernels.ops import softmax as ops
+from quack_kernels.primitives.config import row_config
+
+from helpers import assert_close
+
+pytestmark = pytest.mark.gpu
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+NS = [1, 2, 7, 64, 100, 769, 1000, 1024, 4097, 8192, 32000, 50257, 65536, 131073, 262144]
+
+
+def reference(x, log, dim=-1):
+    xd = x.double()
+    return torch.log_softmax(xd, dim) if log else torch.softmax(xd, dim)
+
+
+def fresh(shape, dtype, scale=3.0):
+    return (torch.randn(shape, device="cuda", dtype=torch.float32) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", NS)
+@pytest.mark.parametrize("log", [False, True])
+def test_forward_backward(n, dtype, log):
+    m = 37
+    x = fresh((m, n), dtype)
+    y = ops.softmax_forward(x, log)
+    assert_close(y, reference(x, log), dtype)
+    dy = fresh((m, n), dtype, 1.0)
+    yr = reference(x, log)
+    dx = ops.softmax_backward(y, dy, log)
+    dx_ref = ops.softmax_backward_reference(yr, dy.double(), log)
+    assert_close(dx, dx_ref, dtype, scale=4.0, name="dx")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1 << 20, 1000003])
+def test_million_columns(n, dtype):
+    x = fresh((3, n), dtype)
+    for log in (False, True):
+        assert_close(ops.softmax_forward(x, log), reference(x, log), dtype)
+    y = ops.softmax_forward(x, False)
+    dy = fresh((3, n), dtype)
+    assert_close(ops.softmax_backward(y, dy, False),
+                 ops.softmax_backward_reference(reference(x, False), dy.double(), False), dtype, scale=4.0)
+
+
+def test_outputs_fully_written_and_poison_free():
+    # The op allocates its output; run twice on fresh data and check no NaN slips in.
+    for _ in range(2):
+        x = fresh((129, 3000), torch.bfloat16)
+        y = qk.softmax(x)
+        assert not torch.isnan(y).any()
+        assert_close(y, reference(x, False), torch.bfloat16)
+
+
+def test_special_values():
+    x = fresh((6, 4096), torch.float32)
+    x[0, ::3] = -float("inf")         # some -inf
+    x[1] = 5.0                         # all equal
+    x[2] *= 1e4                        # large magnitude
+    x[3] = -float("inf")               # all -inf -> nan like torch
+    x[4, 17] = float("inf")            # one +inf -> nan like torch
+    x[5, :4095] = -float("inf")        # one finite value
+    for log in (False, True):
+        y = ops.softmax_forward(x, log)
+        ref = reference(x, log)
+        assert_close(y, ref, torch.float32)
+
+
+def test_empty_and_zero_rows():
+    assert qk.softmax(torch.empty(0, 128, device="cuda")).shape == (0, 128)
+    assert qk.softmax(torch.empty(4, 0, device="cuda")).shape == (4, 0)
+
+
+def test_non_contiguous_and_other_dims():
+    x = fresh((64, 96, 48), torch.bfloat16)
+    for dim in (0, 1, 2, -1):
+        assert_close(qk.softmax(x, dim), reference(x, False, dim), torch.bfloat16)
+    xt = fresh((512, 256), torch.float32).t()
+    assert_close(qk.log_softmax(xt), reference(xt, True), torch.float32)
+    xs = fresh((64, 2048), torch.float32)[:, 3:1027]  # misaligned base, strided rows
+    assert_close(qk.softmax(xs), reference(xs, False), torch.float32)
+
+
+def test_autograd_matches_torch():
+    for dtype in DTYPES:
+        x = fresh((33, 5000), dtype).requires_grad_()
+        dy = fresh((33, 5000), dtype)
+        (qk.softmax(x) * dy).sum().backward()
+        xr = x.detach().double().requires_grad_()
+        (torch.softmax(xr, -1) * dy.double()).sum().backward()
+        assert_close(x.grad, xr.grad, dtype, scale=4.0, name="grad")
+
+
+def test_every_staging_path_is_exercised():
+    stagings = {row_config(n, b, t).staging for n in (4096, 1 << 20) for b in (2, 4) for t in (1, 2)}
+    assert stagings == {"registers", "smem", "global"}
+
+
+def test_torch_compile_fullgraph_and_dynamic():
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), qk.nn.Softmax(-1)).cuda()
+    for dynamic in (False, True):
+        compiled = torch.compile(model, fullgraph=True, dynamic=dynamic)
+        for m in (8, 24):
+            x = torch.randn(m, 256, device="cuda")
+            assert_close(compiled(x), model(x).double(), torch.float32)
+
+
+def test_cuda_graph_capture():
+    x = fresh((256, 4096), torch.bfloat16)
+    qk.softmax(x)  # compile outside the capture
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(g, stream=s):
+            y = qk.softmax(x)
+    torch.cuda.current_stream().wait_stream(s)
+    x.copy_(fresh((256, 4096), torch.bfloat16))
+    g.replay()
+    torch.cuda.synchronize()
+    assert_close(y, reference(x, False), torch.bfloat16)
+
+
+def test_non_default_stream():
+    x = fresh((512, 8192), torch.bfloat16)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        y = qk.softmax(x)
+    s.synchronize()
+    assert_close(y, reference(x, False), torch.bfloat16)
+
+
+@pytest.mark.slow
+def test_more_than_2_31_elements():
+    m, n = 65537, 32768  # 2^31 + 2^15 elements, 4 GiB in bf16
+    x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    y = qk.softmax(x)
+    for rows in (slice(0, 4), slice(m - 4, m)):
+        assert_close(y[rows], reference(x[rows], False), torch.bfloat16)
+    del y
+    y = ops.softmax_forward(x, True)
+    dx = ops.softmax_backward(y, x, True)
+    assert_close(dx[m - 3:], ops.softmax_backward_reference(reference(x[m - 3:], True), x[m - 3:].double(), True),
+                 torch.bfloat16, scale=4.0)
