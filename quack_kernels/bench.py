@@ -31,7 +31,8 @@ import pathlib
 import re
 import statistics
 import sys
-from dataclasses import dataclass, field
+import types
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -265,7 +266,7 @@ def _quack_softmax() -> Callable:
     """QuACK's autograd softmax. Its package ``__init__`` rebinds ``quack.softmax`` from
     the submodule to the function; take the function either way."""
     fn = _optional_module("quack").softmax
-    return fn.softmax if isinstance(fn, type(sys)) else fn
+    return fn.softmax if isinstance(fn, types.ModuleType) else fn
 
 
 def _quack_softmax_bwd() -> Callable:
@@ -364,6 +365,7 @@ def _triton_do_bench():
 
 
 def _estimate_ms(fn: Callable[[], object], calls: int = 5) -> float:
+    """Mean time of ``calls`` back-to-back calls, from an idle GPU to the last kernel."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(calls):
@@ -393,7 +395,8 @@ def _isolated_calls_ms(fn: Callable[[], object]) -> float:
 
 
 def time_device_ms(fn: Callable[[], object]) -> float:
-    """Median GPU time of one call, host overhead hidden behind the previous work."""
+    """Median GPU time of one call. Each call follows an L2 flush kernel, so its launch
+    overhead is hidden behind the flush and only the kernels' own time is measured."""
     do_bench = _triton_do_bench()
     if do_bench is None:
         return _isolated_calls_ms(fn)
@@ -405,10 +408,7 @@ def time_host_inclusive_ms(fn: Callable[[], object]) -> float:
     slower than the kernels, so host overhead counts exactly when it matters."""
     per_call = _estimate_ms(fn)
     calls = max(1, int(REP_MS / HOST_SAMPLES / per_call))
-    samples = []
-    for _ in range(HOST_SAMPLES):
-        samples.append(_estimate_ms(fn, calls))
-    return statistics.median(samples)
+    return statistics.median(_estimate_ms(fn, calls) for _ in range(HOST_SAMPLES))
 
 
 def measure_copy_ceiling_gbps() -> float:
@@ -425,9 +425,16 @@ def measure_copy_ceiling_gbps() -> float:
 # ------------------------------------------------------------------------ one case
 
 
+@functools.cache
 def _l2_bytes() -> int:
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     return getattr(props, "L2_cache_size", 0) or DEFAULT_L2_BYTES
+
+
+def _case_bytes(op: OpBench, M: int, N: int, dtype: torch.dtype) -> int:
+    """Conservative peak memory of a case: the rotated inputs (at most a few L2s beyond
+    one set) plus outputs, doubled for a baseline's temporaries."""
+    return 2 * op.model_bytes(M, N, dtype) + COLD_L2_MULTIPLE * _l2_bytes()
 
 
 def _input_copies(op: OpBench, M: int, N: int, dtype: torch.dtype) -> list[Inputs]:
@@ -507,34 +514,34 @@ CSV_COLUMNS = (
 )  # fmt: skip
 
 
-def _installed_version(import_name: str) -> str:
-    """Version of the distribution providing ``import_name`` ("" when absent).
-
-    Looked up by import name because distribution names collide: QuACK is published
-    as ``quack-kernels`` but imports as ``quack``.
-    """
-    if importlib.util.find_spec(import_name) is None:
+def _dist_version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
         return ""
-    for dist in importlib.metadata.packages_distributions().get(import_name, []):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return ""
+
+
+def _version_providing(import_name: str) -> str:
+    """Version of whichever distribution provides ``import_name`` ("" when none).
+
+    Needed for QuACK: it is published as ``quack-kernels``, the name this project's
+    own distribution may carry, so the distribution name alone is ambiguous.
+    """
+    dists = importlib.metadata.packages_distributions().get(import_name, [])
+    return next((v for v in map(_dist_version, dists) if v), "")
 
 
 def environment(gpu: str) -> dict[str, str]:
     """The CSV columns that describe the machine and software of this run."""
-    ours = _installed_version("quack_kernels") or getattr(_quack_kernels(), "__version__", "")
     return {
         "gpu": gpu,
         "date": datetime.datetime.now().isoformat(timespec="minutes"),
         "torch": torch.__version__,
-        "triton": _installed_version("triton"),
-        "cutlass_dsl": _installed_version("cutlass"),
-        "quack_kernels_version": ours,
-        "liger": _installed_version("liger_kernel"),
-        "quack": _installed_version("quack"),
+        "triton": _dist_version("triton"),
+        "cutlass_dsl": _dist_version("nvidia-cutlass-dsl"),
+        "quack_kernels_version": _quack_kernels().__version__,
+        "liger": _dist_version("liger-kernel"),
+        "quack": _version_providing("quack"),
     }
 
 
@@ -588,18 +595,19 @@ TABLE_FORMAT = "{:<16} {:<5} {:>7} {:>8} {:<14} {:>10} {:>8} {:>7} {:>8}"
 
 
 def print_table_header() -> None:
-    print(TABLE_FORMAT.format("op", "dtype", "M", "N", "impl", "time_us", "GB/s", "%copy", "speedup"))
+    header = ("op", "dtype", "M", "N", "impl", "time_us", "GB/s", "%copy", "speedup")
+    print(TABLE_FORMAT.format(*header))
 
 
 def print_row(r: Result) -> None:
     if r.error:
         print(TABLE_FORMAT.format(r.op, r.dtype, r.M, r.N, r.impl, "ERROR", "", "", ""), r.error)
     else:
-        speedup = _fmt(r.speedup_vs_best_baseline, ".2f") + ("x" if r.speedup_vs_best_baseline else "")
+        speedup = _fmt(r.speedup_vs_best_baseline, ".2f")
         print(
             TABLE_FORMAT.format(
                 r.op, r.dtype, r.M, r.N, r.impl, f"{r.time_us:.1f}", f"{r.gbps:.0f}",
-                f"{r.pct_of_copy:.1f}", speedup,
+                f"{r.pct_of_copy:.1f}", speedup and f"{speedup}x",
             )
         )  # fmt: skip
     sys.stdout.flush()
@@ -703,9 +711,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         for op in ops:
             for dtype_name, M, N in _cases(op, args.dtype, args.quick):
-                estimate = 2 * op.model_bytes(M, N, DTYPES[dtype_name]) + COLD_L2_MULTIPLE * _l2_bytes()
+                estimate = _case_bytes(op, M, N, DTYPES[dtype_name])
                 if estimate > MAX_CASE_BYTES:
-                    print(f"skipping {op.name} {dtype_name} {M}x{N}: needs ~{estimate / GiB:.0f} GiB")
+                    print(f"skipping {op.name} {dtype_name} {M}x{N}: ~{estimate / GiB:.0f} GiB")
                     continue
                 results = run_case(op, dtype_name, M, N, ceiling, not args.no_baselines)
                 for result in results:

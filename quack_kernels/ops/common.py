@@ -40,7 +40,7 @@ def check_gpu(tensor: torch.Tensor) -> None:
 def as_rows(tensor: torch.Tensor) -> torch.Tensor:
     """(..., N) -> (M, N) with unit column stride, a view when the layout allows."""
     n_cols = tensor.shape[-1]
-    rows = tensor.reshape(-1, n_cols)
+    rows = tensor.reshape(math.prod(tensor.shape[:-1]), n_cols)
     if rows.stride(-1) != 1 and rows.shape[0] > 0:
         rows = rows.contiguous()
     return rows

@@ -69,16 +69,21 @@ def _shuffle_allreduce(values: Values, combine: Callable, width: cutlass.Constex
 @cute.jit
 def _reduce_slots(scratch: cute.Tensor, row: Int32, slots: cutlass.Constexpr[int],
                   combine: Callable, identity: Values) -> Values:
-    """Every lane of a warp reads slots lane, lane + 32, ... of ``row`` and the warp
-    reduces them: all threads end with the reduction over all slots."""
-    lane = cute.arch.lane_idx()
+    """Reduce the ``slots`` partials of ``row`` so that every lane holds the result.
+    Lanes are split into groups of ``width`` (a power of two covering min(slots, 32));
+    each group reads all slots (lane l takes slots l mod width, + width, ...) and
+    reduces them with a butterfly inside the group."""
+    width = min(32, 1 << (slots - 1).bit_length())
+    lane_in_group = cute.arch.lane_idx() % width
     acc = identity
-    for base in cutlass.range_constexpr(0, slots, 32):
-        part = identity
-        if base + lane < slots:
-            part = tuple(scratch[row, base + lane, k] for k in range(len(identity)))
+    for base in cutlass.range_constexpr(0, slots, width):
+        slot = base + lane_in_group
+        valid = slot < slots
+        slot = cutlass.select_(valid, slot, 0)
+        part = tuple(scratch[row, slot, k] for k in range(len(identity)))
+        part = tuple(Float32(cutlass.select_(valid, p, i)) for p, i in zip(part, identity))
         acc = combine(acc, part)
-    return _shuffle_allreduce(acc, combine, min(32, 1 << (slots - 1).bit_length()))
+    return _shuffle_allreduce(acc, combine, width)
 
 
 @cute.jit
