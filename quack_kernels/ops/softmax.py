@@ -30,23 +30,37 @@ def backward_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None)
     return row_config(n_cols, torch.finfo(dtype).bits // 8, staged_tensors=2, max_vec=max_vec)
 
 
-def compile_forward(cfg: RowConfig, dtype: torch.dtype, log: bool):
-    def build():
-        dt = cutlass_dtype(dtype)
-        kernel = SoftmaxForward(cfg, dt, dt, log)
-        return compile_kernel(kernel, fake_rows(dt, cfg.n_cols, cfg.vec), fake_rows(dt, cfg.n_cols, cfg.vec))
+def forward_kernel(cfg: RowConfig, dtype: torch.dtype, log: bool):
+    """(kernel object, *fake arguments it compiles against)."""
+    dt = cutlass_dtype(dtype)
+    return SoftmaxForward(cfg, dt, dt, log), *[fake_rows(dt, cfg.n_cols, cfg.vec) for _ in range(2)]
 
-    return compiled(kernel_key("softmax_fwd", dtype, cfg, log), build)
+
+def backward_kernel(cfg: RowConfig, dtype: torch.dtype, log: bool):
+    dt = cutlass_dtype(dtype)
+    return SoftmaxBackward(cfg, dt, dt, dt, log), *[fake_rows(dt, cfg.n_cols, cfg.vec) for _ in range(3)]
+
+
+def compile_forward(cfg: RowConfig, dtype: torch.dtype, log: bool):
+    return compiled(kernel_key("softmax_fwd", dtype, cfg, log),
+                    lambda: compile_kernel(*forward_kernel(cfg, dtype, log)))
 
 
 def compile_backward(cfg: RowConfig, dtype: torch.dtype, log: bool):
-    def build():
-        dt = cutlass_dtype(dtype)
-        kernel = SoftmaxBackward(cfg, dt, dt, dt, log)
-        fakes = [fake_rows(dt, cfg.n_cols, cfg.vec) for _ in range(3)]
-        return compile_kernel(kernel, *fakes)
+    return compiled(kernel_key("softmax_bwd", dtype, cfg, log),
+                    lambda: compile_kernel(*backward_kernel(cfg, dtype, log)))
 
-    return compiled(kernel_key("softmax_bwd", dtype, cfg, log), build)
+
+def report_variants(n_grid, dtypes):
+    """Every kernel variant for the sm_90a resource report: (name, n, dtype, cfg, build)."""
+    for dtype in dtypes:
+        for n in n_grid:
+            for log in (False, True):
+                name = "log_softmax" if log else "softmax"
+                yield (f"{name}_fwd", n, dtype, forward_config(n, dtype),
+                       lambda n=n, dtype=dtype, log=log: forward_kernel(forward_config(n, dtype), dtype, log))
+                yield (f"{name}_bwd", n, dtype, backward_config(n, dtype),
+                       lambda n=n, dtype=dtype, log=log: backward_kernel(backward_config(n, dtype), dtype, log))
 
 
 # -------------------------------------------------------------------------- references

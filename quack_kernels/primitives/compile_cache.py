@@ -88,10 +88,14 @@ def fake_vector(dtype, length, align_elems: int = 1):
     return make_fake_compact_tensor(dtype, (length,), assumed_align=align_elems * dtype.width // 8)
 
 
-def compile_kernel(kernel_obj, *fake_args):
-    """cute.compile with TVM-FFI and the caller's stream taken from torch."""
+def compile_kernel(kernel_obj, *fake_args, keep_cubin_in: str | None = None):
+    """cute.compile with TVM-FFI and the caller's stream taken from torch. With
+    ``keep_cubin_in`` (a folder) the cubin is kept there; its path is ``fn.__cubin__``."""
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(kernel_obj, *fake_args, stream, options="--enable-tvm-ffi")
+    options = "--enable-tvm-ffi"
+    if keep_cubin_in:
+        options += f" --keep-cubin --dump-dir={keep_cubin_in}"
+    return cute.compile(kernel_obj, *fake_args, stream, options=options)

@@ -1,0 +1,53 @@
+"""The tiling heuristics: invariants that every kernel relies on."""
+
+import pytest
+
+from quack_kernels.primitives.config import (
+    MAX_CLUSTER_SIZE,
+    STAGING_SMEM_BYTES,
+    VALUES_PER_THREAD,
+    row_config,
+    vector_width,
+)
+
+NS = [1, 2, 3, 7, 8, 64, 100, 769, 1000, 1024, 4096, 4097, 32000, 50257, 65536, 131073, 262144,
+      524288, 1 << 20]
+
+
+def test_vector_width_is_16_bytes_when_n_allows():
+    assert vector_width(4096, 2) == 8 and vector_width(4096, 4) == 4
+    assert vector_width(1000, 2) == 8 and vector_width(1002, 2) == 2 and vector_width(1001, 4) == 1
+    assert vector_width(4096, 2, max_vec=2) == 2
+
+
+@pytest.mark.parametrize("n", NS)
+@pytest.mark.parametrize("elem_bytes", [2, 4])
+@pytest.mark.parametrize("staged", [1, 2])
+def test_config_invariants(n, elem_bytes, staged):
+    cfg = row_config(n, elem_bytes, staged)
+    assert n % cfg.vec == 0 and cfg.vec * elem_bytes <= 16
+    assert cfg.cols_covered >= n  # the grid covers the row
+    assert cfg.cols_covered - n < cfg.cols_per_chunk * cfg.cluster_size  # and no whole chunk idles
+    assert cfg.threads_per_row & (cfg.threads_per_row - 1) == 0
+    assert 1 <= cfg.cluster_size <= MAX_CLUSTER_SIZE
+    assert cfg.threads_per_block <= 1024
+    assert cfg.vec * cfg.vecs_per_thread * staged <= max(VALUES_PER_THREAD, cfg.vec * staged)
+    if cfg.staging == "smem":
+        assert cfg.staging_smem_bytes(elem_bytes * staged) <= STAGING_SMEM_BYTES
+    assert (cfg.num_chunks == 1) == (cfg.staging == "registers")
+
+
+def test_cluster_grows_with_n_and_only_when_needed():
+    sizes = [row_config(n, 2).cluster_size for n in (4096, 16384, 32768, 65536, 131072, 262144)]
+    assert sizes == sorted(sizes) and sizes[0] == 1 and sizes[-1] == 16
+
+
+def test_staging_paths_for_large_rows():
+    assert row_config(4096, 2).staging == "registers"
+    assert row_config(1 << 20, 2).staging == "smem"  # 128 KiB per CTA of 16
+    assert row_config(1 << 20, 4).staging == "global"  # 256 KiB per CTA: re-read
+
+
+def test_rejects_empty_rows():
+    with pytest.raises(ValueError):
+        row_config(0, 2)

@@ -1,0 +1,29 @@
+"""The sm_90a resource report compiles kernels without a GPU and finds no spills."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from quack_kernels.report import resource_usage, find_cuobjdump
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_report_quick_has_no_spills():
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    proc = subprocess.run([sys.executable, "-m", "quack_kernels.report", "--quick"],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = [line for line in proc.stdout.splitlines() if line.split() and line.split()[0].endswith(("_fwd", "_bwd"))]
+    assert len(rows) >= 48
+    assert all(int(row.split()[-1]) == 0 for row in rows)  # spill column
+
+
+def test_resource_parser_reads_cuobjdump(tmp_path):
+    if find_cuobjdump() is None:
+        pytest.skip("cuobjdump not installed")
+    with pytest.raises(subprocess.CalledProcessError):
+        resource_usage(str(tmp_path / "missing.cubin"), find_cuobjdump())

@@ -1,0 +1,98 @@
+"""CPU checks for softmax: reference math, op registration, fake kernels, autograd
+formulas, error messages, and compiling the kernels for sm_90a."""
+
+import pytest
+import torch
+from torch.library import opcheck
+
+import quack_kernels as qk
+from quack_kernels.ops import softmax as ops
+from quack_kernels.primitives.compile_cache import compile_kernel
+
+from helpers import assert_close
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("log", [False, True])
+def test_reference_matches_torch_fp64(dtype, log):
+    x = (torch.randn(17, 301) * 4).to(dtype)
+    expected = (torch.log_softmax if log else torch.softmax)(x.double(), -1)
+    assert_close(ops.softmax_forward(x, log), expected, dtype)
+
+
+@pytest.mark.parametrize("log", [False, True])
+def test_backward_reference_matches_autograd(log):
+    x = torch.randn(9, 130, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(9, 130, dtype=torch.float64)
+    y = (torch.log_softmax if log else torch.softmax)(x, -1)
+    (gx,) = torch.autograd.grad(y, x, dy)
+    assert_close(ops.softmax_backward_reference(y.detach(), dy, log).double(), gx, torch.float32)
+
+
+@pytest.mark.parametrize("log", [False, True])
+def test_opcheck(log):
+    x = torch.randn(5, 33, requires_grad=True)
+    opcheck(torch.ops.quack_kernels.softmax_forward.default, (x, log))
+    y = ops.softmax_forward(x.detach(), log)
+    opcheck(torch.ops.quack_kernels.softmax_backward.default, (y, torch.randn(5, 33), log))
+
+
+def test_gradcheck_cpu_path():
+    x = torch.randn(4, 11, dtype=torch.float32, requires_grad=True)
+    for fn in (qk.softmax, qk.log_softmax):
+        # fp32 op: loose finite-difference tolerances
+        assert torch.autograd.gradcheck(lambda t: fn(t, -1), (x,), eps=1e-3, atol=2e-3, rtol=1e-2)
+
+
+def test_public_api_dims_and_module():
+    x = torch.randn(3, 4, 5)
+    for dim in (0, 1, 2, -1, -3):
+        assert_close(qk.softmax(x, dim), torch.softmax(x.double(), dim), torch.float32)
+        assert_close(qk.log_softmax(x, dim), torch.log_softmax(x.double(), dim), torch.float32)
+    assert_close(qk.nn.Softmax(1)(x), torch.nn.Softmax(1)(x).double(), torch.float32)
+    assert_close(qk.nn.LogSoftmax()(x), torch.nn.LogSoftmax(-1)(x).double(), torch.float32)
+    assert qk.softmax(torch.empty(0, 8)).shape == (0, 8)
+
+
+def test_fake_kernel_shapes_under_fake_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(6, 7, 8, dtype=torch.bfloat16)
+        y = torch.ops.quack_kernels.softmax_forward(x, False)
+        assert y.shape == x.shape and y.dtype == x.dtype
+        dx = torch.ops.quack_kernels.softmax_backward(y, y, True)
+        assert dx.shape == x.shape
+
+
+def test_torch_compile_fullgraph_cpu():
+    fn = torch.compile(lambda t: qk.softmax(t * 2, -1).sum(-1), fullgraph=True, backend="eager")
+    x = torch.randn(4, 9)
+    assert_close(fn(x), torch.ones(4, dtype=torch.float64), torch.float32)
+
+
+@pytest.mark.parametrize("bad", [torch.float64, torch.int32])
+def test_rejects_unsupported_dtypes(bad):
+    with pytest.raises(TypeError, match="supported dtypes are"):
+        qk.softmax(torch.ones(3, 4, dtype=bad))
+
+
+def test_rejects_bad_dim_and_non_tensor():
+    with pytest.raises(IndexError, match="out of range"):
+        qk.softmax(torch.ones(3, 4), dim=2)
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        qk.softmax([1.0, 2.0])
+
+
+def test_backward_rejects_mismatched_inputs():
+    with pytest.raises(ValueError, match="one shape, dtype and device"):
+        ops.softmax_backward(torch.ones(3, 4), torch.ones(3, 5), False)
+
+
+@pytest.mark.parametrize("n", [1, 7, 4097, 262144, 1 << 20])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_compile_for_sm90a(n, dtype):
+    for build in (ops.forward_kernel(ops.forward_config(n, dtype), dtype, True),
+                  ops.backward_kernel(ops.backward_config(n, dtype), dtype, False)):
+        kernel, *fakes = build
+        assert compile_kernel(kernel, *fakes) is not None
