@@ -103,18 +103,18 @@ def vector_width(n_cols: int, elem_bytes: int, max_vec: int | None = None) -> in
     return vec
 
 
-def threads_per_row_for(vectors: int, max_vecs_per_thread: int) -> int:
+def threads_per_row_for(vectors: int, max_vecs_per_thread: int, max_threads: int) -> int:
     """At least MIN_VECS_PER_THREAD vectors per thread before adding threads; at most
-    MAX_THREADS_PER_ROW threads. Power of two so the warp butterfly is exact."""
+    ``max_threads``. Power of two so the warp butterfly is exact."""
     wanted = _next_pow2(math.ceil(vectors / MIN_VECS_PER_THREAD))
     needed = _next_pow2(math.ceil(vectors / max_vecs_per_thread))
-    return min(MAX_THREADS_PER_ROW, max(wanted, needed, 1))
+    return min(max_threads, max(wanted, needed, 1))
 
 
-def cluster_size_for(vectors: int, max_vecs_per_thread: int) -> int:
+def cluster_size_for(vectors: int, max_vecs_per_thread: int, max_threads: int) -> int:
     """Smallest power-of-two cluster whose CTAs each hold their share of the row in
-    registers (one chunk of MAX_THREADS_PER_ROW threads); capped at 16."""
-    per_cta = MAX_THREADS_PER_ROW * max_vecs_per_thread
+    registers (one chunk of ``max_threads`` threads); capped at 16."""
+    per_cta = max_threads * max_vecs_per_thread
     return min(MAX_CLUSTER_SIZE, _next_pow2(math.ceil(vectors / per_cta)))
 
 
@@ -130,25 +130,29 @@ def staging_for(chunks: int, chunk_bytes: int) -> str:
 
 
 def row_config(n_cols: int, elem_bytes: int, staged_tensors: int = 1,
-               bytes_per_col: int | None = None, max_vec: int | None = None) -> RowConfig:
+               bytes_per_col: int | None = None, max_vec: int | None = None,
+               values_per_thread: int = VALUES_PER_THREAD,
+               max_threads_per_row: int = MAX_THREADS_PER_ROW,
+               min_threads_per_block: int = MIN_THREADS_PER_BLOCK) -> RowConfig:
     """Configuration for rows of ``n_cols`` elements of ``elem_bytes`` each (the widest
     staged dtype), with ``staged_tensors`` row tensors kept on chip together (e.g. y and
     dy in a backward). ``bytes_per_col`` is the staged bytes per column over all of
-    them (defaults to staged_tensors * elem_bytes)."""
+    them (defaults to staged_tensors * elem_bytes). The keyword limits default to the
+    tuned constants above; tests and sweeps override them to force other paths."""
     if n_cols < 1:
         raise ValueError(f"row length must be >= 1, got {n_cols}")
     if bytes_per_col is None:
         bytes_per_col = staged_tensors * elem_bytes
     vec = vector_width(n_cols, elem_bytes, max_vec)
-    max_vecs_per_thread = max(1, VALUES_PER_THREAD // (vec * staged_tensors))
+    max_vecs_per_thread = max(1, values_per_thread // (vec * staged_tensors))
     vectors = math.ceil(n_cols / vec)
-    cluster = cluster_size_for(vectors, max_vecs_per_thread)
+    cluster = cluster_size_for(vectors, max_vecs_per_thread, max_threads_per_row)
     vectors_per_cta = math.ceil(vectors / cluster)
-    threads_per_row = threads_per_row_for(vectors_per_cta, max_vecs_per_thread)
+    threads_per_row = threads_per_row_for(vectors_per_cta, max_vecs_per_thread, max_threads_per_row)
     vecs_needed = math.ceil(vectors_per_cta / threads_per_row)
     vecs_per_thread = min(vecs_needed, max_vecs_per_thread)
     num_chunks = math.ceil(vecs_needed / vecs_per_thread)
-    rows_per_block = max(1, MIN_THREADS_PER_BLOCK // threads_per_row)
+    rows_per_block = max(1, min_threads_per_block // threads_per_row)
     chunk_bytes = rows_per_block * vec * threads_per_row * vecs_per_thread * bytes_per_col
     return RowConfig(
         n_cols=n_cols,
@@ -160,3 +164,16 @@ def row_config(n_cols: int, elem_bytes: int, staged_tensors: int = 1,
         num_chunks=num_chunks,
         staging=staging_for(num_chunks, chunk_bytes),
     )
+
+
+# Kernels that reduce over rows too (a norm's dweight) launch a fixed grid that loops
+# over row blocks: enough CTAs for two resident per SM, so one loads while the other
+# computes, and few enough that the partial sums they write stay small (one row each).
+LOOP_CTAS_PER_SM = 2
+
+
+def loop_grid_rows(cfg: RowConfig, num_rows: int, num_sms: int) -> int:
+    """Row blocks launched by a kernel looping over row blocks (grid x; each of them
+    is a cluster of cfg.cluster_size CTAs)."""
+    blocks = math.ceil(num_rows / cfg.rows_per_block)
+    return max(1, min(blocks, LOOP_CTAS_PER_SM * num_sms // cfg.cluster_size))

@@ -41,9 +41,13 @@ def max_combine(a: Values, b: Values) -> Values:
     return tuple(cute.arch.fmax(x, y) for x, y in zip(a, b))
 
 
-def scratch_layout(cfg: RowConfig, num_values: int) -> cute.Layout:
+def scratch_layout(cfg: RowConfig, num_values: int, buffers: int = 1) -> cute.Layout:
+    """(row, slot, value[, buffer]); looping kernels alternate between two buffers."""
     slots = cfg.warps_per_row * cfg.cluster_size
-    return cute.make_ordered_layout((cfg.rows_per_block, slots, num_values), order=(2, 1, 0))
+    if buffers == 1:
+        return cute.make_ordered_layout((cfg.rows_per_block, slots, num_values), order=(2, 1, 0))
+    return cute.make_ordered_layout((cfg.rows_per_block, slots, num_values, buffers),
+                                    order=(2, 1, 0, 3))
 
 
 def scratch_tx_bytes(cfg: RowConfig, num_values: int) -> int:
@@ -88,8 +92,18 @@ def _reduce_slots(scratch: cute.Tensor, row: Int32, slots: cutlass.Constexpr[int
 
 @cute.jit
 def row_allreduce(values: Values, combine: Callable, identity: Values,
-                  cfg: cutlass.Constexpr, scratch: cute.Tensor, mbar_ptr) -> Values:
-    """Reduce ``values`` (this thread's partials) over the whole row, cluster included."""
+                  cfg: cutlass.Constexpr, scratch: cute.Tensor, mbar_ptr,
+                  phase=0, rearm: cutlass.Constexpr[bool] = False) -> Values:
+    """Reduce ``values`` (this thread's partials) over the whole row, cluster included.
+
+    Kernels that loop over row blocks reduce once per iteration: they pass the
+    iteration's ``phase`` (its parity selects the mbarrier phase to wait on) and
+    ``rearm=True``, so thread 0 re-arms the mbarrier for the next iteration as soon as
+    this one completed; bytes a faster peer sends for the next iteration before the
+    re-arm are legal (the tx-count goes transiently negative). The caller alternates
+    between two scratch buffers by parity, which makes a barrier between iterations
+    unnecessary: a warp can only write buffer p again after every warp of the row
+    contributed to iteration p + 1, i.e. after it finished reading buffer p."""
     values = _shuffle_allreduce(values, combine, min(32, cfg.threads_per_row))
     if cutlass.const_expr(cfg.warps_per_row == 1 and cfg.cluster_size == 1):
         return values
@@ -110,7 +124,10 @@ def row_allreduce(values: Values, combine: Callable, identity: Values,
             for k in cutlass.range_constexpr(len(values)):
                 dst = scratch.iterator + cute.crd2idx((row, slot, k), scratch.layout)
                 cute.arch.store_async_dsmem(dst, _as_i32(values[k]), mbar_ptr, lane)
-        cute.arch.mbarrier_wait(mbar_ptr, 0)
+        cute.arch.mbarrier_wait(mbar_ptr, phase % 2)
+        if cutlass.const_expr(rearm):
+            if cute.arch.thread_idx()[0] == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(mbar_ptr, scratch_tx_bytes(cfg, len(values)))
     return _reduce_slots(scratch, row, slots, combine, identity)
 
 

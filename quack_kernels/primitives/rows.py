@@ -4,10 +4,17 @@ per-chunk loads of the input rows and predicated stores of the output rows.
 A kernel subclasses :class:`RowKernel`, lists the row tensors it stages, and writes its
 math between ``RowTiles.values`` (fp32 registers of one chunk) and ``RowTiles.store``.
 Grid: x = blocks of rows_per_block rows, y = the cluster's CTAs along the row.
+
+Kernels that reduce over rows as well (the dweight of a norm backward) launch a fixed
+number of row blocks instead and loop: CTA x handles row blocks x, x + grid_x, ...
+(``RowTiles.at_block``), reducing each row through a double-buffered
+``ReductionSlot(..., buffers=2)`` and keeping per-column sums in an ``accumulator``
+until it writes them once as a row of partial sums.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 
 import cutlass
@@ -28,19 +35,30 @@ class RowKernel:
     staged_dtypes: tuple
     reductions: int = 1  # cluster reductions per kernel (one scratch + mbarrier each)
     values_per_reduction: int = 1
+    scratch_buffers: int = 1  # 2 for kernels looping over row blocks
+    accumulators: int = 0  # fp32 per-column accumulators (see RowTiles.accumulator)
 
     def smem_bytes(self) -> int:
         staged = self.cfg.staging_smem_bytes(sum(d.width // 8 for d in self.staged_dtypes))
         if self.cfg.staging == "global":
             staged = 0
         scratch = self.reductions * self.cfg.rows_per_block * self.cfg.warps_per_row \
-            * self.cfg.cluster_size * self.values_per_reduction * 4
-        return staged + scratch + 8 * self.reductions + 64
+            * self.cfg.cluster_size * self.values_per_reduction * 4 * self.scratch_buffers
+        accumulated = 0
+        if self.cfg.num_chunks > 1:
+            accumulated = self.accumulators * self.cfg.rows_per_block * self.cfg.cols_per_cta * 4
+        allocations = 2 * len(self.staged_dtypes) + 2 * self.reductions \
+            + self.accumulators * self.cfg.num_chunks
+        return staged + scratch + accumulated + 16 * allocations + 64
 
-    def launch(self, kernel, num_rows, stream):
+    def launch(self, kernel, num_rows, stream, grid_rows=None):
+        """``grid_rows``: blocks of rows to launch when the kernel loops over row blocks
+        (default one block per rows_per_block rows)."""
         cfg = self.cfg
+        if grid_rows is None:
+            grid_rows = cute.ceil_div(num_rows, cfg.rows_per_block)
         kernel.launch(
-            grid=[cute.ceil_div(num_rows, cfg.rows_per_block), cfg.cluster_size, 1],
+            grid=[grid_rows, cfg.cluster_size, 1],
             block=[cfg.threads_per_block, 1, 1],
             cluster=[1, cfg.cluster_size, 1] if cfg.cluster_size > 1 else None,
             smem=self.smem_bytes(),
@@ -51,18 +69,26 @@ class RowKernel:
 class ReductionSlot:
     """Scratch (and, for clusters, an armed mbarrier) for one row_allreduce."""
 
-    def __init__(self, smem, cfg: RowConfig, num_values: int):
+    def __init__(self, smem, cfg: RowConfig, num_values: int, buffers: int = 1):
         self.cfg = cfg
+        self.buffers = buffers
         self.scratch = smem.allocate_tensor(
-            Float32, red.scratch_layout(cfg, num_values), byte_alignment=16
+            Float32, red.scratch_layout(cfg, num_values, buffers), byte_alignment=16
         )
         self.mbar = None
         if cfg.cluster_size > 1:
             self.mbar = smem.allocate_array(Int64, num_elems=1)
             red.cluster_reduction_setup(cfg, self.mbar, red.scratch_tx_bytes(cfg, num_values))
 
-    def allreduce(self, values, combine, identity):
-        return red.row_allreduce(values, combine, identity, self.cfg, self.scratch, self.mbar)
+    def allreduce(self, values, combine, identity, iteration=None):
+        """``iteration``: the loop counter of a kernel looping over row blocks (needs
+        ``buffers=2``); None for a single reduction per kernel."""
+        if iteration is None:
+            return red.row_allreduce(values, combine, identity, self.cfg, self.scratch, self.mbar)
+        assert self.buffers == 2, "a looped reduction needs ReductionSlot(..., buffers=2)"
+        scratch = self.scratch[None, None, None, iteration % 2]
+        return red.row_allreduce(values, combine, identity, self.cfg, scratch, self.mbar,
+                                 phase=iteration, rearm=True)
 
 
 class RowTiles:
@@ -102,7 +128,32 @@ class RowTiles:
             tXcX = thr.partition_S(cC)
             self.coords.append(tXcX)
             self.preds.append(tiling.vector_predicate(tXcX, cfg.n_cols))
-        self.row_in_bounds = cute.elem_less(self.coords[0][(0, 0), 0, 0][0], self.num_rows)
+        self.row = self.coords[0][(0, 0), 0, 0][0]
+        self.row_in_bounds = cute.elem_less(self.row, self.num_rows)
+
+    def at_block(self, block_row):
+        """The same tiles moved to row block ``block_row`` (kernels looping over row
+        blocks; shared-memory buffers, predicates and copies are shared)."""
+        view = copy.copy(self)
+        view.block_row = block_row
+        view.row = self.row + (block_row - self.block_row) * self.cfg.rows_per_block
+        view.row_in_bounds = cute.elem_less(view.row, self.num_rows)
+        return view
+
+    @property
+    def leads_row(self):
+        """One thread per row (the first of the row, in the cluster's first CTA): the one
+        that writes per-row outputs such as statistics."""
+        first = self.tidx % self.cfg.threads_per_row == 0
+        if cutlass.const_expr(self.cfg.cluster_size > 1):
+            first = first & (self.cta_rank == 0)
+        return first & self.row_in_bounds
+
+    def broadcast_rows(self, mV: cute.Tensor) -> cute.Tensor:
+        """A per-column vector (N,) seen as an (M, N) tensor with row stride 0, so it
+        tiles and partitions exactly like the row tensors."""
+        return cute.make_tensor(
+            mV.iterator, cute.make_layout((self.num_rows, self.cfg.n_cols), stride=(0, 1)))
 
     def chunk_index(self, chunk: int):
         return self.cta_rank * self.cfg.num_chunks + chunk
@@ -138,9 +189,11 @@ class RowTiles:
             cute.arch.cp_async_wait_group(0)
 
     @cute.jit
-    def values(self, i: cutlass.Constexpr[int], chunk: cutlass.Constexpr[int], fill: cutlass.Constexpr = None) -> cute.TensorSSA:
+    def values(self, i: cutlass.Constexpr[int], chunk: cutlass.Constexpr[int], fill: cutlass.Constexpr = None,
+               mask_rows: cutlass.Constexpr[bool] = False) -> cute.TensorSSA:
         """fp32 values of staged tensor ``i`` in ``chunk``; past the row end they are
-        ``fill`` when given (else unspecified)."""
+        ``fill`` when given (else unspecified). ``mask_rows``: rows past M read as 0
+        (the staging buffer of a row never loaded may hold anything, NaN included)."""
         cfg = self.cfg
         mX = self.staged[i]
         thr = self.copy_vec[i].get_slice(self.tidx)
@@ -150,6 +203,10 @@ class RowTiles:
             tXrX.fill(0)
             if self.row_in_bounds:
                 cute.copy(self.copy_vec[i], tXgX, tXrX, pred=self.preds[chunk])
+        elif cutlass.const_expr(mask_rows):
+            tXrX.fill(0)
+            if self.row_in_bounds:
+                cute.autovec_copy(thr.partition_S(self._smem_slot(i, chunk)), tXrX)
         else:
             cute.autovec_copy(thr.partition_S(self._smem_slot(i, chunk)), tXrX)
         x = tXrX.load().to(Float32)
@@ -158,13 +215,53 @@ class RowTiles:
         return x
 
     @cute.jit
-    def store(self, mY: cute.Tensor, chunk: cutlass.Constexpr[int], values: cute.TensorSSA):
-        """Convert to mY's dtype and write the in-bounds vectors of ``chunk``."""
+    def load(self, mX: cute.Tensor, chunk: cutlass.Constexpr[int], fill: cutlass.Constexpr = 0.0,
+             guard_rows: cutlass.Constexpr[bool] = True) -> cute.TensorSSA:
+        """fp32 values of an unstaged (M, N) tensor (or a ``broadcast_rows`` vector, with
+        ``guard_rows=False``) in ``chunk``, read straight from global memory; vectors
+        past the row end (and rows past M when guarded) read as ``fill``."""
+        atom = tiling.vector_copy_atom(mX.element_type, self.cfg)
+        tiled = tiling.tiled_copy(atom, self.cfg)
+        thr = tiled.get_slice(self.tidx)
+        tXgX = thr.partition_S(self._gmem_tile(mX, chunk))
+        tXrX = cute.make_fragment_like(tXgX)
+        tXrX.fill(fill)
+        if cutlass.const_expr(guard_rows):
+            if self.row_in_bounds:
+                cute.copy(tiled, tXgX, tXrX, pred=self.preds[chunk])
+        else:
+            cute.copy(tiled, tXgX, tXrX, pred=self.preds[chunk])
+        return tXrX.load().to(Float32)
+
+    def accumulator(self, smem, chunk: int) -> cute.Tensor:
+        """fp32 per-column sums of this thread's values in ``chunk`` that live across
+        row blocks: registers when the CTA's share is one chunk, else shared memory (a
+        multi-chunk share would not fit in registers; each thread only touches its own
+        elements, so no barrier is needed). Zero-initialised."""
+        thr = self.copy_vec[0].get_slice(self.tidx)
+        tile_shape = tiling.chunk_tiler(self.cfg)
+        if self.cfg.num_chunks == 1:
+            acc = cute.make_rmem_tensor(thr.partition_S(self._gmem_tile(self.staged[0], chunk)).shape, Float32)
+        else:
+            sAcc = smem.allocate_tensor(
+                Float32, cute.make_ordered_layout(tile_shape, order=(1, 0)), byte_alignment=16)
+            acc = thr.partition_S(sAcc)
+        acc.fill(0.0)
+        return acc
+
+    @cute.jit
+    def store(self, mY: cute.Tensor, chunk: cutlass.Constexpr[int], values: cute.TensorSSA,
+              guard_rows: cutlass.Constexpr[bool] = True):
+        """Convert to mY's dtype and write the in-bounds vectors of ``chunk`` (all rows
+        of the block when ``guard_rows=False``, e.g. rows of partial sums)."""
         atom = tiling.vector_copy_atom(mY.element_type, self.cfg)
-        copy = tiling.tiled_copy(atom, self.cfg)
-        thr = copy.get_slice(self.tidx)
+        tiled = tiling.tiled_copy(atom, self.cfg)
+        thr = tiled.get_slice(self.tidx)
         tYgY = thr.partition_D(self._gmem_tile(mY, chunk))
         tYrY = cute.make_fragment_like(tYgY)
         tYrY.store(values.to(mY.element_type))
-        if self.row_in_bounds:
-            cute.copy(copy, tYrY, tYgY, pred=self.preds[chunk])
+        if cutlass.const_expr(guard_rows):
+            if self.row_in_bounds:
+                cute.copy(tiled, tYrY, tYgY, pred=self.preds[chunk])
+        else:
+            cute.copy(tiled, tYrY, tYgY, pred=self.preds[chunk])

@@ -1,0 +1,252 @@
+"""Cross-entropy over the last dimension: loss, log-sum-exp and gradient in one pass.
+
+Per row i with target t (class count C = n_cols), optional class weights w (w = 1
+without), smoothing eps, z-loss scale zs and softcap s (z = s * tanh(x / s), else z = x):
+
+  lse   = log sum_j exp(z_j)                  p_j = exp(z_j - lse)
+  loss  = (1 - eps) w_t (lse - z_t)                          (weighted nll)
+        + (eps / C) sum_j w_j (lse - z_j)                    (label smoothing, as torch)
+        + zs lse^2                                           (z-loss)
+  dloss/dz_j = A p_j - B [j == t] - (eps / C) w_j
+        with A = (1 - eps) w_t + (eps / C) W + 2 zs lse,  B = (1 - eps) w_t,  W = sum_j w_j
+  dloss/dx_j = dloss/dz_j * (1 - (z_j / s)^2)               (softcap chain rule)
+
+Ignored rows (t == ignore_index): loss 0, gradient 0. Targets outside [0, C) that are
+not ignore_index: loss NaN and gradient row NaN (never an out-of-bounds read: the
+target logit is loaded only for a target inside the row). lse is written for every row.
+The loss is per row; the reduction over rows and the upstream gradient are applied by
+the torch layer.
+
+Bytes: one read of the logits (M x C); with the gradient, one write of M x C more.
+Class weights with label smoothing also read the weight row (C fp32, from L2).
+
+Layout: RowKernel geometry (a row split over a cluster of up to 16 CTAs). One
+row_allreduce per row combines the online (max, sum of exp) pair with plain sums of the
+target logit and weight (contributed by the row's first thread, which gathers them) and,
+for label smoothing, of sum_j w_j z_j and W. Every thread then knows lse and writes its
+share of the gradient; the row's first thread writes loss and lse.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Boolean, Float32, Int32, Int64
+from cutlass.memory import SmemAllocator
+
+from ..primitives import reduce as red
+from ..primitives import tiling
+from ..primitives.config import RowConfig
+from ..primitives.rows import ReductionSlot, RowKernel, RowTiles
+from .softmax import LOG2_E, _finite_or_zero, _online_softmax_combine
+
+
+def _combine(a, b):
+    """(max, sum of exp) merged online; every further value is a plain sum."""
+    return _online_softmax_combine(a[:2], b[:2]) + red.sum_combine(a[2:], b[2:])
+
+
+class CrossEntropyForward(RowKernel):
+    """Compile-time switches: ``weighted`` (class weights), ``smoothing`` (label
+    smoothing > 0), ``zloss`` (lse_square_scale != 0), ``softcap``, ``write_grad``.
+    The matching float values are runtime arguments, so changing them never
+    recompiles."""
+
+    def __init__(self, cfg: RowConfig, dtype, target_dtype, *, weighted: bool, smoothing: bool,
+                 zloss: bool, softcap: bool, write_grad: bool):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.target_dtype = target_dtype
+        self.weighted = weighted
+        self.smoothing = smoothing
+        self.zloss = zloss
+        self.softcap = softcap
+        self.write_grad = write_grad
+        # The weight row is staged next to the logits only when every class's weight
+        # enters the result (label smoothing); otherwise only w_t is gathered.
+        self.stage_weight = weighted and smoothing
+        self.staged_dtypes = (dtype, Float32) if self.stage_weight else (dtype,)
+        # (max, sumexp, z_t, [w_t], [sum w z], [W])
+        self.values_per_reduction = 3 + int(weighted) + int(smoothing) + int(self.stage_weight)
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mTarget: cute.Tensor, mWeight: cute.Tensor,
+                 mLoss: cute.Tensor, mLse: cute.Tensor, mdX: cute.Tensor,
+                 ignore_index: Int64, smoothing: Float32, lse_square_scale: Float32,
+                 softcap: Float32, stream):
+        self.launch(
+            self.kernel(mX, mTarget, mWeight, mLoss, mLse, mdX, ignore_index, smoothing,
+                        lse_square_scale, softcap),
+            mX.shape[0], stream)
+
+    @cute.jit
+    def _cap(self, x, inv_softcap: Float32, softcap: Float32):
+        if cutlass.const_expr(self.softcap):
+            x = cute.math.tanh(x * inv_softcap) * softcap
+        return x
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mTarget: cute.Tensor, mWeight: cute.Tensor,
+               mLoss: cute.Tensor, mLse: cute.Tensor, mdX: cute.Tensor,
+               ignore_index: Int64, smoothing: Float32, lse_square_scale: Float32,
+               softcap: Float32):
+        cfg = self.cfg
+        n_cols = cfg.n_cols
+        smem = SmemAllocator()
+        staged = [mX]
+        if cutlass.const_expr(self.stage_weight):
+            # the weight vector seen as an (M, C) tensor whose rows all alias it
+            staged.append(cute.make_tensor(
+                mWeight.iterator, cute.make_layout((mX.shape[0], n_cols), stride=(0, 1))))
+        tiles = RowTiles(cfg, staged, smem)
+        slot = ReductionSlot(smem, cfg, self.values_per_reduction)
+        tiles.issue_loads()
+
+        inv_softcap = Float32(0.0)
+        if cutlass.const_expr(self.softcap):
+            inv_softcap = cute.arch.rcp_approx(softcap)
+        row = tiles.coords[0][(0, 0), 0, 0][0]
+        lead = tiles.tidx % cfg.threads_per_row == 0
+        if cutlass.const_expr(cfg.cluster_size > 1):
+            lead = lead & (tiles.cta_rank == 0)
+
+        # Target of this thread's row (every thread of the row loads the same word).
+        target = Int64(0)
+        if tiles.row_in_bounds:
+            target = Int64(mTarget[row])
+        ignored = target == ignore_index
+        inside = (target >= Int64(0)) & (target < Int64(n_cols))
+        valid = inside & (target != ignore_index)
+        target_col = Int32(cutlass.select_(valid, Int32(target), Int32(-1)))
+
+        # The row's first thread gathers z_t (and w_t) and feeds them into the reduction
+        # as summands (everyone else adds 0): the allreduce hands them to every thread,
+        # and the load completes before any thread of the row can overwrite the logits
+        # with the gradient (inplace).
+        z_target = Float32(0.0)
+        w_target = Float32(0.0)
+        if lead & valid & tiles.row_in_bounds:
+            z_target = self._cap(Float32(mX[row, target_col]), inv_softcap, softcap)
+            if cutlass.const_expr(self.weighted):
+                w_target = Float32(mWeight[target_col])
+
+        if cutlass.const_expr(cfg.cluster_size > 1):
+            cute.arch.cluster_wait()
+
+        kept = []
+        stats = (Float32(-math.inf), Float32(0.0))
+        sum_wz = Float32(0.0)
+        sum_w = Float32(0.0)
+        for c in cutlass.range_constexpr(cfg.num_chunks):
+            tiles.wait_chunk(c)
+            z = self._cap(tiles.values(0, c), inv_softcap, softcap)
+            z_max_in = z
+            z_sum_in = z
+            if cutlass.const_expr(cfg.needs_col_predicate):
+                z_max_in = tiling.mask_out_of_row(z, tiles.coords[c], n_cols, -math.inf)
+                z_sum_in = tiling.mask_out_of_row(z, tiles.coords[c], n_cols, 0.0)
+            chunk_max = red.thread_reduce(z_max_in, cute.ReductionOp.MAX, -math.inf)
+            e = cute.math.exp2((z_max_in - _finite_or_zero(chunk_max)) * LOG2_E, fastmath=True)
+            stats = _online_softmax_combine(
+                stats, (chunk_max, red.thread_reduce(e, cute.ReductionOp.ADD, 0.0)))
+            w = None
+            if cutlass.const_expr(self.stage_weight):
+                w = tiles.values(1, c, fill=0.0)
+                sum_wz = sum_wz + red.thread_reduce(w * z_sum_in, cute.ReductionOp.ADD, 0.0)
+                sum_w = sum_w + red.thread_reduce(w, cute.ReductionOp.ADD, 0.0)
+            elif cutlass.const_expr(self.smoothing):
+                sum_wz = sum_wz + red.thread_reduce(z_sum_in, cute.ReductionOp.ADD, 0.0)
+            if cutlass.const_expr(cfg.staging == "registers" and self.write_grad):
+                kept.append((z, w))
+
+        partials = (*stats, z_target)
+        identity = (Float32(-math.inf), Float32(0.0), Float32(0.0))
+        if cutlass.const_expr(self.weighted):
+            partials = partials + (w_target,)
+            identity = identity + (Float32(0.0),)
+        if cutlass.const_expr(self.smoothing):
+            partials = partials + (sum_wz,)
+            identity = identity + (Float32(0.0),)
+        if cutlass.const_expr(self.stage_weight):
+            partials = partials + (sum_w,)
+            identity = identity + (Float32(0.0),)
+        totals = slot.allreduce(partials, _combine, identity)
+        row_max, row_sumexp, z_target = totals[0], totals[1], totals[2]
+        k = 3
+        w_target = Float32(1.0)
+        if cutlass.const_expr(self.weighted):
+            w_target = totals[k]
+            k += 1
+        sum_wz = Float32(0.0)
+        if cutlass.const_expr(self.smoothing):
+            sum_wz = totals[k]
+            k += 1
+        # W: sum of the class weights (C without weights; without smoothing unused)
+        sum_w = Float32(n_cols)
+        if cutlass.const_expr(self.stage_weight):
+            sum_w = totals[k]
+
+        # Accurate log: the loss of a confident row is log(sumexp) with sumexp ~ 1.
+        log_sumexp = cute.math.log(row_sumexp)
+        lse = row_max + log_sumexp
+        eps_per_class = Float32(0.0)
+        nll_scale = w_target
+        if cutlass.const_expr(self.smoothing):
+            eps_per_class = smoothing * Float32(1.0 / n_cols)
+            nll_scale = (Float32(1.0) - smoothing) * w_target
+
+        if lead & tiles.row_in_bounds:
+            loss = nll_scale * ((row_max - z_target) + log_sumexp)
+            if cutlass.const_expr(self.smoothing):
+                loss = loss + eps_per_class * (sum_w * lse - sum_wz)
+            if cutlass.const_expr(self.zloss):
+                loss = loss + lse_square_scale * lse * lse
+            loss = cutlass.select_(valid, loss, Float32(0.0))
+            loss = cutlass.select_(inside | ignored, loss, Float32(math.nan))
+            mLoss[row] = loss
+            mLse[row] = lse
+
+        if cutlass.const_expr(self.write_grad):
+            # Row coefficients; 0 for an ignored row, NaN for a bad target.
+            coef_p = nll_scale + eps_per_class * sum_w
+            if cutlass.const_expr(self.zloss):
+                coef_p = coef_p + Float32(2.0) * lse_square_scale * lse
+            row_keep = cutlass.select_(valid, Float32(1.0), Float32(0.0))
+            row_keep = cutlass.select_(inside | ignored, row_keep, Float32(math.nan))
+            coef_p = coef_p * row_keep
+            coef_t = nll_scale * row_keep
+            coef_w = eps_per_class * row_keep
+            lse_log2 = lse * LOG2_E
+            for c in cutlass.range_constexpr(cfg.num_chunks):
+                if cutlass.const_expr(cfg.staging == "registers"):
+                    z, w = kept[c]
+                else:
+                    z = self._cap(tiles.values(0, c), inv_softcap, softcap)
+                    w = None
+                    if cutlass.const_expr(self.stage_weight):
+                        w = tiles.values(1, c)
+                p = cute.math.exp2(z * LOG2_E - lse_log2, fastmath=True)
+                g = self._gradient(p, z, w, tiles.coords[c], target_col, coef_p, coef_t, coef_w,
+                                   inv_softcap)
+                tiles.store(mdX, c, g)
+
+    @cute.jit
+    def _gradient(self, p: cute.TensorSSA, z: cute.TensorSSA, w, tXcX: cute.Tensor,
+                  target_col: Int32, coef_p: Float32, coef_t: Float32, coef_w: Float32,
+                  inv_softcap: Float32) -> cute.TensorSSA:
+        """(A p - B onehot(t) - (eps/C) w) times the softcap chain, for one chunk."""
+        g = p * coef_p
+        if cutlass.const_expr(self.stage_weight):
+            g = g - w * coef_w
+        elif cutlass.const_expr(self.smoothing):
+            g = g - coef_w
+        is_target = cute.make_rmem_tensor(cute.make_layout(tXcX.shape), Boolean)
+        for i in cutlass.range_constexpr(cute.size(is_target)):
+            is_target[i] = tXcX[i][1] == target_col
+        g = cute.where(is_target.load(), g - coef_t, g)
+        if cutlass.const_expr(self.softcap):
+            y = z * inv_softcap
+            g = g * (Float32(1.0) - y * y)
+        return g

@@ -1,0 +1,245 @@
+"""RMSNorm and LayerNorm over the last dimension, forward and backward.
+
+Forward, per row of N values (optional residual r, weight w, bias b, offset o):
+    h    = x + r                     (rounded to the residual dtype: the stream that is
+                                      normalized is exactly the one handed back)
+    mean = sum(h) / N                (LayerNorm; 0 for RMSNorm)
+    rstd = 1 / sqrt(sum((h - mean)^2) / N + eps)     (centered variance)
+    y    = (h - mean) * rstd * (w + o) + b
+Backward, with xhat = (h - mean) * rstd and g = dy * (w + o):
+    dh = rstd * (g - xhat * mean(g * xhat) - mean(g))     (mean(g) term: LayerNorm only)
+         + d(residual stream)                              (prenorm: its own gradient)
+    dx = dresidual = dh,   dw = sum over rows of dy * xhat,   db = sum over rows of dy
+Bytes: forward reads x (+ r) and writes y (+ h); backward reads h, dy (+ dh_out) and
+writes dx (+ dresidual); weights, statistics and partial sums are O(N + M).
+
+Layout: RowKernel geometry (rows split over a cluster of up to 16 CTAs for large N).
+The forward is one row block per CTA; LayerNorm reduces twice (sum, then the centered
+sum of squares, on the staged row). The backward launches a fixed grid (two CTAs per
+SM) that loops over row blocks: each CTA keeps its columns' dw/db sums in an
+accumulator and writes them once as one row of fp32 partials, which the host sums in
+a fixed order (deterministic, no atomics).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+from cutlass.memory import SmemAllocator
+
+from ..primitives import reduce as red
+from ..primitives import tiling
+from ..primitives.config import RowConfig
+from ..primitives.rows import ReductionSlot, RowKernel, RowTiles
+
+ZERO = (Float32(0.0),)
+
+
+def _round_to(values: cute.TensorSSA, dtype) -> cute.TensorSSA:
+    """Round fp32 values to ``dtype`` and back (no-op for fp32)."""
+    if dtype is None or dtype.width == 32:
+        return values
+    return values.to(dtype).to(Float32)
+
+
+class NormForward(RowKernel):
+    """y = norm(x + residual) * (weight + offset) + bias; optional inputs and outputs
+    are compile-time switches (pass None for the absent ones)."""
+
+    values_per_reduction = 1
+
+    def __init__(self, cfg: RowConfig, rms: bool, x_dtype, residual_dtype, has_residual: bool,
+                 store_residual: bool):
+        self.cfg = cfg
+        self.rms = rms
+        self.has_residual = has_residual
+        self.store_residual = store_residual
+        self.residual_dtype = residual_dtype  # dtype of the stream h (rounding)
+        self.staged_dtypes = (x_dtype, residual_dtype) if has_residual else (x_dtype,)
+        self.reductions = 1 if rms else 2
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mR, mW, mB, mY: cute.Tensor, mResOut, mMean,
+                 mRstd: cute.Tensor, eps: Float32, weight_offset: Float32, stream):
+        self.launch(self.kernel(mX, mR, mW, mB, mY, mResOut, mMean, mRstd, eps, weight_offset),
+                    mX.shape[0], stream)
+
+    def _stream(self, tiles: RowTiles, chunk: int):
+        """h = x (+ residual) of ``chunk``, 0 past the row end."""
+        h = tiles.values(0, chunk, fill=0.0)
+        if cutlass.const_expr(self.has_residual):
+            h = _round_to(h + tiles.values(1, chunk, fill=0.0), self.residual_dtype)
+        return h
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mR, mW, mB, mY: cute.Tensor, mResOut, mMean,
+               mRstd: cute.Tensor, eps: Float32, weight_offset: Float32):
+        cfg = self.cfg
+        smem = SmemAllocator()
+        staged = [mX, mR] if cutlass.const_expr(self.has_residual) else [mX]
+        tiles = RowTiles(cfg, staged, smem)
+        slots = [ReductionSlot(smem, cfg, 1) for _ in range(self.reductions)]
+        tiles.issue_loads()
+        if cutlass.const_expr(cfg.cluster_size > 1):
+            cute.arch.cluster_wait()
+        inv_n = Float32(1.0 / cfg.n_cols)
+
+        kept = []
+        partial = Float32(0.0)
+        for c in cutlass.range_constexpr(cfg.num_chunks):
+            tiles.wait_chunk(c)
+            h = self._stream(tiles, c)
+            if cutlass.const_expr(self.store_residual):
+                tiles.store(mResOut, c, h)
+            term = h * h if cutlass.const_expr(self.rms) else h
+            partial = partial + red.thread_reduce(term, cute.ReductionOp.ADD, 0.0)
+            if cutlass.const_expr(cfg.staging == "registers"):
+                kept.append(h)
+        (total,) = slots[0].allreduce((partial,), red.sum_combine, ZERO)
+
+        mean = Float32(0.0)
+        if cutlass.const_expr(self.rms):
+            variance = total * inv_n
+        else:
+            mean = total * inv_n
+            partial = Float32(0.0)
+            for c in cutlass.range_constexpr(cfg.num_chunks):
+                h = kept[c] if cutlass.const_expr(cfg.staging == "registers") else self._stream(tiles, c)
+                d = h - mean
+                if cutlass.const_expr(cfg.needs_col_predicate):
+                    d = tiling.mask_out_of_row(d, tiles.coords[c], cfg.n_cols, 0.0)
+                partial = partial + red.thread_reduce(d * d, cute.ReductionOp.ADD, 0.0)
+            (centered,) = slots[1].allreduce((partial,), red.sum_combine, ZERO)
+            variance = centered * inv_n
+        rstd = cute.math.rsqrt(variance + eps)
+
+        for c in cutlass.range_constexpr(cfg.num_chunks):
+            h = kept[c] if cutlass.const_expr(cfg.staging == "registers") else self._stream(tiles, c)
+            y = (h - mean) * rstd
+            if cutlass.const_expr(mW is not None):
+                y = y * (tiles.load(tiles.broadcast_rows(mW), c, guard_rows=False) + weight_offset)
+            if cutlass.const_expr(mB is not None):
+                y = y + tiles.load(tiles.broadcast_rows(mB), c, guard_rows=False)
+            tiles.store(mY, c, y)
+
+        if tiles.leads_row:
+            mRstd[tiles.row] = rstd
+            if cutlass.const_expr(mMean is not None):
+                mMean[tiles.row] = mean
+
+
+class NormBackward(RowKernel):
+    """dx (and/or dresidual), and per-CTA partial sums of dweight / dbias.
+
+    Staged: h (the normalized stream) and dy. Optional tensors are compile-time
+    switches (None when absent): mW, mMean (LayerNorm), mdResOut (gradient of the
+    prenorm residual output), mdX / mdRes (outputs), mdW / mdB ((grid_rows *
+    rows_per_block, N) fp32 partials)."""
+
+    scratch_buffers = 2
+
+    def __init__(self, cfg: RowConfig, rms: bool, h_dtype, dy_dtype, need_dweight: bool,
+                 need_dbias: bool):
+        self.cfg = cfg
+        self.rms = rms
+        self.staged_dtypes = (h_dtype, dy_dtype)
+        self.values_per_reduction = 1 if rms else 2
+        self.need_dweight = need_dweight
+        self.need_dbias = need_dbias
+        self.accumulators = int(need_dweight) + int(need_dbias)
+
+    @cute.jit
+    def __call__(self, mH: cute.Tensor, mdY: cute.Tensor, mW, mMean, mRstd: cute.Tensor,
+                 mdResOut, mdX, mdRes, mdW, mdB, weight_offset: Float32, grid_rows: Int32,
+                 stream):
+        self.launch(
+            self.kernel(mH, mdY, mW, mMean, mRstd, mdResOut, mdX, mdRes, mdW, mdB,
+                        weight_offset, grid_rows),
+            mH.shape[0], stream, grid_rows=grid_rows)
+
+    @cute.kernel
+    def kernel(self, mH: cute.Tensor, mdY: cute.Tensor, mW, mMean, mRstd: cute.Tensor,
+               mdResOut, mdX, mdRes, mdW, mdB, weight_offset: Float32, grid_rows: Int32):
+        cfg = self.cfg
+        smem = SmemAllocator()
+        home = RowTiles(cfg, [mH, mdY], smem)
+        slot = ReductionSlot(smem, cfg, self.values_per_reduction, buffers=2)
+        acc_w = [home.accumulator(smem, c) for c in range(cfg.num_chunks)] \
+            if self.need_dweight else []
+        acc_b = [home.accumulator(smem, c) for c in range(cfg.num_chunks)] \
+            if self.need_dbias else []
+        if cutlass.const_expr(cfg.cluster_size > 1):
+            cute.arch.cluster_wait()
+        inv_n = Float32(1.0 / cfg.n_cols)
+        num_rows = mH.shape[0]
+        num_blocks = (num_rows + cfg.rows_per_block - 1) // cfg.rows_per_block
+        first_block = cute.arch.block_idx()[0]
+
+        for block_row in cutlass.range(first_block, num_blocks, grid_rows, unroll=1):
+            tiles = home.at_block(block_row)
+            tiles.issue_loads()
+            iteration = (block_row - first_block) // grid_rows
+            row = cutlass.select_(tiles.row_in_bounds, tiles.row, 0)
+            rstd = Float32(cutlass.select_(tiles.row_in_bounds, mRstd[row], Float32(0.0)))
+            mean = Float32(0.0)
+            if cutlass.const_expr(not self.rms):
+                mean = Float32(cutlass.select_(tiles.row_in_bounds, mMean[row], Float32(0.0)))
+
+            kept = []
+            dot = Float32(0.0)  # sum(g * xhat)
+            g_sum = Float32(0.0)  # sum(g), LayerNorm
+            for c in cutlass.range_constexpr(cfg.num_chunks):
+                tiles.wait_chunk(c)
+                xhat, g = self._xhat_g(tiles, c, mW, mean, rstd, weight_offset, acc_w, acc_b)
+                dot = dot + red.thread_reduce(g * xhat, cute.ReductionOp.ADD, 0.0)
+                if cutlass.const_expr(not self.rms):
+                    g_sum = g_sum + red.thread_reduce(g, cute.ReductionOp.ADD, 0.0)
+                if cutlass.const_expr(cfg.staging == "registers"):
+                    kept.append((xhat, g))
+            if cutlass.const_expr(self.rms):
+                (dot,) = slot.allreduce((dot,), red.sum_combine, ZERO, iteration=iteration)
+            else:
+                dot, g_sum = slot.allreduce((dot, g_sum), red.sum_combine,
+                                            (Float32(0.0), Float32(0.0)), iteration=iteration)
+            c1 = dot * inv_n
+            c2 = g_sum * inv_n
+
+            for c in cutlass.range_constexpr(cfg.num_chunks):
+                if cutlass.const_expr(cfg.staging == "registers"):
+                    xhat, g = kept[c]
+                else:
+                    xhat, g = self._xhat_g(tiles, c, mW, mean, rstd, weight_offset, None, None)
+                if cutlass.const_expr(self.rms):
+                    dh = (g - xhat * c1) * rstd
+                else:
+                    dh = (g - xhat * c1 - c2) * rstd
+                if cutlass.const_expr(mdResOut is not None):
+                    dh = dh + tiles.load(mdResOut, c)
+                if cutlass.const_expr(mdX is not None):
+                    tiles.store(mdX, c, dh)
+                if cutlass.const_expr(mdRes is not None):
+                    tiles.store(mdRes, c, dh)
+
+        for c in cutlass.range_constexpr(cfg.num_chunks):
+            if cutlass.const_expr(self.need_dweight):
+                home.store(mdW, c, acc_w[c].load(), guard_rows=False)
+            if cutlass.const_expr(self.need_dbias):
+                home.store(mdB, c, acc_b[c].load(), guard_rows=False)
+
+    def _xhat_g(self, tiles: RowTiles, c: int, mW, mean, rstd, weight_offset, acc_w, acc_b):
+        """xhat and g = dy * (w + offset) of chunk ``c``, both 0 past the row end and on
+        rows past M; adds this chunk's dw / db terms when accumulators are given."""
+        h = tiles.values(0, c, fill=0.0, mask_rows=True)
+        dy = tiles.values(1, c, fill=0.0, mask_rows=True)
+        xhat = (h - mean) * rstd
+        if cutlass.const_expr(self.cfg.needs_col_predicate):
+            xhat = tiling.mask_out_of_row(xhat, tiles.coords[c], self.cfg.n_cols, 0.0)
+        g = dy
+        if cutlass.const_expr(mW is not None):
+            g = dy * (tiles.load(tiles.broadcast_rows(mW), c, guard_rows=False) + weight_offset)
+        if cutlass.const_expr(acc_w is not None and self.need_dweight):
+            acc_w[c].store(acc_w[c].load() + dy * xhat)
+        if cutlass.const_expr(acc_b is not None and self.need_dbias):
+            acc_b[c].store(acc_b[c].load() + dy)
+        return xhat, g

@@ -1,0 +1,481 @@
+"""rms_norm / layer_norm as torch custom ops: CPU reference, CUDA kernels, fake kernels,
+autograd; the public functions and their input checks.
+
+Ops (namespace ``quack_kernels``), usable directly by callers who want the statistics:
+  norm_forward(x, weight?, bias?, residual?, eps, weight_offset, rms, out_dtype?,
+               residual_dtype?, store_residual) -> (y, residual_out, mean, rstd)
+      residual_out (the stream x + residual, in residual_dtype) is empty unless
+      store_residual and a residual is given; mean is empty for RMSNorm; mean and rstd
+      are fp32 of shape x.shape[:-1].
+  norm_backward(dy, h, weight?, mean?, rstd, dresidual_out?, weight_offset, rms,
+                dx_dtype?, dresidual_dtype?, need_dweight, dbias_dtype?)
+      -> (dx, dresidual, dweight, dbias), each empty when not asked for.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..kernels.norm import NormBackward, NormForward
+from ..primitives.compile_cache import compile_kernel, fake_rows, fake_vector
+from ..primitives.config import RowConfig, loop_grid_rows, row_config
+from .common import (
+    as_rows,
+    check_float_dtype,
+    check_gpu,
+    check_same_device,
+    compiled,
+    cutlass_dtype,
+    kernel_key,
+    vector_limit,
+)
+
+EMPTY = (0,)
+
+
+# ----------------------------------------------------------------------------- configs
+def _bytes(*dtypes) -> list[int]:
+    return [d.itemsize for d in dtypes if d is not None]
+
+
+def forward_config(n_cols: int, x_dtype, residual_dtype, has_residual: bool, out_dtype,
+                   weight_dtype=None, bias_dtype=None, max_vec: int | None = None) -> RowConfig:
+    """Vector width from the widest tensor touched per column (a 16-byte access of it);
+    staged: x, and the residual when given."""
+    staged = [x_dtype, residual_dtype] if has_residual else [x_dtype]
+    widest = max(_bytes(x_dtype, residual_dtype if has_residual else None, out_dtype,
+                        weight_dtype, bias_dtype))
+    return row_config(n_cols, widest, staged_tensors=len(staged),
+                      bytes_per_col=sum(_bytes(*staged)), max_vec=max_vec)
+
+
+def backward_config(n_cols: int, h_dtype, dy_dtype, out_dtypes, weight_dtype, accumulators: int,
+                    max_vec: int | None = None) -> RowConfig:
+    """Staged: h and dy; every fp32 dweight/dbias accumulator counts as one more
+    tensor kept per column (registers for one chunk, shared memory beyond)."""
+    widest = max(_bytes(h_dtype, dy_dtype, weight_dtype, *out_dtypes))
+    return row_config(n_cols, widest, staged_tensors=2 + accumulators,
+                      bytes_per_col=sum(_bytes(h_dtype, dy_dtype)) + 4 * accumulators,
+                      max_vec=max_vec)
+
+
+def compile_forward(cfg: RowConfig, rms: bool, x_dtype, residual_dtype, has_residual: bool,
+                    store_residual: bool, weight_dtype, bias_dtype, out_dtype):
+    def build():
+        vec = cfg.vec
+        dt = cutlass_dtype
+        rdt = dt(residual_dtype)
+        kernel = NormForward(cfg, rms, dt(x_dtype), rdt, has_residual, store_residual)
+        n = cfg.n_cols
+        from cutlass import Float32
+        import cutlass.cute as cute
+        rows = cute.sym_int()
+        return compile_kernel(
+            kernel,
+            fake_rows(dt(x_dtype), n, vec),
+            fake_rows(rdt, n, vec) if has_residual else None,
+            fake_vector(dt(weight_dtype), n, vec) if weight_dtype is not None else None,
+            fake_vector(dt(bias_dtype), n, vec) if bias_dtype is not None else None,
+            fake_rows(dt(out_dtype), n, vec),
+            fake_rows(rdt, n, vec) if store_residual else None,
+            fake_vector(Float32, rows) if not rms else None,
+            fake_vector(Float32, rows),
+            Float32(1e-6),
+            Float32(0.0),
+        )
+
+    key = kernel_key("norm_fwd", cfg, rms, x_dtype, residual_dtype, has_residual, store_residual,
+                     weight_dtype, bias_dtype, out_dtype)
+    return compiled(key, build)
+
+
+def compile_backward(cfg: RowConfig, rms: bool, h_dtype, dy_dtype, weight_dtype,
+                     has_dresidual_out: bool, dresidual_out_dtype, dx_dtype, dresidual_dtype,
+                     need_dweight: bool, need_dbias: bool):
+    def build():
+        from cutlass import Float32, Int32
+        import cutlass.cute as cute
+
+        vec = cfg.vec
+        dt = cutlass_dtype
+        n = cfg.n_cols
+        kernel = NormBackward(cfg, rms, dt(h_dtype), dt(dy_dtype), need_dweight, need_dbias)
+        rows = cute.sym_int()
+        return compile_kernel(
+            kernel,
+            fake_rows(dt(h_dtype), n, vec),
+            fake_rows(dt(dy_dtype), n, vec),
+            fake_vector(dt(weight_dtype), n, vec) if weight_dtype is not None else None,
+            fake_vector(Float32, rows) if not rms else None,
+            fake_vector(Float32, rows),
+            fake_rows(dt(dresidual_out_dtype), n, vec) if has_dresidual_out else None,
+            fake_rows(dt(dx_dtype), n, vec) if dx_dtype is not None else None,
+            fake_rows(dt(dresidual_dtype), n, vec) if dresidual_dtype is not None else None,
+            fake_rows(Float32, n, vec) if need_dweight else None,
+            fake_rows(Float32, n, vec) if need_dbias else None,
+            Float32(0.0),
+            Int32(1),
+        )
+
+    key = kernel_key("norm_bwd", cfg, rms, h_dtype, dy_dtype, weight_dtype, has_dresidual_out,
+                     dresidual_out_dtype, dx_dtype, dresidual_dtype, need_dweight, need_dbias)
+    return compiled(key, build)
+
+
+def _pointer_vec_limit(*vectors: Optional[Tensor]) -> int:
+    """Elements per access allowed by the base pointers of 1-D per-column tensors."""
+    limit = 16
+    for t in vectors:
+        if t is not None:
+            elem = t.element_size()
+            limit = min(limit, math.gcd(16 // elem, t.data_ptr() // elem))
+    return max(1, limit)
+
+
+# -------------------------------------------------------------------------- references
+def norm_reference(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+                   residual: Optional[Tensor], eps: float, weight_offset: float, rms: bool,
+                   out_dtype: Optional[torch.dtype] = None,
+                   residual_dtype: Optional[torch.dtype] = None,
+                   compute_dtype: torch.dtype = torch.float32):
+    """(y, h, mean, rstd) in ``compute_dtype`` math; y in out_dtype, h (the normalized
+    stream x + residual, rounded to residual_dtype) in residual_dtype."""
+    out_dtype = out_dtype or x.dtype
+    residual_dtype = residual_dtype or (residual.dtype if residual is not None else x.dtype)
+    h = x.to(compute_dtype)
+    if residual is not None:
+        h = (h + residual.to(compute_dtype)).to(residual_dtype).to(compute_dtype)
+    if rms:
+        mean = torch.zeros(h.shape[:-1], dtype=compute_dtype, device=h.device)
+        var = (h * h).mean(-1)
+    else:
+        mean = h.mean(-1)
+        var = ((h - mean[..., None]) ** 2).mean(-1)
+    rstd = torch.rsqrt(var + eps)
+    y = (h - mean[..., None]) * rstd[..., None]
+    if weight is not None:
+        y = y * (weight.to(compute_dtype) + weight_offset)
+    if bias is not None:
+        y = y + bias.to(compute_dtype)
+    return y.to(out_dtype), h.to(residual_dtype), mean, rstd
+
+
+def norm_backward_reference(dy: Tensor, h: Tensor, weight: Optional[Tensor], mean: Optional[Tensor],
+                            rstd: Tensor, dresidual_out: Optional[Tensor], weight_offset: float,
+                            rms: bool, compute_dtype: torch.dtype = torch.float32):
+    """(dh, dweight, dbias) in ``compute_dtype``."""
+    hc, dyc = h.to(compute_dtype), dy.to(compute_dtype)
+    rstd = rstd.to(compute_dtype)[..., None]
+    mean = 0.0 if rms else mean.to(compute_dtype)[..., None]
+    xhat = (hc - mean) * rstd
+    g = dyc if weight is None else dyc * (weight.to(compute_dtype) + weight_offset)
+    dh = g - xhat * (g * xhat).mean(-1, keepdim=True)
+    if not rms:
+        dh = dh - g.mean(-1, keepdim=True)
+    dh = dh * rstd
+    if dresidual_out is not None:
+        dh = dh + dresidual_out.to(compute_dtype)
+    reduce_dims = tuple(range(h.dim() - 1))
+    return dh, (dyc * xhat).sum(reduce_dims), dyc.sum(reduce_dims)
+
+
+# ----------------------------------------------------------------------------- the ops
+@torch.library.custom_op("quack_kernels::norm_forward", mutates_args=(), device_types="cpu")
+def norm_forward(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+                 residual: Optional[Tensor], eps: float, weight_offset: float, rms: bool,
+                 out_dtype: Optional[torch.dtype], residual_dtype: Optional[torch.dtype],
+                 store_residual: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """RMSNorm (rms=True) or LayerNorm over the last dimension: (y, residual_out, mean,
+    rstd); see the module docstring."""
+    _check_forward(x, weight, bias, residual, out_dtype, residual_dtype)
+    y, h, mean, rstd = norm_reference(x, weight, bias, residual, eps, weight_offset, rms,
+                                      out_dtype, residual_dtype)
+    h = h if store_residual and residual is not None else x.new_empty(EMPTY, dtype=h.dtype)
+    mean = mean if not rms else x.new_empty(EMPTY, dtype=torch.float32)
+    return y, h, mean, rstd
+
+
+@norm_forward.register_kernel("cuda")
+def _norm_forward_cuda(x, weight, bias, residual, eps, weight_offset, rms, out_dtype,
+                       residual_dtype, store_residual):
+    _check_forward(x, weight, bias, residual, out_dtype, residual_dtype)
+    check_gpu(x)
+    out_dtype = out_dtype or x.dtype
+    residual_dtype = residual_dtype or (residual.dtype if residual is not None else x.dtype)
+    has_residual = residual is not None
+    store_residual = store_residual and has_residual
+    rows = as_rows(x)
+    num_rows, n_cols = rows.shape
+    res_rows = as_rows(residual) if has_residual else None
+    weight = weight.contiguous() if weight is not None else None
+    bias = bias.contiguous() if bias is not None else None
+    y = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
+    h = torch.empty(rows.shape if store_residual else EMPTY, dtype=residual_dtype, device=x.device)
+    mean = torch.empty(num_rows if not rms else 0, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(num_rows, dtype=torch.float32, device=x.device)
+    if num_rows > 0:
+        tensors = [t for t in (rows, res_rows, y, h if store_residual else None) if t is not None]
+        max_vec = min(vector_limit(*tensors), _pointer_vec_limit(weight, bias))
+        cfg = forward_config(n_cols, x.dtype, residual_dtype, has_residual, out_dtype,
+                             weight.dtype if weight is not None else None,
+                             bias.dtype if bias is not None else None, max_vec)
+        fn = compile_forward(cfg, rms, x.dtype, residual_dtype, has_residual, store_residual,
+                             weight.dtype if weight is not None else None,
+                             bias.dtype if bias is not None else None, out_dtype)
+        fn(rows, res_rows, weight, bias, y, h if store_residual else None,
+           mean if not rms else None, rstd, eps, weight_offset)
+    stats_shape = x.shape[:-1]
+    return (y.view(x.shape), h.view(x.shape) if store_residual else h,
+            mean.view(stats_shape) if not rms else mean, rstd.view(stats_shape))
+
+
+@norm_forward.register_fake
+def _norm_forward_fake(x, weight, bias, residual, eps, weight_offset, rms, out_dtype,
+                       residual_dtype, store_residual):
+    _check_forward(x, weight, bias, residual, out_dtype, residual_dtype)
+    out_dtype = out_dtype or x.dtype
+    residual_dtype = residual_dtype or (residual.dtype if residual is not None else x.dtype)
+    stored = store_residual and residual is not None
+    y = x.new_empty(x.shape, dtype=out_dtype)
+    h = x.new_empty(x.shape if stored else EMPTY, dtype=residual_dtype)
+    mean = x.new_empty(x.shape[:-1] if not rms else EMPTY, dtype=torch.float32)
+    rstd = x.new_empty(x.shape[:-1], dtype=torch.float32)
+    return y, h, mean, rstd
+
+
+@torch.library.custom_op("quack_kernels::norm_backward", mutates_args=(), device_types="cpu")
+def norm_backward(dy: Tensor, h: Tensor, weight: Optional[Tensor], mean: Optional[Tensor],
+                  rstd: Tensor, dresidual_out: Optional[Tensor], weight_offset: float, rms: bool,
+                  dx_dtype: Optional[torch.dtype], dresidual_dtype: Optional[torch.dtype],
+                  need_dweight: bool, dbias_dtype: Optional[torch.dtype]
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of norm_forward from the normalized stream ``h`` and the statistics:
+    (dx, dresidual, dweight, dbias), each empty when its dtype is None / not needed."""
+    _check_backward(dy, h, weight, mean, rstd, dresidual_out, rms)
+    dh, dw, db = norm_backward_reference(dy, h, weight, mean, rstd, dresidual_out,
+                                         weight_offset, rms)
+    return _backward_outputs(dy, weight, dx_dtype, dresidual_dtype, need_dweight, dbias_dtype,
+                             dh, dw, db)
+
+
+def _backward_outputs(dy, weight, dx_dtype, dresidual_dtype, need_dweight, dbias_dtype,
+                      dh=None, dw=None, db=None):
+    """The four outputs (real values when given, else uninitialised / fake)."""
+    n_cols = dy.shape[-1]
+
+    def out(value, shape, dtype, wanted):
+        if not wanted:
+            return dy.new_empty(EMPTY, dtype=dtype or dy.dtype)
+        return value.to(dtype) if value is not None else dy.new_empty(shape, dtype=dtype)
+
+    need_dweight = need_dweight and weight is not None
+    return (
+        out(dh, dy.shape, dx_dtype, dx_dtype is not None),
+        out(dh, dy.shape, dresidual_dtype, dresidual_dtype is not None),
+        out(dw, (n_cols,), weight.dtype if weight is not None else None, need_dweight),
+        out(db, (n_cols,), dbias_dtype, dbias_dtype is not None),
+    )
+
+
+@norm_backward.register_kernel("cuda")
+def _norm_backward_cuda(dy, h, weight, mean, rstd, dresidual_out, weight_offset, rms, dx_dtype,
+                        dresidual_dtype, need_dweight, dbias_dtype):
+    _check_backward(dy, h, weight, mean, rstd, dresidual_out, rms)
+    check_gpu(dy)
+    need_dweight = need_dweight and weight is not None
+    need_dbias = dbias_dtype is not None
+    h_rows, dy_rows = as_rows(h), as_rows(dy)
+    num_rows, n_cols = h_rows.shape
+    dres_rows = as_rows(dresidual_out) if dresidual_out is not None else None
+    weight_c = weight.contiguous() if weight is not None else None
+    device = dy.device
+    dx = torch.empty(h_rows.shape if dx_dtype is not None else EMPTY,
+                     dtype=dx_dtype or dy.dtype, device=device)
+    dres = torch.empty(h_rows.shape if dresidual_dtype is not None else EMPTY,
+                       dtype=dresidual_dtype or dy.dtype, device=device)
+    dweight = torch.zeros(n_cols if need_dweight else 0,
+                          dtype=weight.dtype if weight is not None else dy.dtype, device=device)
+    dbias = torch.zeros(n_cols if need_dbias else 0, dtype=dbias_dtype or dy.dtype, device=device)
+    if num_rows > 0 and (dx_dtype or dresidual_dtype or need_dweight or need_dbias):
+        outs = [t for t in (dres_rows, dx if dx_dtype else None, dres if dresidual_dtype else None)
+                if t is not None]
+        max_vec = min(vector_limit(h_rows, dy_rows, *outs), _pointer_vec_limit(weight_c))
+        out_dtypes = [t.dtype for t in outs]
+        accumulators = int(need_dweight) + int(need_dbias)
+        cfg = backward_config(n_cols, h.dtype, dy.dtype, out_dtypes,
+                              weight.dtype if weight is not None else None, accumulators, max_vec)
+        fn = compile_backward(cfg, rms, h.dtype, dy.dtype,
+                              weight.dtype if weight is not None else None,
+                              dres_rows is not None,
+                              dres_rows.dtype if dres_rows is not None else None,
+                              dx_dtype, dresidual_dtype, need_dweight, need_dbias)
+        grid_rows = loop_grid_rows(cfg, num_rows, _num_sms(device))
+        partial_rows = grid_rows * cfg.rows_per_block
+        dw_part = torch.empty((partial_rows, n_cols), dtype=torch.float32, device=device) \
+            if need_dweight else None
+        db_part = torch.empty((partial_rows, n_cols), dtype=torch.float32, device=device) \
+            if need_dbias else None
+        fn(h_rows, dy_rows, weight_c, mean.reshape(-1) if not rms else None, rstd.reshape(-1),
+           dres_rows, dx if dx_dtype else None, dres if dresidual_dtype else None,
+           dw_part, db_part, weight_offset, grid_rows)
+        # fixed-shape fp32 column sums over the partial rows: bitwise reproducible
+        if need_dweight:
+            dweight = dw_part.sum(0).to(weight.dtype)
+        if need_dbias:
+            dbias = db_part.sum(0).to(dbias_dtype)
+    return (dx.view(dy.shape) if dx_dtype else dx, dres.view(dy.shape) if dresidual_dtype else dres,
+            dweight, dbias)
+
+
+@norm_backward.register_fake
+def _norm_backward_fake(dy, h, weight, mean, rstd, dresidual_out, weight_offset, rms, dx_dtype,
+                        dresidual_dtype, need_dweight, dbias_dtype):
+    _check_backward(dy, h, weight, mean, rstd, dresidual_out, rms)
+    return _backward_outputs(dy, weight, dx_dtype, dresidual_dtype, need_dweight, dbias_dtype)
+
+
+_sms: dict = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _sms:
+        _sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _sms[index]
+
+
+# ----------------------------------------------------------------------------- checks
+def _check_forward(x, weight, bias, residual, out_dtype, residual_dtype) -> None:
+    check_float_dtype("x", x)
+    if x.dim() == 0:
+        raise ValueError("quack_kernels: norms need x with at least one dimension")
+    n_cols = x.shape[-1]
+    if n_cols < 1:
+        raise ValueError(f"quack_kernels: the normalized dimension must be >= 1, got shape {tuple(x.shape)}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None:
+            check_float_dtype(name, t)
+            if tuple(t.shape) != (n_cols,):
+                raise ValueError(
+                    f"quack_kernels: {name} must have shape ({n_cols},) to match the last "
+                    f"dimension of x {tuple(x.shape)}; got {tuple(t.shape)}")
+    if residual is not None:
+        check_float_dtype("residual", residual)
+        if residual.shape != x.shape:
+            raise ValueError(
+                f"quack_kernels: residual must have the shape of x {tuple(x.shape)}; "
+                f"got {tuple(residual.shape)}")
+    for name, dtype in (("out_dtype", out_dtype), ("residual_dtype", residual_dtype)):
+        if dtype is not None and dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise TypeError(f"quack_kernels: {name}={dtype} is not supported; use "
+                            "torch.float32, torch.float16 or torch.bfloat16")
+    check_same_device(x=x, weight=weight, bias=bias, residual=residual)
+
+
+def _check_backward(dy, h, weight, mean, rstd, dresidual_out, rms) -> None:
+    for name, t in (("dy", dy), ("h", h), ("dresidual_out", dresidual_out), ("weight", weight)):
+        if t is not None:
+            check_float_dtype(name, t)
+    if dy.shape != h.shape or (dresidual_out is not None and dresidual_out.shape != dy.shape):
+        raise ValueError(f"quack_kernels: norm_backward needs dy, h (and dresidual_out) of one "
+                         f"shape; got {tuple(dy.shape)} and {tuple(h.shape)}")
+    if rstd.dtype != torch.float32 or rstd.shape != dy.shape[:-1] or \
+            (not rms and (mean is None or mean.shape != rstd.shape)):
+        raise ValueError("quack_kernels: norm_backward needs fp32 rstd (and mean for LayerNorm) "
+                         f"of shape {tuple(dy.shape[:-1])}")
+    check_same_device(dy=dy, h=h, weight=weight, rstd=rstd, dresidual_out=dresidual_out)
+
+
+# --------------------------------------------------------------------------- autograd
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, residual, eps, weight_offset, rms, out_dtype, residual_dtype, store = inputs
+    _, h, mean, rstd = output
+    ctx.rms = rms
+    ctx.weight_offset = weight_offset
+    ctx.has_residual = residual is not None
+    ctx.stored = store and residual is not None
+    ctx.x_dtype = x.dtype
+    ctx.residual_dtype = residual.dtype if residual is not None else None
+    ctx.bias_dtype = bias.dtype if bias is not None else None
+    ctx.residual_stream_dtype = residual_dtype or (residual.dtype if residual is not None else x.dtype)
+    ctx.eps = eps
+    ctx.set_materialize_grads(False)
+    if residual is None:
+        ctx.save_for_backward(x, weight, mean if not rms else None, rstd, None, None)
+    elif ctx.stored:
+        ctx.save_for_backward(h, weight, mean if not rms else None, rstd, None, None)
+    else:  # stream not stored (no prenorm): recompute it in the backward
+        ctx.save_for_backward(None, weight, mean if not rms else None, rstd, x, residual)
+
+
+def _backward(ctx, dy, dresidual_out, _dmean, _drstd):
+    h, weight, mean, rstd, x, residual = ctx.saved_tensors
+    if h is None:
+        h = (x.float() + residual.float()).to(ctx.residual_stream_dtype)
+    needs = ctx.needs_input_grad
+    if dy is None:
+        dy = torch.zeros_like(h)
+    if not ctx.stored:
+        dresidual_out = None
+    dx, dres, dw, db = norm_backward(
+        dy, h, weight, mean, rstd, dresidual_out, ctx.weight_offset, ctx.rms,
+        ctx.x_dtype if needs[0] else None,
+        ctx.residual_dtype if ctx.has_residual and needs[3] else None,
+        bool(needs[1]),
+        ctx.bias_dtype if needs[2] else None,
+    )
+    return (dx if needs[0] else None, dw if needs[1] else None, db if needs[2] else None,
+            dres if ctx.has_residual and needs[3] else None,
+            None, None, None, None, None, None)
+
+
+norm_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------ public API
+def _norm(x, weight, bias, residual, eps, weight_offset, rms, prenorm, out_dtype, residual_dtype):
+    if not isinstance(x, Tensor):
+        raise TypeError(f"quack_kernels: expected a torch.Tensor, got {type(x).__name__}")
+    _check_forward(x, weight, bias, residual, out_dtype, residual_dtype)
+    residual_dtype = residual_dtype or (residual.dtype if residual is not None else x.dtype)
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, weight, bias, residual))
+    store = residual is not None and (prenorm or needs_grad)
+    y, h, _, _ = norm_forward(x, weight, bias, residual, float(eps), float(weight_offset), rms,
+                              out_dtype, residual_dtype, store)
+    if not prenorm:
+        return y
+    if residual is None:
+        return y, x.to(residual_dtype)
+    return y, h
+
+
+def rms_norm(x: Tensor, weight: Optional[Tensor] = None, *, eps: float = 1e-6,
+             residual: Optional[Tensor] = None, weight_offset: float = 0.0, prenorm: bool = False,
+             out_dtype: Optional[torch.dtype] = None, residual_dtype: Optional[torch.dtype] = None):
+    """RMSNorm over the last dimension:
+    ``y = h * rsqrt(mean(h^2) + eps) * (weight + weight_offset)``, h = x + residual.
+
+    ``weight_offset=1.0`` is the Gemma form (ignored without a weight). With
+    ``prenorm=True`` returns ``(y, h)``, h in ``residual_dtype`` (default: the
+    residual's dtype, else x's). Statistics in fp32; y in ``out_dtype`` (default x's).
+    Differentiable wrt x, weight and residual. For rstd use
+    ``torch.ops.quack_kernels.norm_forward``."""
+    return _norm(x, weight, None, residual, eps, weight_offset, True, prenorm, out_dtype,
+                 residual_dtype)
+
+
+def layer_norm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None, *,
+               eps: float = 1e-5, residual: Optional[Tensor] = None, prenorm: bool = False,
+               out_dtype: Optional[torch.dtype] = None,
+               residual_dtype: Optional[torch.dtype] = None):
+    """LayerNorm over the last dimension (centered variance):
+    ``y = (h - mean(h)) * rsqrt(var(h) + eps) * weight + bias``, h = x + residual.
+
+    ``prenorm``, ``out_dtype`` and ``residual_dtype`` as in :func:`rms_norm`.
+    Differentiable wrt x, weight, bias and residual."""
+    return _norm(x, weight, bias, residual, eps, 0.0, False, prenorm, out_dtype, residual_dtype)
