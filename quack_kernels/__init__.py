@@ -5,7 +5,9 @@ ops (CPU reference implementations, CUDA kernels for sm_90+).
 """
 
 from . import nn
+from .ops.cross_entropy import cross_entropy
+from .ops.norm import layer_norm, rms_norm
 from .ops.softmax import log_softmax, softmax
 
 __version__ = "0.1.0"
-__all__ = ["softmax", "log_softmax", "nn", "__version__"]
+__all__ = ["softmax", "log_softmax", "cross_entropy", "nn", "__version__"]

@@ -389,5 +389,7 @@ def cross_entropy(logits: Tensor, target: Tensor, weight: Optional[Tensor] = Non
         else:
             safe = torch.where(kept, target_rows, torch.zeros_like(target_rows)).clamp(0, n_cols - 1)
             denominator = (weight.to(loss.dtype)[safe] * kept).sum()
-        out = loss.sum() / denominator
+        # where, not a plain sum: an ignored row then gets upstream gradient 0, not
+        # 0 / 0 (torch's gradient is 0 even when every target is ignored)
+        out = torch.where(kept, loss, torch.zeros_like(loss)).sum() / denominator
     return (out, lse.view(target.shape)) if return_lse else out

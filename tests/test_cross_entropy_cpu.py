@@ -1,0 +1,282 @@
+"""Cross-entropy on CPU (CI): the reference against torch for every option, the custom
+ops (opcheck, fake kernels, gradcheck), errors, and the sm_90a compile with no spills."""
+
+import itertools
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import quack_kernels as qk
+from quack_kernels.ops import cross_entropy as ops
+
+from helpers import assert_close
+
+OPTIONS = dict(
+    weighted=[False, True],
+    label_smoothing=[0.0, 0.1],
+    lse_square_scale=[0.0, 1e-3],
+    softcap=[None, 5.0],
+    reduction=["none", "sum", "mean"],
+)
+COMBOS = [dict(zip(OPTIONS, values)) for values in itertools.product(*OPTIONS.values())]
+
+
+def torch_cross_entropy(x, target, weight, *, ignore_index=-100, reduction="mean",
+                        label_smoothing=0.0, lse_square_scale=0.0, softcap=None):
+    """The definition, from torch's own cross_entropy: softcap first, z-loss per
+    non-ignored row, the reduction as torch does it (mean over the summed target
+    weights)."""
+    z = softcap * torch.tanh(x / softcap) if softcap else x
+    loss = F.cross_entropy(z, target, weight, ignore_index=ignore_index, reduction="none",
+                           label_smoothing=label_smoothing)
+    kept = target != ignore_index
+    if lse_square_scale:
+        loss = loss + torch.where(kept, lse_square_scale * torch.logsumexp(z, -1) ** 2, 0.0)
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    w_t = kept.to(x.dtype) if weight is None else weight[target.clamp(min=0)] * kept
+    return loss.sum() / w_t.sum()
+
+
+def make_case(m=29, v=37, dtype=torch.float64, ignore_every=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, v, generator=g, dtype=dtype) * 3
+    target = torch.randint(0, v, (m,), generator=g)
+    target[::ignore_every] = -100
+    # a confident row: the target logit 10 above the max
+    x[1, target[1]] = x[1].max() + 10
+    weight = torch.rand(v, generator=g, dtype=dtype) + 0.5
+    return x, target, weight
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_public_function_matches_torch(combo):
+    combo = dict(combo)
+    x, target, weight = make_case()
+    weight = weight if combo.pop("weighted") else None
+    ours_x = x.clone().requires_grad_()
+    ref_x = x.clone().requires_grad_()
+    ours = qk.cross_entropy(ours_x, target, weight, **combo)
+    ref = torch_cross_entropy(ref_x, target, weight, **combo)
+    assert_close(ours, ref, torch.float32, name="loss")
+    # a non-uniform upstream gradient, and the loss used twice
+    upstream = torch.rand_like(ref) + 0.5
+    ((ours * upstream).sum() + ours.sum()).backward()
+    ((ref * upstream).sum() + ref.sum()).backward()
+    assert_close(ours_x.grad, ref_x.grad, torch.float32, name="grad")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("target_dtype", [torch.int64, torch.int32])
+def test_dtypes_and_inplace(dtype, target_dtype):
+    x, target, weight = make_case(dtype=torch.float32)
+    x = x.to(dtype)
+    for inplace in (False, True):
+        xi = x.clone().requires_grad_()
+        xr = x.float().clone().requires_grad_()
+        kw = dict(label_smoothing=0.1, lse_square_scale=1e-3, softcap=4.0)
+        loss, lse = qk.cross_entropy(xi * 1 if inplace else xi, target.to(target_dtype), weight,
+                                     return_lse=True, inplace_backward=inplace, **kw)
+        ref = torch_cross_entropy(xr, target, weight, **kw)
+        assert loss.dtype == torch.float32 and lse.dtype == torch.float32
+        assert_close(loss, ref.float(), torch.float32, scale=4.0, name="loss")
+        assert_close(lse, torch.logsumexp(4.0 * torch.tanh(xr / 4.0), -1).detach(), torch.float32)
+        loss.backward()
+        ref.backward()
+        assert xi.grad.dtype == dtype
+        assert_close(xi.grad, xr.grad.to(dtype), dtype, name="grad")
+
+
+def test_inplace_overwrites_logits_with_gradient():
+    x, target, _ = make_case(dtype=torch.float32)
+    leaf = x.clone().requires_grad_()
+    logits = leaf * 1.0
+    loss = qk.cross_entropy(logits, target, reduction="sum", inplace_backward=True)
+    per_row_grad = ops.cross_entropy_reference(x, target, None, -100, 0.0, 0.0, 0.0)[2]
+    assert_close(logits.detach(), per_row_grad, torch.float32)  # the buffer is the gradient now
+    loss.backward()
+    assert_close(leaf.grad, per_row_grad, torch.float32)
+
+
+def test_leading_dims_ignore_index_and_empty():
+    x = torch.randn(3, 5, 11, dtype=torch.float64)
+    target = torch.randint(0, 11, (3, 5))
+    target[0, 0] = 3
+    out = qk.cross_entropy(x, target, ignore_index=3, reduction="none")
+    ref = F.cross_entropy(x.reshape(-1, 11), target.reshape(-1), ignore_index=3, reduction="none")
+    assert out.shape == (3, 5)
+    assert_close(out, ref.view(3, 5), torch.float32)
+    one = qk.cross_entropy(x[0, 0], target[0, 1])  # (C,) logits, () target
+    assert_close(one, F.cross_entropy(x[0, 0], target[0, 1]), torch.float32)
+    empty = torch.empty(0, 11, requires_grad=True)
+    no_target = torch.empty(0, dtype=torch.long)
+    for reduction, expected in (("none", (0,)), ("sum", ()), ("mean", ())):
+        assert qk.cross_entropy(empty, no_target, reduction=reduction).shape == expected
+    assert torch.isnan(qk.cross_entropy(empty, no_target))  # like torch: mean of nothing
+    qk.cross_entropy(empty, no_target, reduction="sum").backward()
+    assert empty.grad.shape == (0, 11)
+
+
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.2])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_all_rows_ignored_like_torch(label_smoothing, weighted):
+    x = torch.randn(4, 6, requires_grad=True)
+    xr = x.detach().clone().requires_grad_()
+    target = torch.full((4,), -100)
+    weight = torch.rand(6) + 0.5 if weighted else None
+    ours = qk.cross_entropy(x, target, weight, label_smoothing=label_smoothing)
+    ref = F.cross_entropy(xr, target, weight, label_smoothing=label_smoothing)
+    assert torch.isnan(ours) and torch.isnan(ref)
+    ours.backward()
+    ref.backward()
+    assert torch.equal(x.grad.abs(), xr.grad.abs()) and not x.grad.isnan().any()
+
+
+def test_module():
+    x, target, weight = make_case(dtype=torch.float32)
+    module = qk.nn.CrossEntropyLoss(weight, label_smoothing=0.1, reduction="sum")
+    ref = torch.nn.CrossEntropyLoss(weight, label_smoothing=0.1, reduction="sum")
+    assert_close(module(x, target), ref(x, target), torch.float32)
+    assert "label_smoothing=0.1" in repr(module)
+
+
+def test_errors():
+    x = torch.randn(4, 10)
+    t = torch.tensor([0, 1, 2, 3])
+    with pytest.raises(ValueError, match="outside"):
+        qk.cross_entropy(x, torch.tensor([0, 10, 2, 3]))
+    with pytest.raises(ValueError, match="outside"):
+        qk.cross_entropy(x, torch.tensor([0, -1, 2, 3]), check_targets=True)
+    with pytest.raises(ValueError, match="target shape"):
+        qk.cross_entropy(x, t[:3])
+    with pytest.raises(TypeError, match="probability"):
+        qk.cross_entropy(x, torch.rand(4, 10))
+    with pytest.raises(TypeError, match="int64 or torch.int32"):
+        qk.cross_entropy(x, t.to(torch.int16))
+    with pytest.raises(TypeError, match="dtype"):
+        qk.cross_entropy(x.to(torch.int64), t)
+    with pytest.raises(ValueError, match="reduction"):
+        qk.cross_entropy(x, t, reduction="avg")
+    with pytest.raises(ValueError, match="label_smoothing"):
+        qk.cross_entropy(x, t, label_smoothing=1.5)
+    with pytest.raises(ValueError, match="softcap"):
+        qk.cross_entropy(x, t, softcap=0.0)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        qk.cross_entropy(x, t, torch.ones(9))
+    with pytest.raises(ValueError, match="one device"):
+        qk.cross_entropy(x, t.to("meta"))
+    # ignore_index inside [0, C) is a legal ignore, not a bad target
+    assert torch.isfinite(qk.cross_entropy(x, t, ignore_index=2))
+
+
+def _op_args(x, target, weight, compute_grad=True):
+    return (x, target, weight, -100, 0.1, 1e-3, 3.0) + ((compute_grad,) if compute_grad is not None else ())
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_opcheck(weighted):
+    x, target, weight = make_case(dtype=torch.float32)
+    weight = weight.float() if weighted else None
+    for compute_grad in (True, False):
+        torch.library.opcheck(torch.ops.quack_kernels.cross_entropy_forward,
+                              _op_args(x, target, weight, compute_grad))
+    torch.library.opcheck(torch.ops.quack_kernels.cross_entropy_forward_inplace,
+                          _op_args(x.clone(), target, weight, None))
+
+
+def test_fake_kernels():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(7, 100, dtype=torch.bfloat16)
+        target = torch.empty(7, dtype=torch.int32)
+        loss, lse, grad = torch.ops.quack_kernels.cross_entropy_forward(
+            x, target, None, -100, 0.0, 0.0, 0.0, True)
+        assert loss.shape == lse.shape == (7,) and loss.dtype == torch.float32
+        assert grad.shape == (7, 100) and grad.dtype == torch.bfloat16
+        loss, lse = torch.ops.quack_kernels.cross_entropy_forward_inplace(
+            x, target, None, -100, 0.0, 0.0, 0.0)
+        assert loss.shape == (7,)
+
+
+def test_gradcheck():
+    x, target, weight = make_case(m=6, v=7, ignore_every=3)
+    for kw in (dict(), dict(label_smoothing=0.2, lse_square_scale=0.01, softcap=2.0)):
+        for w in (None, weight):
+            torch.autograd.gradcheck(
+                lambda a: qk.cross_entropy(a, target, w, reduction="none", **kw),
+                (x.clone().requires_grad_(),))
+
+
+def test_torch_compile_fullgraph():
+    x, target, weight = make_case(dtype=torch.float32)
+    fn = torch.compile(lambda a, t: qk.cross_entropy(a, t, weight, label_smoothing=0.1),
+                       fullgraph=True, backend="aot_eager")
+    a = x.clone().requires_grad_()
+    out = fn(a, target)
+    out.backward()
+    ar = x.clone().requires_grad_()
+    ref = F.cross_entropy(ar, target, weight, label_smoothing=0.1)
+    ref.backward()
+    assert_close(out, ref, torch.float32)
+    assert_close(a.grad, ar.grad, torch.float32)
+
+
+# ------------------------------------------------------------- sm_90a compile, no spills
+SPILL_SCRIPT = r"""
+import json, pathlib, sys, torch
+from quack_kernels.ops import cross_entropy as ce
+dump = pathlib.Path(sys.argv[2])
+for i, (n, dtype, target_dtype, flags) in enumerate(json.loads(sys.argv[1])):
+    dtype, target_dtype = getattr(torch, dtype), getattr(torch, target_dtype)
+    cfg = ce.forward_config(n, dtype, flags["weighted"] and flags["smoothing"])
+    ce.compile_forward(cfg, dtype, target_dtype, **flags)
+    # dump names are truncated and collide: give each case's cubin its own name
+    for cubin in dump.glob("cutlass*.cubin"):
+        cubin.rename(dump / f"case{i}.cubin")
+"""
+
+SPILL_CASES = [
+    (n, dtype, "int64", dict(weighted=w, smoothing=s, zloss=z, softcap=c, write_grad=g))
+    for n in (2, 1000, 32000, 50257, 151936, 262145, 524288)
+    for dtype in ("float32", "bfloat16", "float16")
+    for w, s, z, c, g in ((False, False, False, False, True), (True, True, True, True, True),
+                          (False, True, False, True, False))
+]
+
+
+def _cuobjdump():
+    import nvidia
+
+    for root in nvidia.__path__:
+        for path in pathlib.Path(root).glob("cu*/bin/cuobjdump"):
+            return str(path)
+    return None
+
+
+@pytest.mark.slow
+def test_sm90a_compile_without_spills(tmp_path):
+    cuobjdump = _cuobjdump()
+    if cuobjdump is None:
+        pytest.skip("cuobjdump not installed")
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin",
+               CUTE_DSL_DUMP_DIR=str(tmp_path),
+               PYTHONPATH=str(pathlib.Path(__file__).resolve().parents[1]))
+    subprocess.run([sys.executable, "-c", SPILL_SCRIPT, json.dumps(SPILL_CASES), str(tmp_path)],
+                   env=env,
+                   check=True)
+    cubins = sorted(tmp_path.glob("case*.cubin"))
+    assert len(cubins) == len(SPILL_CASES)
+    for cubin in cubins:
+        usage = subprocess.run([cuobjdump, "-res-usage", str(cubin)], capture_output=True,
+                               text=True, check=True).stdout
+        case = SPILL_CASES[int(cubin.stem[4:])]
+        assert "LOCAL:0 " in usage and "STACK:0 " in usage, f"{case}: {usage}"
