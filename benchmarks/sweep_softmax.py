@@ -32,8 +32,8 @@ def main():
         y = torch.empty_like(x)
         dx = torch.empty_like(x)
         eb = x.element_size()
-        for backward, vpt, mtpr in itertools.product((False, True), (16, 32, 64), (128, 256, 512)):
-            cfg = row_config(n, eb, 2 if backward else 1, values_per_thread=vpt, max_threads_per_row=mtpr)
+        for backward, vpt, kib in itertools.product((False, True), (16, 32, 64), (16, 32, 64)):
+            cfg = row_config(n, eb, 2 if backward else 1, values_per_thread=vpt, cta_row_bytes=kib * 1024)
             if cfg.staging_smem_bytes(eb * (2 if backward else 1)) > SMEM_LIMIT - 4096:
                 continue
             try:
@@ -48,11 +48,11 @@ def main():
                 call()
                 ms = triton.testing.do_bench(call, return_mode="median")
                 pct = 100 * nbytes / ms / 1e6 / ceiling
-                print(f"{str(dtype)[6:]:9s} N={n:8d} {'bwd' if backward else 'fwd'} vpt={vpt:3d} mtpr={mtpr:3d} "
+                print(f"{str(dtype)[6:]:9s} N={n:8d} {'bwd' if backward else 'fwd'} vpt={vpt:3d} kib={kib:3d} "
                       f"cl={cfg.cluster_size:2d} tpr={cfg.threads_per_row:3d} vecs={cfg.vecs_per_thread:2d} "
                       f"ch={cfg.num_chunks} {cfg.staging:9s} {ms*1e3:8.1f}us {pct:5.1f}%", flush=True)
             except Exception as e:  # a variant that does not compile or launch
-                print(f"{dtype} {n} bwd={backward} vpt={vpt} mtpr={mtpr}: {type(e).__name__}")
+                print(f"{dtype} {n} bwd={backward} vpt={vpt} kib={kib}: {type(e).__name__}")
         del x, dy, y, dx
         torch.cuda.empty_cache()
 

@@ -31,7 +31,7 @@ def test_config_invariants(n, elem_bytes, staged):
     assert cfg.threads_per_row & (cfg.threads_per_row - 1) == 0
     assert 1 <= cfg.cluster_size <= MAX_CLUSTER_SIZE
     assert cfg.threads_per_block <= 1024
-    assert cfg.vec * cfg.vecs_per_thread * staged <= max(VALUES_PER_THREAD, cfg.vec * staged)
+    assert cfg.vec * cfg.vecs_per_thread * staged <= max(VALUES_PER_THREAD[elem_bytes], cfg.vec * staged)
     if cfg.staging == "smem":
         assert cfg.staging_smem_bytes(elem_bytes * staged) <= STAGING_SMEM_BYTES
     assert (cfg.num_chunks == 1) == (cfg.staging == "registers")

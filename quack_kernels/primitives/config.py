@@ -27,10 +27,18 @@ MAX_CLUSTER_SIZE = 16
 SMEM_BYTES_PER_CTA = 227 * 1024
 ACCESS_BYTES = 16  # widest global load/store a thread can issue (ld.global.v4.b32)
 
-# Row values a thread keeps in fp32 registers, summed over the staged tensors. 64 keeps
-# a 256-thread CTA under ~128 registers/thread so two CTAs fit on an SM and one can
-# load while the other stores.
-VALUES_PER_THREAD = 64
+# Row values a thread keeps in fp32 registers per chunk, summed over the staged
+# tensors, by element size. Fewer registers mean more resident CTAs per SM, so one CTA
+# loads while another reduces or stores; longer shares are staged in shared memory in
+# chunks. Measured on H200 over N = 1K..256K, fwd and bwd (sweep of 16/32/64 in
+# benchmarks/results/softmax_config_sweep_H200_20261129.txt): 16-bit rows were best
+# at 16 (bf16 256K fwd 93% vs 88% at 64), fp32 rows at 32 (fp32 64K bwd 101% vs 92%
+# at 16).
+VALUES_PER_THREAD = {2: 16, 4: 32}
+# Bytes of the row (all staged tensors) one CTA owns: the cluster grows until a CTA's
+# share fits. Small shares keep several CTAs resident per SM and balance the tail
+# (16 KiB was at least as good as 32/64 KiB on every swept shape, same file).
+CTA_ROW_BYTES = 16 * 1024
 # Threads per row grow before the cluster does: a 256-thread row needs 8 warps in the
 # block reduction, beyond that the smem round trip and barrier stall start to cost more
 # than a DSMEM exchange.
@@ -111,11 +119,10 @@ def threads_per_row_for(vectors: int, max_vecs_per_thread: int, max_threads: int
     return min(max_threads, max(wanted, needed, 1))
 
 
-def cluster_size_for(vectors: int, max_vecs_per_thread: int, max_threads: int) -> int:
-    """Smallest power-of-two cluster whose CTAs each hold their share of the row in
-    registers (one chunk of ``max_threads`` threads); capped at 16."""
-    per_cta = max_threads * max_vecs_per_thread
-    return min(MAX_CLUSTER_SIZE, _next_pow2(math.ceil(vectors / per_cta)))
+def cluster_size_for(row_bytes: int, cta_row_bytes: int) -> int:
+    """Smallest power-of-two cluster whose CTAs each own at most ``cta_row_bytes`` of
+    the row; capped at 16 (beyond that a CTA's share grows instead)."""
+    return min(MAX_CLUSTER_SIZE, _next_pow2(math.ceil(row_bytes / cta_row_bytes)))
 
 
 def staging_for(chunks: int, chunk_bytes: int) -> str:
@@ -131,9 +138,10 @@ def staging_for(chunks: int, chunk_bytes: int) -> str:
 
 def row_config(n_cols: int, elem_bytes: int, staged_tensors: int = 1,
                bytes_per_col: int | None = None, max_vec: int | None = None,
-               values_per_thread: int = VALUES_PER_THREAD,
+               values_per_thread: int | None = None,
                max_threads_per_row: int = MAX_THREADS_PER_ROW,
-               min_threads_per_block: int = MIN_THREADS_PER_BLOCK) -> RowConfig:
+               min_threads_per_block: int = MIN_THREADS_PER_BLOCK,
+               cta_row_bytes: int = CTA_ROW_BYTES) -> RowConfig:
     """Configuration for rows of ``n_cols`` elements of ``elem_bytes`` each (the widest
     staged dtype), with ``staged_tensors`` row tensors kept on chip together (e.g. y and
     dy in a backward). ``bytes_per_col`` is the staged bytes per column over all of
@@ -144,9 +152,11 @@ def row_config(n_cols: int, elem_bytes: int, staged_tensors: int = 1,
     if bytes_per_col is None:
         bytes_per_col = staged_tensors * elem_bytes
     vec = vector_width(n_cols, elem_bytes, max_vec)
+    if values_per_thread is None:
+        values_per_thread = VALUES_PER_THREAD.get(elem_bytes, 32)
     max_vecs_per_thread = max(1, values_per_thread // (vec * staged_tensors))
     vectors = math.ceil(n_cols / vec)
-    cluster = cluster_size_for(vectors, max_vecs_per_thread, max_threads_per_row)
+    cluster = cluster_size_for(n_cols * bytes_per_col, cta_row_bytes)
     vectors_per_cta = math.ceil(vectors / cluster)
     threads_per_row = threads_per_row_for(vectors_per_cta, max_vecs_per_thread, max_threads_per_row)
     vecs_needed = math.ceil(vectors_per_cta / threads_per_row)
