@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -26,9 +27,15 @@ def check_same_device(**tensors: torch.Tensor) -> None:
         raise ValueError(f"quack_kernels: tensors must be on one device, got {listing}")
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> tuple:
+    return torch.cuda.get_device_capability(device_index)
+
+
 def check_gpu(tensor: torch.Tensor) -> None:
-    """Our CUDA kernels need Hopper (sm_90) or newer."""
-    capability = torch.cuda.get_device_capability(tensor.device)
+    """Our CUDA kernels need Hopper (sm_90) or newer (cached: this is on every call)."""
+    capability = _capability(tensor.device.index if tensor.device.index is not None
+                             else torch.cuda.current_device())
     if capability < MIN_CAPABILITY:
         name = torch.cuda.get_device_name(tensor.device)
         raise RuntimeError(

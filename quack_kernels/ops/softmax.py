@@ -4,6 +4,8 @@ dim there first."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -22,10 +24,12 @@ from .common import (
 
 
 # ----------------------------------------------------------------------------- configs
+@functools.lru_cache(maxsize=None)
 def forward_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None) -> RowConfig:
     return row_config(n_cols, torch.finfo(dtype).bits // 8, staged_tensors=1, max_vec=max_vec)
 
 
+@functools.lru_cache(maxsize=None)
 def backward_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None) -> RowConfig:
     return row_config(n_cols, torch.finfo(dtype).bits // 8, staged_tensors=2, max_vec=max_vec)
 

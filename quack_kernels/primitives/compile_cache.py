@@ -12,6 +12,7 @@ report.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from typing import Any, Callable, Hashable
@@ -35,9 +36,11 @@ def cutlass_dtype(dtype: torch.dtype):
     }[dtype]
 
 
+@functools.lru_cache(maxsize=None)
 def target_arch() -> str:
     """The arch kernels are compiled for: CUTE_DSL_ARCH if set, else the current GPU's
-    (sm_90a for Hopper: cluster launch and DSMEM need the 'a' features)."""
+    (sm_90a for Hopper: cluster launch and DSMEM need the 'a' features). Read once per
+    process: it is part of every cache key, looked up on every call."""
     arch = os.environ.get("CUTE_DSL_ARCH")
     if arch:
         return arch
