@@ -21,8 +21,8 @@ Bytes: one read of the logits (M x C); with the gradient, one write of M x C mor
 Class weights with label smoothing also read the weight row (C fp32, from L2).
 
 Layout: RowKernel geometry (a row split over a cluster of up to 16 CTAs). One
-row_allreduce per row combines the online (max, sum of exp) pair with plain sums of the
-target logit and weight (contributed by the row's first thread, which gathers them) and,
+row_allreduce per row combines the online (max, sum of exp, sum of exp over the
+non-target classes) triple with plain sums of the target logit and weight (contributed by the row's first thread, which gathers them) and,
 for label smoothing, of sum_j w_j z_j and W. Every thread then knows lse and writes its
 share of the gradient; the row's first thread writes loss and lse.
 """
@@ -40,12 +40,27 @@ from ..primitives import reduce as red
 from ..primitives import tiling
 from ..primitives.config import RowConfig
 from ..primitives.rows import ReductionSlot, RowKernel, RowTiles
-from .softmax import LOG2_E, _finite_or_zero, _online_softmax_combine
+from .softmax import LOG2_E, _finite_or_zero
 
 
 def _combine(a, b):
-    """(max, sum of exp) merged online; every further value is a plain sum."""
-    return _online_softmax_combine(a[:2], b[:2]) + red.sum_combine(a[2:], b[2:])
+    """(max, sum of exp, sum of exp over the non-target classes) merged online, both
+    sums rescaled to the new max; every further value is a plain sum."""
+    m = cute.arch.fmax(a[0], b[0])
+    m_safe = _finite_or_zero(m)  # fully masked: avoid -inf - -inf = nan
+    scale_a = cute.math.exp2((a[0] - m_safe) * LOG2_E, fastmath=True)
+    scale_b = cute.math.exp2((b[0] - m_safe) * LOG2_E, fastmath=True)
+    return (m, a[1] * scale_a + b[1] * scale_b, a[2] * scale_a + b[2] * scale_b) \
+        + red.sum_combine(a[3:], b[3:])
+
+
+@cute.jit
+def _is_column(tXcX: cute.Tensor, col: Int32) -> cute.TensorSSA:
+    """Per value of this thread's chunk: is it in column ``col``?"""
+    flags = cute.make_rmem_tensor(cute.make_layout(tXcX.shape), Boolean)
+    for i in cutlass.range_constexpr(cute.size(flags)):
+        flags[i] = tXcX[i][1] == col
+    return flags.load()
 
 
 class CrossEntropyForward(RowKernel):
@@ -68,8 +83,8 @@ class CrossEntropyForward(RowKernel):
         # enters the result (label smoothing); otherwise only w_t is gathered.
         self.stage_weight = weighted and smoothing
         self.staged_dtypes = (dtype, Float32) if self.stage_weight else (dtype,)
-        # (max, sumexp, z_t, [w_t], [sum w z], [W])
-        self.values_per_reduction = 3 + int(weighted) + int(smoothing) + int(self.stage_weight)
+        # (max, sumexp, sumexp without the target, z_t, [w_t], [sum w z], [W])
+        self.values_per_reduction = 4 + int(weighted) + int(smoothing) + int(self.stage_weight)
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mTarget: cute.Tensor, mWeight: cute.Tensor,
@@ -136,7 +151,7 @@ class CrossEntropyForward(RowKernel):
             cute.arch.cluster_wait()
 
         kept = []
-        stats = (Float32(-math.inf), Float32(0.0))
+        stats = (Float32(-math.inf), Float32(0.0), Float32(0.0))
         sum_wz = Float32(0.0)
         sum_w = Float32(0.0)
         for c in cutlass.range_constexpr(cfg.num_chunks):
@@ -149,8 +164,11 @@ class CrossEntropyForward(RowKernel):
                 z_sum_in = tiling.mask_out_of_row(z, tiles.coords[c], n_cols, 0.0)
             chunk_max = red.thread_reduce(z_max_in, cute.ReductionOp.MAX, -math.inf)
             e = cute.math.exp2((z_max_in - _finite_or_zero(chunk_max)) * LOG2_E, fastmath=True)
-            stats = _online_softmax_combine(
-                stats, (chunk_max, red.thread_reduce(e, cute.ReductionOp.ADD, 0.0)))
+            # the non-target sum keeps 1 - p_t = sumexp_other / sumexp exact for a
+            # confident row, where 1 - exp(z_t - lse) would be mostly rounding
+            e_other = cute.where(_is_column(tiles.coords[c], target_col), 0.0, e)
+            stats = _combine(stats, (chunk_max, red.thread_reduce(e, cute.ReductionOp.ADD, 0.0),
+                                     red.thread_reduce(e_other, cute.ReductionOp.ADD, 0.0)))
             w = None
             if cutlass.const_expr(self.stage_weight):
                 w = tiles.values(1, c, fill=0.0)
@@ -162,7 +180,7 @@ class CrossEntropyForward(RowKernel):
                 kept.append((z, w))
 
         partials = (*stats, z_target)
-        identity = (Float32(-math.inf), Float32(0.0), Float32(0.0))
+        identity = (Float32(-math.inf), Float32(0.0), Float32(0.0), Float32(0.0))
         if cutlass.const_expr(self.weighted):
             partials = partials + (w_target,)
             identity = identity + (Float32(0.0),)
@@ -173,8 +191,8 @@ class CrossEntropyForward(RowKernel):
             partials = partials + (sum_w,)
             identity = identity + (Float32(0.0),)
         totals = slot.allreduce(partials, _combine, identity)
-        row_max, row_sumexp, z_target = totals[0], totals[1], totals[2]
-        k = 3
+        row_max, row_sumexp, other_sumexp, z_target = totals[0], totals[1], totals[2], totals[3]
+        k = 4
         w_target = Float32(1.0)
         if cutlass.const_expr(self.weighted):
             w_target = totals[k]
@@ -198,7 +216,13 @@ class CrossEntropyForward(RowKernel):
             nll_scale = (Float32(1.0) - smoothing) * w_target
 
         if lead & tiles.row_in_bounds:
-            loss = nll_scale * ((row_max - z_target) + log_sumexp)
+            # -log p_t = log(sumexp) + (max - z_t) = log1p(sumexp_other * exp(max - z_t)):
+            # the second form keeps the precision of a small loss (confident row)
+            gap = row_max - z_target
+            nll = gap + log_sumexp
+            if gap < Float32(20.0):
+                nll = cute.math.log1p(other_sumexp * cute.math.exp(gap))
+            loss = nll_scale * nll
             if cutlass.const_expr(self.smoothing):
                 loss = loss + eps_per_class * (sum_w * lse - sum_wz)
             if cutlass.const_expr(self.zloss):
@@ -219,6 +243,7 @@ class CrossEntropyForward(RowKernel):
             coef_t = nll_scale * row_keep
             coef_w = eps_per_class * row_keep
             lse_log2 = lse * LOG2_E
+            one_minus_p_target = other_sumexp * cute.arch.rcp_approx(row_sumexp)
             for c in cutlass.range_constexpr(cfg.num_chunks):
                 if cutlass.const_expr(cfg.staging == "registers"):
                     z, w = kept[c]
@@ -229,23 +254,23 @@ class CrossEntropyForward(RowKernel):
                         w = tiles.values(1, c)
                 p = cute.math.exp2(z * LOG2_E - lse_log2, fastmath=True)
                 g = self._gradient(p, z, w, tiles.coords[c], target_col, coef_p, coef_t, coef_w,
-                                   inv_softcap)
+                                   one_minus_p_target, inv_softcap)
                 tiles.store(mdX, c, g)
 
     @cute.jit
     def _gradient(self, p: cute.TensorSSA, z: cute.TensorSSA, w, tXcX: cute.Tensor,
                   target_col: Int32, coef_p: Float32, coef_t: Float32, coef_w: Float32,
-                  inv_softcap: Float32) -> cute.TensorSSA:
-        """(A p - B onehot(t) - (eps/C) w) times the softcap chain, for one chunk."""
-        g = p * coef_p
+                  one_minus_p_target: Float32, inv_softcap: Float32) -> cute.TensorSSA:
+        """(A p - B onehot(t) - (eps/C) w) times the softcap chain, for one chunk. At the
+        target, A p_t - B is formed as (A - B) p_t - B (1 - p_t) so that a confident
+        row's tiny true-class gradient keeps its relative precision."""
+        is_target = _is_column(tXcX, target_col)
+        g = cute.where(is_target, p * (coef_p - coef_t) - coef_t * one_minus_p_target,
+                       p * coef_p)
         if cutlass.const_expr(self.stage_weight):
             g = g - w * coef_w
         elif cutlass.const_expr(self.smoothing):
             g = g - coef_w
-        is_target = cute.make_rmem_tensor(cute.make_layout(tXcX.shape), Boolean)
-        for i in cutlass.range_constexpr(cute.size(is_target)):
-            is_target[i] = tXcX[i][1] == target_col
-        g = cute.where(is_target.load(), g - coef_t, g)
         if cutlass.const_expr(self.softcap):
             y = z * inv_softcap
             g = g * (Float32(1.0) - y * y)

@@ -1,0 +1,261 @@
+"""Cross-entropy CUDA kernel against an fp64 reference (run on an H200)."""
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import quack_kernels as qk
+from quack_kernels.ops import cross_entropy as ops
+
+from helpers import assert_close
+
+pytestmark = pytest.mark.gpu
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+VOCABS = [2, 7, 1000, 4096, 32000, 50257, 128256, 151936, 262145, 524288]
+# The loss is fp32 whatever the logits; its error grows with the row's sums.
+LOSS_TOL = torch.float32
+LOSS_SCALE = 8.0
+
+
+def fresh(m, v, dtype, confident_every=3, ignore_every=5, seed=0):
+    """Logits with realistic losses (randn * 2), every ``confident_every`` row with its
+    target logit 10 above the row max, every ``ignore_every`` row ignored."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, v, device="cuda", generator=g) * 2
+    target = torch.randint(0, v, (m,), device="cuda", generator=g)
+    rows = torch.arange(0, m, confident_every, device="cuda")
+    x[rows, target[rows]] = x[rows].amax(-1) + 10
+    target[1::ignore_every] = -100
+    return x.to(dtype), target
+
+
+def reference(x, target, weight=None, ignore_index=-100, label_smoothing=0.0,
+              lse_square_scale=0.0, softcap=0.0):
+    """Per-row loss, lse, gradient in fp64 from the logits as stored."""
+    loss, lse, grad = ops.cross_entropy_reference(
+        x.double(), target, None if weight is None else weight.double(), ignore_index,
+        label_smoothing, lse_square_scale, softcap or 0.0)
+    return loss, lse, grad
+
+
+def check_true_class_gradient(grad, ref_grad, x, target, rel):
+    """Confident rows: d loss / d x_t = p_t - 1 is tiny; it must keep its relative
+    precision, not drown in the rounding of p_t ~ 1."""
+    kept = (target >= 0).nonzero()[:, 0]
+    t = target[kept]
+    got = grad[kept, t].double()
+    want = ref_grad[kept, t]
+    bad = (got - want).abs() > rel * want.abs() + 1e-30
+    assert not bad.any(), (f"true-class gradient off at rows {kept[bad][:5].tolist()}: "
+                           f"{got[bad][:5].tolist()} vs {want[bad][:5].tolist()}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("v", VOCABS)
+def test_loss_and_gradient(v, dtype):
+    m = 37 if v <= 151936 else 7
+    x, target = fresh(m, v, dtype)
+    loss, lse, grad = ops.cross_entropy_forward(x, target, None, -100, 0.0, 0.0, 0.0, True)
+    ref_loss, ref_lse, ref_grad = reference(x, target)
+    assert_close(loss, ref_loss, LOSS_TOL, scale=LOSS_SCALE, name="loss")
+    assert_close(lse, ref_lse, LOSS_TOL, scale=LOSS_SCALE, name="lse")
+    assert_close(grad, ref_grad, dtype, scale=2.0, name="grad")
+    check_true_class_gradient(grad, ref_grad, x, target, 2e-2 if dtype != torch.float32 else 2e-3)
+    # loss only: same loss and lse
+    loss_only, lse_only, empty = ops.cross_entropy_forward(x, target, None, -100, 0.0, 0.0, 0.0, False)
+    assert empty.numel() == 0
+    assert_close(loss_only, ref_loss, LOSS_TOL, scale=LOSS_SCALE, name="loss only")
+
+
+FLAGS = list(itertools.product([False, True], repeat=4))  # weighted, smoothing, zloss, softcap
+
+
+@pytest.mark.parametrize("v,dtype", [(4096, torch.float32), (50257, torch.bfloat16),
+                                     (262145, torch.float16)])
+@pytest.mark.parametrize("flags", FLAGS, ids=lambda f: "w{}s{}z{}c{}".format(*map(int, f)))
+def test_every_option(v, dtype, flags):
+    weighted, smoothing, zloss, softcap = flags
+    m = 19
+    x, target = fresh(m, v, dtype)
+    weight = torch.rand(v, device="cuda") + 0.5 if weighted else None
+    options = (-100, 0.1 if smoothing else 0.0, 1e-3 if zloss else 0.0, 30.0 if softcap else 0.0)
+    loss, lse, grad = ops.cross_entropy_forward(x, target, weight, *options, True)
+    ref_loss, ref_lse, ref_grad = reference(x, target, weight, *options)
+    assert_close(loss, ref_loss, LOSS_TOL, scale=LOSS_SCALE, name="loss")
+    assert_close(lse, ref_lse, LOSS_TOL, scale=LOSS_SCALE, name="lse")
+    assert_close(grad, ref_grad, dtype, scale=2.0, name="grad")
+
+
+def torch_cross_entropy(x, target, weight, *, ignore_index=-100, reduction="mean",
+                        label_smoothing=0.0, lse_square_scale=0.0, softcap=None):
+    z = softcap * torch.tanh(x / softcap) if softcap else x
+    loss = F.cross_entropy(z, target, weight, ignore_index=ignore_index, reduction="none",
+                           label_smoothing=label_smoothing)
+    kept = target != ignore_index
+    if lse_square_scale:
+        loss = loss + torch.where(kept, lse_square_scale * torch.logsumexp(z, -1) ** 2, 0.0)
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    w_t = kept.to(x.dtype) if weight is None else weight[target.clamp(min=0)] * kept
+    return loss.sum() / w_t.sum()
+
+
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("target_dtype", [torch.int64, torch.int32])
+def test_public_function_autograd(reduction, inplace, dtype, target_dtype):
+    """Every option at once (ignore_index, weights, smoothing, z-loss, softcap), a
+    non-uniform upstream gradient and the loss used twice, against torch in fp64."""
+    v = 32003
+    x, target = fresh(45, v, dtype)
+    weight = torch.rand(v, device="cuda") + 0.5
+    kw = dict(reduction=reduction, label_smoothing=0.05, lse_square_scale=1e-4, softcap=20.0)
+    leaf = x.clone().requires_grad_()
+    logits = leaf * 1 if inplace else leaf
+    ours = qk.cross_entropy(logits, target.to(target_dtype), weight, inplace_backward=inplace, **kw)
+    xr = x.double().requires_grad_()
+    ref = torch_cross_entropy(xr, target, weight.double(), **kw)
+    assert_close(ours, ref, LOSS_TOL, scale=LOSS_SCALE, name="loss")
+    upstream = torch.rand_like(ours) + 0.5
+    ((ours * upstream).sum() + 2 * ours.sum()).backward()
+    ((ref * upstream.double()).sum() + 2 * ref.sum()).backward()
+    assert_close(leaf.grad, xr.grad, dtype, scale=2.0, name="grad")
+
+
+def test_leading_dims_module_and_lse():
+    x, target = fresh(24, 1000, torch.bfloat16)
+    x3, t3 = x.view(2, 12, 1000), target.view(2, 12)
+    loss, lse = qk.cross_entropy(x3, t3, reduction="none", return_lse=True)
+    assert loss.shape == lse.shape == (2, 12)
+    ref_loss, ref_lse, _ = reference(x, target)
+    assert_close(loss.reshape(-1), ref_loss, LOSS_TOL, scale=LOSS_SCALE)
+    assert_close(lse.reshape(-1), ref_lse, LOSS_TOL, scale=LOSS_SCALE)
+    module = qk.nn.CrossEntropyLoss(label_smoothing=0.1)
+    assert_close(module(x3, t3), F.cross_entropy(x.double(), target, label_smoothing=0.1),
+                 LOSS_TOL, scale=LOSS_SCALE)
+
+
+def test_empty_all_ignored_and_bad_targets():
+    empty = torch.empty(0, 50257, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    no_target = torch.empty(0, dtype=torch.long, device="cuda")
+    assert torch.isnan(qk.cross_entropy(empty, no_target))
+    qk.cross_entropy(empty, no_target, reduction="sum").backward()
+    assert empty.grad.shape == (0, 50257)
+
+    x, _ = fresh(8, 3000, torch.float32)
+    x.requires_grad_()
+    ignored = torch.full((8,), -100, device="cuda")
+    loss = qk.cross_entropy(x, ignored, label_smoothing=0.1)
+    loss.backward()
+    assert torch.isnan(loss) and torch.equal(x.grad, torch.zeros_like(x))
+
+    x, target = fresh(8, 3000, torch.bfloat16)
+    target[2], target[5] = 3000, -7
+    loss, lse, grad = ops.cross_entropy_forward(x, target, None, -100, 0.0, 0.0, 0.0, True)
+    bad = torch.zeros(8, dtype=torch.bool, device="cuda")
+    bad[[2, 5]] = True
+    assert torch.isnan(loss[bad]).all() and torch.isfinite(loss[~bad]).all()
+    assert torch.isnan(grad[bad]).all() and torch.isfinite(grad[~bad]).all()
+    assert torch.isfinite(lse).all()
+    assert torch.isnan(qk.cross_entropy(x, target))
+    with pytest.raises(ValueError, match="outside"):
+        qk.cross_entropy(x, target, check_targets=True)
+    with pytest.raises(ValueError, match="one device"):
+        qk.cross_entropy(x, target.cpu())
+    with pytest.raises(ValueError, match="target shape"):
+        qk.cross_entropy(x, target[:4])
+
+
+def test_outputs_fully_written():
+    """Poison the caching allocator with NaN so every unwritten output element shows."""
+    for v in (7, 50257, 262145):
+        poison = torch.full((512 << 20,), float("nan"), device="cuda")
+        del poison
+        x, target = fresh(33, v, torch.bfloat16, ignore_every=1000)
+        loss, lse, grad = ops.cross_entropy_forward(x, target, None, -100, 0.1, 0.0, 0.0, True)
+        assert torch.isfinite(loss).all() and torch.isfinite(lse).all()
+        assert torch.isfinite(grad).all()
+
+
+def test_strided_and_misaligned_logits():
+    x, target = fresh(16, 4099, torch.bfloat16)
+    wide = torch.zeros(16, 4110, device="cuda", dtype=torch.bfloat16)
+    wide[:, 3:4102] = x
+    view = wide[:, 3:4102]  # misaligned base and row stride
+    loss, lse, grad = ops.cross_entropy_forward(view, target, None, -100, 0.0, 0.0, 0.0, True)
+    ref_loss, _, ref_grad = reference(x, target)
+    assert_close(loss, ref_loss, LOSS_TOL, scale=LOSS_SCALE)
+    assert_close(grad, ref_grad, torch.bfloat16, scale=2.0)
+
+
+def test_torch_compile_fullgraph():
+    x, target = fresh(64, 32000, torch.bfloat16)
+    weight = torch.rand(32000, device="cuda") + 0.5
+
+    def step(logits, t):
+        return qk.cross_entropy(logits, t, weight, label_smoothing=0.1, lse_square_scale=1e-4)
+
+    for dynamic in (False, True):
+        compiled = torch.compile(step, fullgraph=True, dynamic=dynamic)
+        for m in (64, 40):
+            a = x[:m].clone().requires_grad_()
+            out = compiled(a, target[:m])
+            out.backward()
+            ar = x[:m].double().requires_grad_()
+            ref = torch_cross_entropy(ar, target[:m], weight.double(), label_smoothing=0.1,
+                                      lse_square_scale=1e-4)
+            ref.backward()
+            assert_close(out, ref, LOSS_TOL, scale=LOSS_SCALE)
+            assert_close(a.grad, ar.grad, torch.bfloat16, scale=2.0)
+
+
+def test_cuda_graph_capture():
+    x, target = fresh(128, 50257, torch.bfloat16)
+    static_x = x.clone().requires_grad_()
+
+    def step():
+        loss = qk.cross_entropy(static_x, target, label_smoothing=0.1)
+        (grad,) = torch.autograd.grad(loss, static_x)
+        return loss, grad
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # compile and warm up outside the capture
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            loss, grad = step()
+    torch.cuda.current_stream().wait_stream(s)
+    new_x, _ = fresh(128, 50257, torch.bfloat16, seed=1)
+    with torch.no_grad():
+        static_x.copy_(new_x)
+    g.replay()
+    torch.cuda.synchronize()
+    xr = new_x.double().requires_grad_()
+    ref = F.cross_entropy(xr, target, label_smoothing=0.1)
+    ref.backward()
+    assert_close(loss, ref, LOSS_TOL, scale=LOSS_SCALE)
+    assert_close(grad, xr.grad, torch.bfloat16, scale=2.0)
+
+
+def test_more_than_2_31_elements():
+    m, v = 8193, 262144  # 2^31 + 2^18 elements, 4 GiB in bf16
+    x = torch.randn(m, v, device="cuda", dtype=torch.bfloat16)
+    target = torch.randint(0, v, (m,), device="cuda")
+    target[-1] = v - 1
+    loss, lse, grad = ops.cross_entropy_forward(x, target, None, -100, 0.0, 0.0, 0.0, True)
+    rows = slice(m - 3, m)
+    ref_loss, _, ref_grad = reference(x[rows], target[rows])
+    assert_close(loss[rows], ref_loss, LOSS_TOL, scale=LOSS_SCALE)
+    assert_close(grad[rows], ref_grad, torch.bfloat16, scale=2.0)
+    del grad
+    # in place over the logits
+    x_last = x[rows].clone()
+    loss2, _ = ops.cross_entropy_forward_inplace(x, target, None, -100, 0.0, 0.0, 0.0)
+    assert torch.equal(loss2, loss)
+    assert_close(x[rows], reference(x_last, target[rows])[2], torch.bfloat16, scale=2.0)
