@@ -171,61 +171,69 @@ class NormBackward(RowKernel):
             if self.need_dbias else []
         if cutlass.const_expr(cfg.cluster_size > 1):
             cute.arch.cluster_wait()
-        inv_n = Float32(1.0 / cfg.n_cols)
         num_rows = mH.shape[0]
         num_blocks = (num_rows + cfg.rows_per_block - 1) // cfg.rows_per_block
         first_block = cute.arch.block_idx()[0]
 
         for block_row in cutlass.range(first_block, num_blocks, grid_rows, unroll=1):
-            tiles = home.at_block(block_row)
-            tiles.issue_loads()
-            iteration = (block_row - first_block) // grid_rows
-            row = cutlass.select_(tiles.row_in_bounds, tiles.row, 0)
-            rstd = Float32(cutlass.select_(tiles.row_in_bounds, mRstd[row], Float32(0.0)))
-            mean = Float32(0.0)
-            if cutlass.const_expr(not self.rms):
-                mean = Float32(cutlass.select_(tiles.row_in_bounds, mMean[row], Float32(0.0)))
-
-            kept = []
-            dot = Float32(0.0)  # sum(g * xhat)
-            g_sum = Float32(0.0)  # sum(g), LayerNorm
-            for c in cutlass.range_constexpr(cfg.num_chunks):
-                tiles.wait_chunk(c)
-                xhat, g = self._xhat_g(tiles, c, mW, mean, rstd, weight_offset, acc_w, acc_b)
-                dot = dot + red.thread_reduce(g * xhat, cute.ReductionOp.ADD, 0.0)
-                if cutlass.const_expr(not self.rms):
-                    g_sum = g_sum + red.thread_reduce(g, cute.ReductionOp.ADD, 0.0)
-                if cutlass.const_expr(cfg.staging == "registers"):
-                    kept.append((xhat, g))
-            if cutlass.const_expr(self.rms):
-                (dot,) = slot.allreduce((dot,), red.sum_combine, ZERO, iteration=iteration)
-            else:
-                dot, g_sum = slot.allreduce((dot, g_sum), red.sum_combine,
-                                            (Float32(0.0), Float32(0.0)), iteration=iteration)
-            c1 = dot * inv_n
-            c2 = g_sum * inv_n
-
-            for c in cutlass.range_constexpr(cfg.num_chunks):
-                if cutlass.const_expr(cfg.staging == "registers"):
-                    xhat, g = kept[c]
-                else:
-                    xhat, g = self._xhat_g(tiles, c, mW, mean, rstd, weight_offset, None, None)
-                if cutlass.const_expr(self.rms):
-                    dh = (g - xhat * c1) * rstd
-                else:
-                    dh = (g - xhat * c1 - c2) * rstd
-                if cutlass.const_expr(mdResOut is not None):
-                    dh = dh + tiles.load(mdResOut, c)
-                if cutlass.const_expr(mdX is not None):
-                    tiles.store(mdX, c, dh)
-                if cutlass.const_expr(mdRes is not None):
-                    tiles.store(mdRes, c, dh)
+            # one method call per iteration: names bound (or objects whose methods are
+            # called) directly in a dynamic loop body become loop-carried values
+            self._row_block(home, block_row, slot, (block_row - first_block) // grid_rows,
+                            mW, mMean, mRstd, mdResOut, mdX, mdRes, weight_offset, acc_w, acc_b)
 
         for c in cutlass.range_constexpr(cfg.num_chunks):
             if cutlass.const_expr(self.need_dweight):
                 home.store(mdW, c, acc_w[c].load(), guard_rows=False)
             if cutlass.const_expr(self.need_dbias):
                 home.store(mdB, c, acc_b[c].load(), guard_rows=False)
+
+    def _row_block(self, home: RowTiles, block_row, slot: ReductionSlot, iteration, mW, mMean,
+                   mRstd, mdResOut, mdX, mdRes, weight_offset, acc_w, acc_b):
+        """dx / dresidual of row block ``block_row``, and its dw / db terms."""
+        cfg = self.cfg
+        tiles = home.at_block(block_row)
+        inv_n = Float32(1.0 / cfg.n_cols)
+        tiles.issue_loads()
+        row = cutlass.select_(tiles.row_in_bounds, tiles.row, 0)
+        rstd = Float32(cutlass.select_(tiles.row_in_bounds, mRstd[row], Float32(0.0)))
+        mean = Float32(0.0)
+        if cutlass.const_expr(not self.rms):
+            mean = Float32(cutlass.select_(tiles.row_in_bounds, mMean[row], Float32(0.0)))
+
+        kept = []
+        dot = Float32(0.0)  # sum(g * xhat)
+        g_sum = Float32(0.0)  # sum(g), LayerNorm
+        for c in range(cfg.num_chunks):
+            tiles.wait_chunk(c)
+            xhat, g = self._xhat_g(tiles, c, mW, mean, rstd, weight_offset, acc_w, acc_b)
+            dot = dot + red.thread_reduce(g * xhat, cute.ReductionOp.ADD, 0.0)
+            if cutlass.const_expr(not self.rms):
+                g_sum = g_sum + red.thread_reduce(g, cute.ReductionOp.ADD, 0.0)
+            if cutlass.const_expr(cfg.staging == "registers"):
+                kept.append((xhat, g))
+        if cutlass.const_expr(self.rms):
+            (dot,) = slot.allreduce((dot,), red.sum_combine, ZERO, iteration=iteration)
+        else:
+            dot, g_sum = slot.allreduce((dot, g_sum), red.sum_combine,
+                                        (Float32(0.0), Float32(0.0)), iteration=iteration)
+        c1 = dot * inv_n
+        c2 = g_sum * inv_n
+
+        for c in range(cfg.num_chunks):
+            if cutlass.const_expr(cfg.staging == "registers"):
+                xhat, g = kept[c]
+            else:
+                xhat, g = self._xhat_g(tiles, c, mW, mean, rstd, weight_offset, None, None)
+            if cutlass.const_expr(self.rms):
+                dh = (g - xhat * c1) * rstd
+            else:
+                dh = (g - xhat * c1 - c2) * rstd
+            if cutlass.const_expr(mdResOut is not None):
+                dh = dh + tiles.load(mdResOut, c)
+            if cutlass.const_expr(mdX is not None):
+                tiles.store(mdX, c, dh)
+            if cutlass.const_expr(mdRes is not None):
+                tiles.store(mdRes, c, dh)
 
     def _xhat_g(self, tiles: RowTiles, c: int, mW, mean, rstd, weight_offset, acc_w, acc_b):
         """xhat and g = dy * (w + offset) of chunk ``c``, both 0 past the row end and on

@@ -270,7 +270,7 @@ def _backward_outputs(dy, weight, dx_dtype, dresidual_dtype, need_dweight, dbias
     def out(value, shape, dtype, wanted):
         if not wanted:
             return dy.new_empty(EMPTY, dtype=dtype or dy.dtype)
-        return value.to(dtype) if value is not None else dy.new_empty(shape, dtype=dtype)
+        return value.to(dtype, copy=True) if value is not None else dy.new_empty(shape, dtype=dtype)
 
     need_dweight = need_dweight and weight is not None
     return (

@@ -1,0 +1,265 @@
+"""rms_norm / layer_norm on the CPU path (CI): references, custom-op contracts, autograd,
+input errors, and compile-for-sm_90a of every kernel variant with zero spills."""
+
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import quack_kernels as qk
+from quack_kernels.ops import norm as ops
+
+from helpers import assert_close
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def rand(*shape, dtype=torch.float32, requires_grad=False):
+    return torch.randn(*shape, dtype=torch.float32).to(dtype).requires_grad_(requires_grad)
+
+
+# --------------------------------------------------------------------- references
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forward_matches_torch(dtype):
+    x, w, b = rand(5, 3, 64, dtype=dtype), rand(64, dtype=dtype), rand(64, dtype=dtype)
+    xd, wd, bd = x.double(), w.double(), b.double()
+    assert_close(qk.rms_norm(x, w, eps=1e-6),
+                 torch.nn.functional.rms_norm(xd, (64,), wd, eps=1e-6), dtype)
+    assert_close(qk.layer_norm(x, w, b, eps=1e-5),
+                 torch.nn.functional.layer_norm(xd, (64,), wd, bd, eps=1e-5), dtype)
+
+
+def test_residual_prenorm_and_offset():
+    x, r, w = rand(4, 33), rand(4, 33), rand(33)
+    y, h = qk.rms_norm(x, w, residual=r, prenorm=True, weight_offset=1.0)
+    assert_close(h, x + r)
+    ref = torch.nn.functional.rms_norm((x + r).double(), (33,), (w + 1.0).double(), eps=1e-6)
+    assert_close(y, ref)
+    # prenorm without a residual hands x back as the stream
+    y2, h2 = qk.layer_norm(x, prenorm=True)
+    assert h2 is x or torch.equal(h2, x)
+
+
+def test_mixed_dtypes_and_out_dtype():
+    x = rand(8, 40, dtype=torch.bfloat16)
+    r = rand(8, 40, dtype=torch.float16)
+    w = rand(40)
+    y, h = qk.layer_norm(x, w, residual=r, prenorm=True, out_dtype=torch.float32,
+                         residual_dtype=torch.float32)
+    assert y.dtype == torch.float32 and h.dtype == torch.float32
+    assert_close(h, x.float() + r.float())
+    ref = torch.nn.functional.layer_norm(h.double(), (40,), w.double(), eps=1e-5)
+    assert_close(y, ref)
+
+
+def test_residual_stream_is_rounded_before_normalizing():
+    x, r = rand(3, 16, dtype=torch.bfloat16), rand(3, 16, dtype=torch.bfloat16)
+    y, h = qk.rms_norm(x, residual=r, prenorm=True)
+    assert h.dtype == torch.bfloat16
+    assert_close(y, torch.nn.functional.rms_norm(h.double(), (16,), eps=1e-6), torch.bfloat16)
+
+
+def test_stats_from_the_op():
+    x = rand(6, 50)
+    y, _, mean, rstd = torch.ops.quack_kernels.norm_forward(x, None, None, None, 1e-5, 0.0, False,
+                                                            None, None, False)
+    assert_close(mean, x.mean(-1))
+    assert_close(rstd, torch.rsqrt(x.var(-1, unbiased=False) + 1e-5))
+
+
+def test_empty_rows():
+    x = torch.empty(0, 7, requires_grad=True)
+    w = torch.ones(7, requires_grad=True)
+    y = qk.rms_norm(x, w)
+    assert y.shape == (0, 7)
+    y.sum().backward()
+    assert torch.equal(w.grad, torch.zeros(7))
+
+
+# ------------------------------------------------------------------------ autograd
+@pytest.mark.parametrize("rms", [True, False])
+def test_gradients_match_fp64_autograd(rms):
+    x, r = rand(6, 2, 37, requires_grad=True), rand(6, 2, 37, requires_grad=True)
+    w, b = rand(37, requires_grad=True), rand(37, requires_grad=True)
+    dy, dh = rand(6, 2, 37), rand(6, 2, 37)
+    if rms:
+        y, h = qk.rms_norm(x, w, residual=r, prenorm=True, weight_offset=0.5)
+    else:
+        y, h = qk.layer_norm(x, w, b, residual=r, prenorm=True)
+    (y * dy).sum().add_((h * dh).sum()).backward()
+
+    leaves = [t.detach().double().requires_grad_() for t in (x, r, w, b)]
+    xd, rd, wd, bd = leaves
+    hd = xd + rd
+    if rms:
+        yd = torch.nn.functional.rms_norm(hd, (37,), wd + 0.5, eps=1e-6)
+    else:
+        yd = torch.nn.functional.layer_norm(hd, (37,), wd, bd, eps=1e-5)
+    (yd * dy.double()).sum().add_((hd * dh.double()).sum()).backward()
+    for name, ours, ref in (("dx", x, xd), ("dresidual", r, rd), ("dweight", w, wd)):
+        assert_close(ours.grad, ref.grad, torch.float32, scale=10.0, name=name)
+    if not rms:
+        assert_close(b.grad, bd.grad, torch.float32, scale=10.0, name="dbias")
+
+
+def test_gradcheck_cpu_path():
+    # float64 is not a supported dtype: check fp32 with tolerances for fp32 differences
+    for rms in (True, False):
+        x, r = rand(3, 9, requires_grad=True), rand(3, 9, requires_grad=True)
+        w, b = rand(9, requires_grad=True), rand(9, requires_grad=True)
+
+        def fn(x, r, w, b):
+            if rms:
+                return qk.rms_norm(x, w, residual=r, prenorm=True)
+            return qk.layer_norm(x, w, b, residual=r, prenorm=True)
+
+        assert torch.autograd.gradcheck(fn, (x, r, w, b), eps=1e-2, atol=2e-2, rtol=2e-2,
+                                        fast_mode=True)
+
+
+def test_frozen_weight_skips_dweight():
+    x = rand(4, 16, requires_grad=True)
+    w = rand(16)  # no grad
+    qk.rms_norm(x, w).sum().backward()
+    assert x.grad is not None and w.grad is None
+
+
+def test_only_weight_requires_grad():
+    x = rand(4, 16)
+    w = rand(16, requires_grad=True)
+    b = rand(16, requires_grad=True)
+    qk.layer_norm(x, w, b).sum().backward()
+    assert w.grad is not None and b.grad is not None
+
+
+def test_opcheck():
+    x, r, w, b = rand(4, 24), rand(4, 24), rand(24), rand(24)
+    for args in (
+        (x, w, b, r, 1e-5, 0.0, False, None, None, True),
+        (x, w, None, None, 1e-6, 1.0, True, None, None, False),
+        (x.bfloat16(), w, None, r.half(), 1e-6, 0.0, True, torch.float32, torch.float32, True),
+    ):
+        torch.library.opcheck(torch.ops.quack_kernels.norm_forward.default, args)
+    y, h, mean, rstd = torch.ops.quack_kernels.norm_forward(x, w, b, r, 1e-5, 0.0, False, None, None,
+                                                            True)
+    torch.library.opcheck(torch.ops.quack_kernels.norm_backward.default,
+                          (x, h, w, mean, rstd, x, 0.0, False, torch.float32, torch.float32, True,
+                           torch.float32))
+    torch.library.opcheck(torch.ops.quack_kernels.norm_backward.default,
+                          (x, h, None, None, rstd, None, 0.0, True, torch.float32, None, False,
+                           None))
+
+
+def test_torch_compile_fullgraph():
+    model = torch.nn.Sequential(torch.nn.Linear(32, 48), qk.nn.RMSNorm(48), qk.nn.LayerNorm(48))
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    x = rand(5, 32, requires_grad=True)
+    assert_close(compiled(x), model(x).double())
+    compiled(x).sum().backward()
+    assert x.grad is not None
+
+
+def test_modules_are_state_dict_compatible():
+    ref = torch.nn.RMSNorm(24, eps=1e-6)
+    ours = qk.nn.RMSNorm(24)
+    ours.load_state_dict(ref.state_dict())
+    ref_ln = torch.nn.LayerNorm(24)
+    with torch.no_grad():
+        ref_ln.weight.normal_()
+        ref_ln.bias.normal_()
+    ours_ln = qk.nn.LayerNorm(24)
+    ours_ln.load_state_dict(ref_ln.state_dict())
+    x = rand(3, 24)
+    assert_close(ours_ln(x), ref_ln(x).double())
+    assert set(qk.nn.LayerNorm(8, bias=False).state_dict()) == {"weight"}
+    assert set(qk.nn.RMSNorm(8, elementwise_affine=False).state_dict()) == set()
+
+
+# -------------------------------------------------------------------------- errors
+def test_bad_inputs():
+    x = rand(4, 8)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        qk.rms_norm(x, rand(7))
+    with pytest.raises(ValueError, match="bias must have shape"):
+        qk.layer_norm(x, rand(8), rand(8, 1))
+    with pytest.raises(TypeError, match="float64"):
+        qk.rms_norm(x.double())
+    with pytest.raises(TypeError, match="int"):
+        qk.layer_norm(torch.ones(4, 8, dtype=torch.int32))
+    with pytest.raises(ValueError, match="residual must have the shape"):
+        qk.rms_norm(x, residual=rand(4, 9))
+    with pytest.raises(TypeError, match="out_dtype"):
+        qk.rms_norm(x, out_dtype=torch.float64)
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="one device"):
+            qk.rms_norm(x, rand(8).cuda())
+    else:
+        with pytest.raises(ValueError, match="one device"):
+            qk.rms_norm(x, torch.empty(8, device="meta"))
+
+
+# ------------------------------------------------------------- sm_90a compilation
+VARIANTS = [
+    # (n, x dtype, residual/weight dtype, rms)
+    (1, torch.bfloat16, torch.bfloat16, True),
+    (7, torch.float16, torch.float32, False),
+    (769, torch.float32, torch.float32, True),
+    (4096, torch.bfloat16, torch.float32, False),
+    (32768, torch.bfloat16, torch.bfloat16, True),
+    (131073, torch.float32, torch.float32, False),
+    (262144, torch.float32, torch.float32, True),
+    (262144, torch.bfloat16, torch.bfloat16, False),
+]
+
+
+def _compile_variants():
+    f32 = torch.float32
+    for n, dt, wdt, rms in VARIANTS:
+        for has_residual in (False, True):
+            cfg = ops.forward_config(n, dt, wdt, has_residual, dt, wdt, None if rms else wdt)
+            ops.compile_forward(cfg, rms, dt, wdt, has_residual, has_residual, wdt,
+                                None if rms else wdt, dt)
+        for accumulators, dres in ((0, False), (1 if rms else 2, True)):
+            need_db = accumulators == 2
+            outs = [dt, wdt] if dres else [dt]
+            cfg = ops.backward_config(n, wdt, dt, outs, wdt, accumulators)
+            ops.compile_backward(cfg, rms, wdt, dt, wdt, dres, dt if dres else None, dt,
+                                 wdt if dres else None, accumulators > 0, need_db)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="compile-only check for CPU machines")
+def test_sm90a_variants_compile_without_spills(tmp_path):
+    # the DSL reads CUTE_DSL_KEEP / DUMP_DIR at import: compile in a fresh interpreter
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=str(tmp_path),
+               CUTE_DSL_ARCH="sm_90a", CUTE_DSL_NO_CACHE="1",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")]))
+    subprocess.run([sys.executable, "-c", "import test_norm_cpu; test_norm_cpu._compile_variants()"],
+                   env=env, cwd=here, check=True, timeout=900)
+    cubins = glob.glob(str(tmp_path / "*Norm*.cubin"))
+    assert len(cubins) >= len(VARIANTS) * 3
+    cuobjdump = _cuobjdump()
+    if cuobjdump is None:
+        pytest.skip("cuobjdump not found")
+    for cubin in cubins:
+        usage = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True,
+                               text=True).stdout
+        assert "LOCAL:0" in usage, f"register spills in {cubin}: {usage}"
+
+
+def _cuobjdump():
+    import shutil
+
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import nvidia.cu13
+
+        path = os.path.join(list(nvidia.cu13.__path__)[0], "bin", "cuobjdump")
+        return path if os.path.exists(path) else None
+    except ImportError:
+        return None

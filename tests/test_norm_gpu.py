@@ -1,0 +1,287 @@
+"""RMSNorm / LayerNorm CUDA kernels against fp64 references (run on an H200)."""
+
+import math
+
+import pytest
+import torch
+
+import quack_kernels as qk
+from quack_kernels.ops import norm as ops
+from quack_kernels.primitives.config import row_config
+
+from helpers import assert_close
+
+pytestmark = pytest.mark.gpu
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+NS = [1, 7, 769, 1000, 4097, 131073]
+F64 = torch.float64
+
+
+def fresh(shape, dtype, scale=1.0, shift=0.0):
+    return (torch.randn(shape, device="cuda") * scale + shift).to(dtype)
+
+
+def forward_ref(x, w, b, r, eps, offset, rms, out_dtype=None, residual_dtype=None):
+    return ops.norm_reference(x, w, b, r, eps, offset, rms, out_dtype, residual_dtype,
+                              compute_dtype=F64)
+
+
+def check_backward(dy, h, w, mean, rstd, offset, rms, dres_out=None, need_db=False, m=None):
+    """Run the op on (h, dy) and compare every gradient with the fp64 reference; dw/db
+    sum M terms, so their tolerance grows with sqrt(M)."""
+    x_dtype = h.dtype
+    dx, dres, dw, db = ops.norm_backward(
+        dy, h, w, mean, rstd, dres_out, offset, rms, x_dtype,
+        x_dtype if dres_out is not None else None, w is not None,
+        w.dtype if need_db and w is not None else None)
+    ref_dh, ref_dw, ref_db = ops.norm_backward_reference(dy, h, w, mean, rstd, dres_out, offset, rms,
+                                                         compute_dtype=F64)
+    assert_close(dx, ref_dh, x_dtype, scale=4.0, name="dx")
+    if dres_out is not None:
+        assert_close(dres, ref_dh, x_dtype, scale=4.0, name="dresidual")
+    m = m or h.numel() // h.shape[-1]
+    grow = 4.0 * math.sqrt(max(m, 1))
+    if w is not None:
+        assert_close(dw, ref_dw, w.dtype, scale=grow, name="dweight")
+        if need_db:
+            assert_close(db, ref_db, w.dtype, scale=grow, name="dbias")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", NS)
+@pytest.mark.parametrize("rms", [True, False])
+def test_forward_backward(n, dtype, rms):
+    m = 37
+    x = fresh((m, n), dtype, 2.0, 0.5)
+    w = fresh(n, dtype, 0.5, 1.0)
+    b = None if rms else fresh(n, dtype, 0.5)
+    eps = 1e-6 if rms else 1e-5
+    y, h, mean, rstd = ops.norm_forward(x, w, b, None, eps, 0.0, rms, None, None, False)
+    ry, _, rmean, rrstd = forward_ref(x, w, b, None, eps, 0.0, rms)
+    assert_close(y, ry, dtype)
+    assert_close(rstd, rrstd, torch.float32, name="rstd")
+    if not rms:
+        assert_close(mean, rmean, torch.float32, name="mean")
+    dy = fresh((m, n), dtype)
+    check_backward(dy, x, w, None if rms else mean, rstd, 0.0, rms, need_db=not rms)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rms", [True, False])
+def test_262144_columns(dtype, rms):
+    m, n = 9, 262144
+    x, w, b = fresh((m, n), dtype), fresh(n, dtype, 0.5, 1.0), fresh(n, dtype)
+    r = fresh((m, n), dtype)
+    y, h, mean, rstd = ops.norm_forward(x, w, None if rms else b, r, 1e-5, 0.0, rms, None, None, True)
+    ry, rh, _, _ = forward_ref(x, w, None if rms else b, r, 1e-5, 0.0, rms)
+    assert_close(h, rh, dtype, name="h")
+    assert_close(y, ry, dtype)
+    dy, dres_out = fresh((m, n), dtype), fresh((m, n), dtype)
+    check_backward(dy, h, w, None if rms else mean, rstd, 0.0, rms, dres_out, need_db=not rms)
+    check_backward(dy, h, w, None if rms else mean, rstd, 0.0, rms)
+
+
+@pytest.mark.parametrize("m,n", [(3000, 1000), (300, 32768), (40, 262144), (1000, 7)])
+def test_many_row_blocks_per_cta(m, n):
+    """The backward grid loops: several row blocks per CTA (and per cluster)."""
+    for rms in (True, False):
+        x, w = fresh((m, n), torch.bfloat16), fresh(n, torch.float32, 0.5, 1.0)
+        b = fresh(n, torch.float32)
+        y, h, mean, rstd = ops.norm_forward(x, w, b, None, 1e-5, 0.0, rms, None, None, False)
+        check_backward(fresh((m, n), torch.bfloat16), x, w, None if rms else mean, rstd, 0.0, rms,
+                       need_db=True)
+
+
+def test_every_staging_and_cluster_path():
+    cfgs = [ops.backward_config(n, dt, dt, [dt], dt, acc) for n in (4096, 65536, 262144)
+            for dt in (torch.bfloat16, torch.float32) for acc in (0, 2)]
+    cfgs += [ops.forward_config(n, dt, dt, res, dt) for n in (4096, 262144)
+             for dt in (torch.bfloat16, torch.float32) for res in (False, True)]
+    assert {c.staging for c in cfgs} == {"registers", "smem", "global"}
+    assert any(c.cluster_size == 16 for c in cfgs) and any(c.cluster_size == 1 for c in cfgs)
+
+
+@pytest.mark.parametrize("x_dtype,r_dtype,w_dtype,res_dtype,out_dtype", [
+    (torch.bfloat16, torch.bfloat16, torch.float32, None, None),
+    (torch.float16, torch.bfloat16, torch.bfloat16, torch.float32, torch.float32),
+    (torch.bfloat16, torch.float32, torch.float32, torch.float32, torch.bfloat16),
+    (torch.float32, torch.float16, torch.float16, torch.float16, torch.float16),
+])
+@pytest.mark.parametrize("rms", [True, False])
+def test_mixed_dtypes_residual_prenorm(x_dtype, r_dtype, w_dtype, res_dtype, out_dtype, rms):
+    m, n = 65, 3000
+    x = fresh((m, n), x_dtype).requires_grad_()
+    r = fresh((m, n), r_dtype).requires_grad_()
+    w = fresh(n, w_dtype, 0.5, 1.0).requires_grad_()
+    b = fresh(n, w_dtype).requires_grad_()
+    if rms:
+        y, h = qk.rms_norm(x, w, residual=r, prenorm=True, out_dtype=out_dtype,
+                           residual_dtype=res_dtype, weight_offset=0.25)
+    else:
+        y, h = qk.layer_norm(x, w, b, residual=r, prenorm=True, out_dtype=out_dtype,
+                             residual_dtype=res_dtype)
+    ry, rh, _, _ = forward_ref(x, w, None if rms else b, r, 1e-6 if rms else 1e-5,
+                               0.25 if rms else 0.0, rms, out_dtype, res_dtype)
+    assert y.dtype == (out_dtype or x_dtype) and h.dtype == (res_dtype or r_dtype)
+    assert_close(h, rh, h.dtype, name="h")
+    assert_close(y, ry, y.dtype)
+    dy, dh = fresh((m, n), y.dtype), fresh((m, n), h.dtype)
+    torch.autograd.backward([y, h], [dy, dh])
+    # fp64 autograd through the reference from the same leaves
+    leaves = [t.detach().double().requires_grad_() for t in (x, r, w, b)]
+    xd, rd, wd, bd = leaves
+    hd = xd + rd
+    if rms:
+        yd = torch.nn.functional.rms_norm(hd, (n,), wd + 0.25, eps=1e-6)
+    else:
+        yd = torch.nn.functional.layer_norm(hd, (n,), wd, bd, eps=1e-5)
+    torch.autograd.backward([yd, hd], [dy.double(), dh.double()])
+    low = max((x_dtype, r_dtype, res_dtype or r_dtype), key=lambda d: TOL_ORDER[d])
+    assert_close(x.grad, xd.grad, low, scale=4.0, name="dx")
+    assert_close(r.grad, rd.grad, low, scale=4.0, name="dresidual")
+    assert_close(w.grad, wd.grad, low, scale=4.0 * math.sqrt(m), name="dweight")
+    if not rms:
+        assert_close(b.grad, bd.grad, low, scale=4.0 * math.sqrt(m), name="dbias")
+    else:
+        assert b.grad is None
+
+
+TOL_ORDER = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def test_residual_without_prenorm_and_no_weight():
+    x = fresh((4, 5, 512), torch.bfloat16).requires_grad_()
+    r = fresh((4, 5, 512), torch.bfloat16).requires_grad_()
+    y = qk.rms_norm(x, residual=r)
+    ref = torch.nn.functional.rms_norm((x.float() + r.float()).bfloat16().double(), (512,), eps=1e-6)
+    assert_close(y, ref, torch.bfloat16)
+    y.backward(torch.ones_like(y))
+    assert torch.equal(x.grad, r.grad)
+
+
+def test_frozen_weight_and_inference():
+    x = fresh((64, 2048), torch.bfloat16).requires_grad_()
+    w = fresh(2048, torch.bfloat16)
+    qk.rms_norm(x, w).sum().backward()
+    assert x.grad is not None and w.grad is None
+    with torch.no_grad():
+        y = qk.layer_norm(x, w, w, residual=x)
+    assert y.shape == x.shape
+
+
+def test_weight_only_gradient():
+    x = fresh((100, 1536), torch.bfloat16)
+    w = fresh(1536, torch.float32, 0.5, 1.0).requires_grad_()
+    b = fresh(1536, torch.float32).requires_grad_()
+    dy = fresh((100, 1536), torch.bfloat16)
+    qk.layer_norm(x, w, b).backward(dy)
+    _, _, mean, rstd = forward_ref(x, None, None, None, 1e-5, 0.0, False)
+    _, rdw, rdb = ops.norm_backward_reference(dy, x, w, mean, rstd, None, 0.0, False, F64)
+    assert_close(w.grad, rdw, torch.float32, scale=40.0, name="dweight")
+    assert_close(b.grad, rdb, torch.float32, scale=40.0, name="dbias")
+
+
+def test_empty_rows():
+    x = torch.empty(0, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.ones(4096, device="cuda", requires_grad=True)
+    y = qk.rms_norm(x, w)
+    assert y.shape == (0, 4096)
+    y.sum().backward()
+    assert torch.equal(w.grad, torch.zeros_like(w))
+
+
+def test_non_contiguous_and_leading_dims():
+    x = fresh((8, 6, 1024), torch.float32).transpose(0, 1)  # non-contiguous (6, 8, 1024)
+    w = fresh(2048, torch.float32)[::2]  # strided weight
+    y = qk.layer_norm(x, w)
+    ref = torch.nn.functional.layer_norm(x.double(), (1024,), w.double(), eps=1e-5)
+    assert_close(y, ref, torch.float32)
+    xs = fresh((64, 2048), torch.bfloat16)[:, 3:1027]  # misaligned base, strided rows
+    assert_close(qk.rms_norm(xs), torch.nn.functional.rms_norm(xs.double(), (1024,), eps=1e-6),
+                 torch.bfloat16)
+
+
+def test_backward_is_bitwise_reproducible():
+    x = fresh((8192, 4096), torch.bfloat16).requires_grad_()
+    w = fresh(4096, torch.float32).requires_grad_()
+    b = fresh(4096, torch.float32).requires_grad_()
+    dy = fresh((8192, 4096), torch.bfloat16)
+    grads = []
+    for _ in range(2):
+        x.grad = w.grad = b.grad = None
+        qk.layer_norm(x, w, b).backward(dy)
+        grads.append((x.grad.clone(), w.grad.clone(), b.grad.clone()))
+    for a, c in zip(*grads):
+        assert torch.equal(a, c)
+
+
+def test_torch_compile_fullgraph():
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), qk.nn.RMSNorm(512),
+                                qk.nn.LayerNorm(512)).cuda()
+    for dynamic in (False, True):
+        compiled = torch.compile(model, fullgraph=True, dynamic=dynamic)
+        for m in (8, 24):
+            x = torch.randn(m, 256, device="cuda", requires_grad=True)
+            y = compiled(x)
+            assert_close(y, model(x).double(), torch.float32)
+            y.sum().backward()
+
+
+def test_cuda_graph_capture():
+    x = fresh((256, 4096), torch.bfloat16).requires_grad_()
+    w = fresh(4096, torch.float32).requires_grad_()
+    dy = fresh((256, 4096), torch.bfloat16)
+
+    def step():
+        x.grad = w.grad = None
+        y = qk.rms_norm(x, w)
+        y.backward(dy)
+        return y
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = qk.rms_norm(x, w)
+        grads = torch.autograd.grad(y, (x, w), dy)
+    with torch.no_grad():
+        x.copy_(fresh((256, 4096), torch.bfloat16))
+    g.replay()
+    torch.cuda.synchronize()
+    assert_close(y, forward_ref(x, w, None, None, 1e-6, 0.0, True)[0], torch.bfloat16)
+    _, _, _, rstd = forward_ref(x, None, None, None, 1e-6, 0.0, True)
+    rdx, rdw, _ = ops.norm_backward_reference(dy, x, w, None, rstd, None, 0.0, True, F64)
+    assert_close(grads[0], rdx, torch.bfloat16, scale=4.0, name="dx")
+    assert_close(grads[1], rdw, torch.float32, scale=64.0, name="dweight")
+
+
+def test_modules_match_torch():
+    ln, ours = torch.nn.LayerNorm(768).cuda(), qk.nn.LayerNorm(768).cuda()
+    with torch.no_grad():
+        ln.weight.normal_()
+        ln.bias.normal_()
+    ours.load_state_dict(ln.state_dict())
+    x = fresh((32, 768), torch.float32)
+    assert_close(ours(x), ln(x).double(), torch.float32)
+    rms, ours_rms = torch.nn.RMSNorm(768, eps=1e-6).cuda(), qk.nn.RMSNorm(768).cuda()
+    ours_rms.load_state_dict(rms.state_dict())
+    assert_close(ours_rms(x), rms(x).double(), torch.float32)
+
+
+@pytest.mark.slow
+def test_more_than_2_31_elements():
+    m, n = 65537, 32768  # 2^31 + 2^15 elements, 4 GiB in bf16
+    x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    y, _, _, rstd = ops.norm_forward(x, None, None, None, 1e-6, 0.0, True, None, None, False)
+    for rows in (slice(0, 4), slice(m - 4, m)):
+        assert_close(y[rows], forward_ref(x[rows], None, None, None, 1e-6, 0.0, True)[0],
+                     torch.bfloat16)
+    del y
+    dx = ops.norm_backward(x, x, None, None, rstd, None, 0.0, True, torch.bfloat16, None, False,
+                           None)[0]
+    ref = ops.norm_backward_reference(x[m - 3:], x[m - 3:], None, None, rstd[m - 3:], None, 0.0,
+                                      True, F64)[0]
+    assert_close(dx[m - 3:], ref, torch.bfloat16, scale=4.0)
