@@ -160,23 +160,49 @@ softmax_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ------------------------------------------------------------------------ public API
-def _along_last(fn, x: Tensor, dim: int, log: bool) -> Tensor:
+class _EagerSoftmax(torch.autograd.Function):
+    """Eager CUDA path with gradients: the same kernels as the op, minus the custom-op
+    dispatcher's Python overhead (tens of microseconds per call, which dominates small
+    shapes). torch.compile and CPU tensors go through the registered op instead."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, log: bool) -> Tensor:
+        y = _softmax_forward_cuda(x, log)
+        ctx.log = log
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (y,) = ctx.saved_tensors
+        return _softmax_backward_cuda(y, grad, ctx.log), None
+
+
+def _softmax_last_dim(x: Tensor, log: bool) -> Tensor:
+    if not x.is_cuda or torch.compiler.is_compiling():
+        return softmax_forward(x, log)
+    if x.requires_grad and torch.is_grad_enabled():
+        return _EagerSoftmax.apply(x, log)
+    return _softmax_forward_cuda(x, log)
+
+
+def _along_last(x: Tensor, dim: int, log: bool) -> Tensor:
     if not isinstance(x, Tensor):
         raise TypeError(f"quack_kernels: expected a torch.Tensor, got {type(x).__name__}")
     if x.dim() == 0:
-        return fn(x.reshape(1), log).reshape(())
+        return _softmax_last_dim(x.reshape(1), log).reshape(())
     if not -x.dim() <= dim < x.dim():
         raise IndexError(f"quack_kernels: dim {dim} is out of range for a {x.dim()}-d tensor")
     if dim % x.dim() == x.dim() - 1:
-        return fn(x, log)
-    return fn(x.movedim(dim, -1), log).movedim(-1, dim)
+        return _softmax_last_dim(x, log)
+    return _softmax_last_dim(x.movedim(dim, -1), log).movedim(-1, dim)
 
 
 def softmax(x: Tensor, dim: int = -1) -> Tensor:
     """Softmax over ``dim`` (fp32 math, output in x's dtype). Differentiable."""
-    return _along_last(softmax_forward, x, dim, False)
+    return _along_last(x, dim, False)
 
 
 def log_softmax(x: Tensor, dim: int = -1) -> Tensor:
     """Log-softmax over ``dim`` (fp32 math, output in x's dtype). Differentiable."""
-    return _along_last(softmax_forward, x, dim, True)
+    return _along_last(x, dim, True)

@@ -1,0 +1,45 @@
+"""Host overhead per call: wall-clock time of many back-to-back calls on a tiny tensor
+(the GPU finishes each kernel long before the next launch), per code path."""
+
+import time
+
+import torch
+
+import quack_kernels as qk
+from quack_kernels.ops import softmax as ops
+
+
+def per_call_us(fn, calls=2000):
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def main():
+    x = torch.randn(8, 128, device="cuda", dtype=torch.bfloat16)
+    xg = x.clone().requires_grad_()
+    y = qk.softmax(x)
+    dy = torch.randn_like(y)
+    cfg = ops.forward_config(128, torch.bfloat16)
+    kernel = ops.compile_forward(cfg, torch.bfloat16, False)
+    out = torch.empty_like(x)
+    rows = [
+        ("compiled kernel only (TVM-FFI)", lambda: kernel(x, out)),
+        ("qk.softmax (eager, no grad)", lambda: qk.softmax(x)),
+        ("torch.ops.quack_kernels.softmax_forward", lambda: torch.ops.quack_kernels.softmax_forward(x, False)),
+        ("qk.softmax with grad (autograd.Function)", lambda: qk.softmax(xg)),
+        ("fwd+bwd qk.softmax", lambda: qk.softmax(xg).backward(dy)),
+        ("torch.softmax", lambda: torch.softmax(x, -1)),
+        ("fwd+bwd torch.softmax", lambda: torch.softmax(xg, -1).backward(dy)),
+    ]
+    for name, fn in rows:
+        print(f"{name:45s} {per_call_us(fn):7.1f} us/call")
+
+
+if __name__ == "__main__":
+    main()
