@@ -85,7 +85,6 @@ def fake_rows(dtype, n_cols: int, vec: int, rows=None):
 
 
 def fake_vector(dtype, length, align_elems: int = 1):
-    import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_compact_tensor
 
     return make_fake_compact_tensor(dtype, (length,), assumed_align=align_elems * dtype.width // 8)

@@ -20,12 +20,11 @@ needed between consecutive reductions).
 
 from __future__ import annotations
 
-import operator
 from typing import Callable, Tuple
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64
+from cutlass import Float32, Int32
 from cutlass._mlir.dialects import arith
 
 from .config import RowConfig

@@ -15,11 +15,10 @@ until it writes them once as a row of partial sums.
 from __future__ import annotations
 
 import copy
-import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64
+from cutlass import Float32, Int64
 
 from . import reduce as red
 from . import tiling
