@@ -342,6 +342,96 @@ def _softmax_training_bench() -> OpBench:
     )
 
 
+# -------------------------------------------------------------- cross-entropy family
+#
+# Vocabularies of real models (GPT-2 50257, Llama-2 32000, Llama-3 128256, Qwen 151936)
+# and one 2^19 row that needs a 16-CTA cluster; M * V ~ 2^27 elements.
+
+CROSS_ENTROPY_SHAPES = ((4096, 32000), (4096, 50257), (1024, 128256), (1024, 151936),
+                        (256, 524288))
+CROSS_ENTROPY_QUICK_SHAPES = ((4096, 50257), (1024, 128256))
+
+
+def _cross_entropy_inputs(requires_grad: bool) -> Callable[[int, int, torch.dtype], Inputs]:
+    def make(M, N, dtype) -> Inputs:
+        x = (_rows(M, N, dtype) * 2).requires_grad_(requires_grad)
+        return {"x": x, "target": torch.randint(0, N, (M,), device="cuda")}
+
+    return make
+
+
+def _eager_cross_entropy(x, target):
+    return torch.nn.functional.cross_entropy(x, target)
+
+
+def _ours_cross_entropy(x, target):
+    return _quack_kernels().cross_entropy(x, target)
+
+
+def _liger_cross_entropy() -> Callable:
+    fn = _optional_module("liger_kernel.ops.cross_entropy").LigerCrossEntropyFunction.apply
+    return lambda x, target: fn(x, target, None)[0]
+
+
+def _quack_cross_entropy() -> Callable:
+    fn = _optional_module("quack.cross_entropy").cross_entropy
+    return lambda x, target: fn(x, target)
+
+
+def _ce_loss_only(resolve: Callable[[], Callable]) -> Builder:
+    """Builder timing the loss of logits that do not require grad."""
+    return lambda inputs: functools.partial(resolve(), inputs["x"], inputs["target"])
+
+
+def _ce_training_step(resolve: Callable[[], Callable]) -> Builder:
+    """Builder timing loss and gradient: ``f(x, target).backward()``, x.grad dropped first."""
+
+    def build(inputs):
+        f, x, target = resolve(), inputs["x"], inputs["target"]
+
+        def step():
+            x.grad = None
+            f(x, target).backward()
+
+        return step
+
+    return build
+
+
+def _cross_entropy_benches() -> tuple[OpBench, ...]:
+    baselines = {
+        "torch": lambda: _eager_cross_entropy,
+        "torch_compile": lambda: _compiled(_eager_cross_entropy),
+        "liger": _liger_cross_entropy,
+        "quack": _quack_cross_entropy,
+    }
+    loss_only = OpBench(
+        name="cross_entropy_fwd",
+        group="cross_entropy",
+        available=lambda: _has_api("cross_entropy"),
+        make_inputs=_cross_entropy_inputs(requires_grad=False),
+        ours=_ce_loss_only(lambda: _ours_cross_entropy),
+        baselines={name: _ce_loss_only(resolve) for name, resolve in baselines.items()},
+        # read the logits once (targets and per-row outputs are negligible)
+        model_bytes=lambda M, N, dtype: M * N * _elem(dtype),
+        shapes=CROSS_ENTROPY_SHAPES,
+        quick_shapes=CROSS_ENTROPY_QUICK_SHAPES,
+    )
+    with_grad = OpBench(
+        name="cross_entropy_fwdbwd",
+        group="cross_entropy",
+        available=lambda: _has_api("cross_entropy"),
+        make_inputs=_cross_entropy_inputs(requires_grad=True),
+        ours=_ce_training_step(lambda: _ours_cross_entropy),
+        baselines={name: _ce_training_step(resolve) for name, resolve in baselines.items()},
+        # the floor of loss + gradient: read the logits once, write the gradient once
+        model_bytes=lambda M, N, dtype: 2 * M * N * _elem(dtype),
+        shapes=CROSS_ENTROPY_SHAPES,
+        quick_shapes=CROSS_ENTROPY_QUICK_SHAPES,
+    )
+    return loss_only, with_grad
+
+
 OPS: dict[str, OpBench] = {
     op.name: op
     for op in (
@@ -350,6 +440,7 @@ OPS: dict[str, OpBench] = {
         _softmax_backward_bench(log=False),
         _softmax_backward_bench(log=True),
         _softmax_training_bench(),
+        *_cross_entropy_benches(),
     )
 }
 
