@@ -219,9 +219,11 @@ def _compile_variants():
     f32 = torch.float32
     for n, dt, wdt, rms in VARIANTS:
         for has_residual in (False, True):
-            cfg = ops.forward_config(n, dt, wdt, has_residual, dt, wdt, None if rms else wdt)
+            # residual input in x's dtype, stream in the weight's (mixed when they differ)
+            cfg = ops.forward_config(n, dt, wdt, has_residual, dt, wdt, None if rms else wdt,
+                                     residual_in_dtype=dt)
             ops.compile_forward(cfg, rms, dt, wdt, has_residual, has_residual, wdt,
-                                None if rms else wdt, dt)
+                                None if rms else wdt, dt, residual_in_dtype=dt)
         for accumulators, dres in ((0, False), (1 if rms else 2, True)):
             need_db = accumulators == 2
             outs = [dt, wdt] if dres else [dt]

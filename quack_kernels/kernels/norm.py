@@ -49,14 +49,14 @@ class NormForward(RowKernel):
 
     values_per_reduction = 1
 
-    def __init__(self, cfg: RowConfig, rms: bool, x_dtype, residual_dtype, has_residual: bool,
-                 store_residual: bool):
+    def __init__(self, cfg: RowConfig, rms: bool, x_dtype, residual_in_dtype, residual_dtype,
+                 has_residual: bool, store_residual: bool):
         self.cfg = cfg
         self.rms = rms
         self.has_residual = has_residual
         self.store_residual = store_residual
         self.residual_dtype = residual_dtype  # dtype of the stream h (rounding)
-        self.staged_dtypes = (x_dtype, residual_dtype) if has_residual else (x_dtype,)
+        self.staged_dtypes = (x_dtype, residual_in_dtype) if has_residual else (x_dtype,)
         self.reductions = 1 if rms else 2
 
     @cute.jit

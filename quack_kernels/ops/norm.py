@@ -43,11 +43,14 @@ def _bytes(*dtypes) -> list[int]:
 
 
 def forward_config(n_cols: int, x_dtype, residual_dtype, has_residual: bool, out_dtype,
-                   weight_dtype=None, bias_dtype=None, max_vec: int | None = None) -> RowConfig:
+                   weight_dtype=None, bias_dtype=None, max_vec: int | None = None,
+                   residual_in_dtype=None) -> RowConfig:
     """Vector width from the widest tensor touched per column (a 16-byte access of it);
-    staged: x, and the residual when given."""
-    staged = [x_dtype, residual_dtype] if has_residual else [x_dtype]
-    widest = max(_bytes(x_dtype, residual_dtype if has_residual else None, out_dtype,
+    staged: x, and the residual (of ``residual_in_dtype``, default the stream's
+    ``residual_dtype``) when given."""
+    residual_in_dtype = residual_in_dtype or residual_dtype
+    staged = [x_dtype, residual_in_dtype] if has_residual else [x_dtype]
+    widest = max(_bytes(*staged, residual_dtype if has_residual else None, out_dtype,
                         weight_dtype, bias_dtype))
     return row_config(n_cols, widest, staged_tensors=len(staged),
                       bytes_per_col=sum(_bytes(*staged)), max_vec=max_vec)
@@ -64,12 +67,18 @@ def backward_config(n_cols: int, h_dtype, dy_dtype, out_dtypes, weight_dtype, ac
 
 
 def compile_forward(cfg: RowConfig, rms: bool, x_dtype, residual_dtype, has_residual: bool,
-                    store_residual: bool, weight_dtype, bias_dtype, out_dtype):
+                    store_residual: bool, weight_dtype, bias_dtype, out_dtype,
+                    residual_in_dtype=None):
+    """``residual_dtype``: the stream x + residual (rounding, stored output);
+    ``residual_in_dtype``: the residual input (default the same)."""
+    residual_in_dtype = residual_in_dtype or residual_dtype
+
     def build():
         vec = cfg.vec
         dt = cutlass_dtype
         rdt = dt(residual_dtype)
-        kernel = NormForward(cfg, rms, dt(x_dtype), rdt, has_residual, store_residual)
+        kernel = NormForward(cfg, rms, dt(x_dtype), dt(residual_in_dtype), rdt, has_residual,
+                             store_residual)
         n = cfg.n_cols
         from cutlass import Float32
         import cutlass.cute as cute
@@ -77,7 +86,7 @@ def compile_forward(cfg: RowConfig, rms: bool, x_dtype, residual_dtype, has_resi
         return compile_kernel(
             kernel,
             fake_rows(dt(x_dtype), n, vec),
-            fake_rows(rdt, n, vec) if has_residual else None,
+            fake_rows(dt(residual_in_dtype), n, vec) if has_residual else None,
             fake_vector(dt(weight_dtype), n, vec) if weight_dtype is not None else None,
             fake_vector(dt(bias_dtype), n, vec) if bias_dtype is not None else None,
             fake_rows(dt(out_dtype), n, vec),
@@ -88,8 +97,8 @@ def compile_forward(cfg: RowConfig, rms: bool, x_dtype, residual_dtype, has_resi
             Float32(0.0),
         )
 
-    key = kernel_key("norm_fwd", cfg, rms, x_dtype, residual_dtype, has_residual, store_residual,
-                     weight_dtype, bias_dtype, out_dtype)
+    key = kernel_key("norm_fwd", cfg, rms, x_dtype, residual_dtype, residual_in_dtype, has_residual,
+                     store_residual, weight_dtype, bias_dtype, out_dtype)
     return compiled(key, build)
 
 
@@ -220,12 +229,14 @@ def _norm_forward_cuda(x, weight, bias, residual, eps, weight_offset, rms, out_d
     if num_rows > 0:
         tensors = [t for t in (rows, res_rows, y, h if store_residual else None) if t is not None]
         max_vec = min(vector_limit(*tensors), _pointer_vec_limit(weight, bias))
+        residual_in_dtype = residual.dtype if has_residual else None
         cfg = forward_config(n_cols, x.dtype, residual_dtype, has_residual, out_dtype,
                              weight.dtype if weight is not None else None,
-                             bias.dtype if bias is not None else None, max_vec)
+                             bias.dtype if bias is not None else None, max_vec, residual_in_dtype)
         fn = compile_forward(cfg, rms, x.dtype, residual_dtype, has_residual, store_residual,
                              weight.dtype if weight is not None else None,
-                             bias.dtype if bias is not None else None, out_dtype)
+                             bias.dtype if bias is not None else None, out_dtype,
+                             residual_in_dtype)
         fn(rows, res_rows, weight, bias, y, h if store_residual else None,
            mean if not rms else None, rstd, eps, weight_offset)
     stats_shape = x.shape[:-1]
