@@ -342,6 +342,152 @@ def _softmax_training_bench() -> OpBench:
     )
 
 
+
+# ----------------------------------------------------------------------- norm family
+#
+# RMSNorm and LayerNorm over the last dim, weight (and bias) of x's dtype. Shapes as
+# softmax's, up to the N = 262144 the kernels support.
+
+NORM_SHAPES = tuple((M, N) for M, N in SOFTMAX_SHAPES if N <= 262144)
+NORM_QUICK_SHAPES = SOFTMAX_QUICK_SHAPES
+
+
+def _norm_inputs(residual: bool, backward: bool):
+    def make(M, N, dtype) -> Inputs:
+        inputs = {"x": _rows(M, N, dtype), "w": torch.randn(N, device="cuda", dtype=dtype),
+                  "b": torch.randn(N, device="cuda", dtype=dtype)}
+        if residual:
+            inputs["r"] = _rows(M, N, dtype)
+        if backward:
+            inputs["dy"] = _rows(M, N, dtype)
+        return inputs
+
+    return make
+
+
+def _eager_norm(rms: bool):
+    F = torch.nn.functional
+
+    def fn(x, w, b, r=None):
+        if r is not None:
+            h = x + r
+            return (F.rms_norm(h, (x.shape[-1],), w, 1e-6) if rms
+                    else F.layer_norm(h, (x.shape[-1],), w, b, 1e-5)), h
+        return F.rms_norm(x, (x.shape[-1],), w, 1e-6) if rms else F.layer_norm(x, (x.shape[-1],), w, b, 1e-5)
+
+    return fn
+
+
+def _ours_norm(rms: bool):
+    def fn(x, w, b, r=None):
+        qk = _quack_kernels()
+        prenorm = r is not None
+        if rms:
+            return qk.rms_norm(x, w, residual=r, prenorm=prenorm)
+        return qk.layer_norm(x, w, b, residual=r, prenorm=prenorm)
+
+    return fn
+
+
+def _liger_norm(rms: bool):
+    def fn(x, w, b, r=None):
+        if r is not None:
+            raise Unavailable("liger norms take no residual")
+        if rms:
+            return _optional_module("liger_kernel.ops.rms_norm").LigerRMSNormFunction.apply(x, w, 1e-6)
+        return _optional_module("liger_kernel.ops.layer_norm").LigerLayerNormFunction.apply(x, w, b, 1e-5)
+
+    return fn
+
+
+def _quack_norm(rms: bool):
+    def fn(x, w, b, r=None):
+        if rms:
+            mod = _optional_module("quack.rmsnorm")
+            if r is not None:
+                return mod.rmsnorm(x, w, residual=r, prenorm=True, eps=1e-6)
+            return mod.rmsnorm(x, w, eps=1e-6)
+        if r is not None:
+            raise Unavailable("quack layernorm takes no residual")
+        return _optional_module("quack.layernorm").layernorm(x, w, eps=1e-5)
+
+    return fn
+
+
+def _norm_forward_builder(resolve: Callable[[], Callable]) -> Builder:
+    """Builder timing the forward ``f(x, w, b[, r])``."""
+
+    def build(inputs):
+        f = resolve()
+        args = [inputs["x"], inputs["w"], inputs["b"]] + ([inputs["r"]] if "r" in inputs else [])
+        f(*args)  # raises Unavailable here rather than inside the timing
+        return functools.partial(f, *args)
+
+    return build
+
+
+def _norm_backward_builder(resolve: Callable[[], Callable], with_bias: bool) -> Builder:
+    """Builder timing the backward alone: the forward graph is built once, each call
+    computes (dx, dw[, db]) from it with ``torch.autograd.grad``."""
+
+    def build(inputs):
+        f = resolve()
+        x = inputs["x"].detach().requires_grad_()
+        w = inputs["w"].detach().requires_grad_()
+        b = inputs["b"].detach().requires_grad_() if with_bias else None
+        y = f(x, w, b)
+        leaves = (x, w, b) if with_bias else (x, w)
+        dy = inputs["dy"]
+        return lambda: torch.autograd.grad(y, leaves, dy, retain_graph=True)
+
+    return build
+
+
+def _norm_benches(rms: bool) -> list[OpBench]:
+    name = "rms_norm" if rms else "layer_norm"
+    eager = _eager_norm(rms)
+    with_bias = not rms
+    weights = (1 if rms else 2)  # per-column vectors, negligible next to M * N
+    fwd_baselines = {
+        "torch": _norm_forward_builder(lambda: eager),
+        "torch_compile": _norm_forward_builder(lambda: _compiled(eager)),
+        "liger": _norm_forward_builder(lambda: _liger_norm(rms)),
+        "quack": _norm_forward_builder(lambda: _quack_norm(rms)),
+    }
+    bwd_baselines = {
+        "torch": _norm_backward_builder(lambda: eager, with_bias),
+        "torch_compile": _norm_backward_builder(lambda: _compiled(eager), with_bias),
+        "liger": _norm_backward_builder(lambda: _liger_norm(rms), with_bias),
+        "quack": _norm_backward_builder(lambda: _quack_norm(rms), with_bias),
+    }
+    available = lambda: _has_api(name)  # noqa: E731
+    return [
+        OpBench(
+            name=f"{name}_fwd", group="norm", available=available,
+            make_inputs=_norm_inputs(residual=False, backward=False),
+            ours=_norm_forward_builder(lambda: _ours_norm(rms)), baselines=fwd_baselines,
+            # read x, write y: 2 * M * N elements (+ the weights)
+            model_bytes=lambda M, N, dtype: (2 * M * N + weights * N) * _elem(dtype),
+            shapes=NORM_SHAPES, quick_shapes=NORM_QUICK_SHAPES),
+        OpBench(
+            name=f"{name}_fwd_res", group="norm", available=available,
+            make_inputs=_norm_inputs(residual=True, backward=False),
+            ours=_norm_forward_builder(lambda: _ours_norm(rms)), baselines=fwd_baselines,
+            # read x and residual, write y and the residual stream x + residual: 4 * M * N
+            model_bytes=lambda M, N, dtype: (4 * M * N + weights * N) * _elem(dtype),
+            shapes=NORM_SHAPES, quick_shapes=NORM_QUICK_SHAPES),
+        OpBench(
+            name=f"{name}_bwd", group="norm", available=available,
+            make_inputs=_norm_inputs(residual=False, backward=True),
+            ours=_norm_backward_builder(lambda: _ours_norm(rms), with_bias),
+            baselines=bwd_baselines,
+            # read x and dy, write dx: 3 * M * N elements (+ weights and their gradients;
+            # the fp32 per-CTA partials of dw/db stay O(#SMs * N))
+            model_bytes=lambda M, N, dtype: (3 * M * N + 2 * weights * N) * _elem(dtype),
+            shapes=NORM_SHAPES, quick_shapes=NORM_QUICK_SHAPES),
+    ]
+
+
 # -------------------------------------------------------------- cross-entropy family
 #
 # Vocabularies of real models (GPT-2 50257, Llama-2 32000, Llama-3 128256, Qwen 151936)
@@ -440,6 +586,8 @@ OPS: dict[str, OpBench] = {
         _softmax_backward_bench(log=False),
         _softmax_backward_bench(log=True),
         _softmax_training_bench(),
+        *_norm_benches(rms=True),
+        *_norm_benches(rms=False),
         *_cross_entropy_benches(),
     )
 }
