@@ -21,6 +21,7 @@ public function for a synchronizing check with a clear error on any device.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -47,6 +48,7 @@ TARGET_DTYPES = (torch.int32, torch.int64)
 
 
 # ----------------------------------------------------------------------------- configs
+@functools.lru_cache(maxsize=None)
 def forward_config(n_cols: int, dtype: torch.dtype, stage_weight: bool,
                    max_vec: int | None = None) -> RowConfig:
     """Logits are the one staged row tensor; with weighted label smoothing the fp32
@@ -57,6 +59,7 @@ def forward_config(n_cols: int, dtype: torch.dtype, stage_weight: bool,
     return row_config(n_cols, elem, staged_tensors=1, max_vec=max_vec)
 
 
+@functools.lru_cache(maxsize=None)  # on every call: skip building the key
 def compile_forward(cfg: RowConfig, dtype: torch.dtype, target_dtype: torch.dtype, *,
                     weighted: bool, smoothing: bool, zloss: bool, softcap: bool,
                     write_grad: bool):
@@ -312,12 +315,19 @@ class CrossEntropyFunction(torch.autograd.Function):
         if dloss is None:
             return (None,) * 8
         scale = dloss.unsqueeze(-1)
+        if grad.dtype != torch.float16:
+            # one dtype keeps torch's vectorized elementwise path (a mixed-dtype
+            # broadcast multiply is not vectorized); bf16 has fp32's range, so rounding
+            # the row scale adds about one rounding of the gradient. fp16 keeps the
+            # fp32 scale: a mean over many rows would make it subnormal in fp16.
+            scale = scale.to(grad.dtype)
         if ctx.inplace:
             # the buffer is the logits' and is consumed here: backward runs once
             dlogits = grad.mul_(scale)
+        elif scale.dtype == grad.dtype:
+            dlogits = torch.mul(grad, scale)
         else:
-            dlogits = torch.mul(grad, scale).to(grad.dtype) if grad.dtype == torch.float64 \
-                else torch.mul(grad, scale, out=torch.empty_like(grad))
+            dlogits = torch.mul(grad, scale, out=torch.empty_like(grad))
         return dlogits, None, None, None, None, None, None, None
 
 
