@@ -10,4 +10,4 @@ from .ops.norm import layer_norm, rms_norm
 from .ops.softmax import log_softmax, softmax
 
 __version__ = "0.1.0"
-__all__ = ["softmax", "log_softmax", "cross_entropy", "nn", "__version__"]
+__all__ = ["softmax", "log_softmax", "rms_norm", "layer_norm", "cross_entropy", "nn", "__version__"]

@@ -25,18 +25,16 @@ N_GRID_LARGE = [1048576]  # softmax only: the issue asks for 1M columns
 QUICK_N_GRID = [1000, 4096, 65536, 262144]
 
 
-def _families():
-    from .ops import softmax
+def families() -> dict:
+    """family -> (report_variants function, N grid). Every ops module of a kernel
+    family exposes ``report_variants(n_grid, dtypes)``."""
+    from .ops import cross_entropy, norm, softmax
 
-    families = {"softmax": (softmax.report_variants, N_GRID + N_GRID_LARGE)}
-    for name, module, n_grid in (("norm", "norm", N_GRID), ("cross_entropy", "cross_entropy", N_GRID + [524288])):
-        try:
-            mod = __import__(f"quack_kernels.ops.{module}", fromlist=["report_variants"])
-        except ImportError:
-            continue
-        if hasattr(mod, "report_variants"):
-            families[name] = (mod.report_variants, n_grid)
-    return families
+    return {
+        "softmax": (softmax.report_variants, N_GRID + N_GRID_LARGE),
+        "norm": (norm.report_variants, N_GRID),
+        "cross_entropy": (cross_entropy.report_variants, N_GRID + [524288]),
+    }
 
 
 def find_cuobjdump() -> str | None:
@@ -75,48 +73,53 @@ def resource_usage(cubin: str, cuobjdump: str) -> dict:
     return dict(regs=reg, stack=stack, static_smem=shared, local=local)
 
 
+def measure(variants, dump_dir: str, cuobjdump: str):
+    """Compile each (name, n, dtype, cfg, build) variant and read its resources; yields
+    (name, n, dtype, cfg, dynamic smem bytes, resource dict)."""
+    from .primitives.compile_cache import compile_kernel
+
+    for name, n, dtype, cfg, build in variants:
+        kernel, *fakes = build()
+        fn = compile_kernel(kernel, *fakes, keep_cubin_in=dump_dir)
+        yield name, n, dtype, cfg, kernel.smem_bytes(), resource_usage(_cubin_file(fn.__cubin__, dump_dir), cuobjdump)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a representative subset of N")
     parser.add_argument("--family", action="append", help="kernel families to report (default: all)")
     args = parser.parse_args(argv)
 
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    from .primitives.compile_cache import target_arch
+
+    cuobjdump = find_cuobjdump()
+    if cuobjdump is None:
+        print("cuobjdump not found: pip install 'nvidia-cuda-cuobjdump>=13.4'", file=sys.stderr)
+        return 2
+    dtypes = [torch.float32, torch.float16, torch.bfloat16]
+    print(f"resource report for {target_arch()} (registers/thread, shared memory/block in bytes)")
+    print(f"{'kernel':18s} {'dtype':9s} {'N':>8s} {'thr':>5s} {'clu':>4s} {'stage':>9s} "
+          f"{'regs':>5s} {'smem_st':>8s} {'smem_dyn':>8s} {'stack':>6s} {'spill':>6s}")
+    spills = count = 0
+    start = time.time()
     with tempfile.TemporaryDirectory(prefix="quack_kernels_report_") as dump_dir:
-        import torch
-
-        if not torch.cuda.is_available():
-            os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-        from .primitives.compile_cache import compile_kernel, target_arch
-
-        cuobjdump = find_cuobjdump()
-        if cuobjdump is None:
-            print("cuobjdump not found: pip install 'nvidia-cuda-cuobjdump>=13.4'", file=sys.stderr)
-            return 2
-        dtypes = [torch.float32, torch.float16, torch.bfloat16]
-        print(f"resource report for {target_arch()} (registers/thread, shared memory/block in bytes)")
-        header = f"{'kernel':18s} {'dtype':9s} {'N':>8s} {'thr':>5s} {'clu':>4s} {'stage':>9s} " \
-                 f"{'regs':>5s} {'smem_st':>8s} {'smem_dyn':>8s} {'stack':>6s} {'spill':>6s}"
-        print(header)
-        spills = 0
-        count = 0
-        start = time.time()
-        for family, (variants, n_grid) in _families().items():
+        for family, (variants, n_grid) in families().items():
             if args.family and family not in args.family:
                 continue
             grid = [n for n in n_grid if n in QUICK_N_GRID] if args.quick else n_grid
-            for name, n, dtype, cfg, build in variants(grid, dtypes):
-                kernel, *fakes = build()
-                fn = compile_kernel(kernel, *fakes, keep_cubin_in=dump_dir)
-                res = resource_usage(_cubin_file(fn.__cubin__, dump_dir), cuobjdump)
+            for name, n, dtype, cfg, smem, res in measure(variants(grid, dtypes), dump_dir, cuobjdump):
                 count += 1
                 spills += res["local"] > 0
-                dtype_name = str(dtype).replace("torch.", "")
                 flag = "  <-- SPILL" if res["local"] else ""
-                print(f"{name:18s} {dtype_name:9s} {n:8d} {cfg.threads_per_block:5d} {cfg.cluster_size:4d} "
-                      f"{cfg.staging:>9s} {res['regs']:5d} {res['static_smem']:8d} {kernel.smem_bytes():8d} "
-                      f"{res['stack']:6d} {res['local']:6d}{flag}", flush=True)
-        print(f"{count} variants compiled in {time.time() - start:.0f} s; {spills} with spills")
-        return 1 if spills else 0
+                print(f"{name:18s} {str(dtype).replace('torch.', ''):9s} {n:8d} {cfg.threads_per_block:5d} "
+                      f"{cfg.cluster_size:4d} {cfg.staging:>9s} {res['regs']:5d} {res['static_smem']:8d} "
+                      f"{smem:8d} {res['stack']:6d} {res['local']:6d}{flag}", flush=True)
+    print(f"{count} variants compiled in {time.time() - start:.0f} s; {spills} with spills")
+    return 1 if spills else 0
 
 
 if __name__ == "__main__":

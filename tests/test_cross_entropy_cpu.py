@@ -2,11 +2,6 @@
 ops (opcheck, fake kernels, gradcheck), errors, and the sm_90a compile with no spills."""
 
 import itertools
-import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,6 +9,7 @@ import torch.nn.functional as F
 
 import quack_kernels as qk
 from quack_kernels.ops import cross_entropy as ops
+from quack_kernels.report import find_cuobjdump, measure
 
 from helpers import assert_close
 
@@ -231,52 +227,26 @@ def test_torch_compile_fullgraph():
 
 
 # ------------------------------------------------------------- sm_90a compile, no spills
-SPILL_SCRIPT = r"""
-import json, pathlib, sys, torch
-from quack_kernels.ops import cross_entropy as ce
-dump = pathlib.Path(sys.argv[2])
-for i, (n, dtype, target_dtype, flags) in enumerate(json.loads(sys.argv[1])):
-    dtype, target_dtype = getattr(torch, dtype), getattr(torch, target_dtype)
-    cfg = ce.forward_config(n, dtype, flags["weighted"] and flags["smoothing"])
-    ce.compile_forward(cfg, dtype, target_dtype, **flags)
-    # dump names are truncated and collide: give each case's cubin its own name
-    for cubin in dump.glob("cutlass*.cubin"):
-        cubin.rename(dump / f"case{i}.cubin")
-"""
-
 SPILL_CASES = [
-    (n, dtype, "int64", dict(weighted=w, smoothing=s, zloss=z, softcap=c, write_grad=g))
+    (n, dtype, dict(weighted=w, smoothing=s, zloss=z, softcap=c, write_grad=g))
     for n in (2, 1000, 32000, 50257, 151936, 262145, 524288)
-    for dtype in ("float32", "bfloat16", "float16")
+    for dtype in (torch.float32, torch.bfloat16, torch.float16)
     for w, s, z, c, g in ((False, False, False, False, True), (True, True, True, True, True),
                           (False, True, False, True, False))
 ]
 
 
-def _cuobjdump():
-    import nvidia
-
-    for root in nvidia.__path__:
-        for path in pathlib.Path(root).glob("cu*/bin/cuobjdump"):
-            return str(path)
-    return None
-
-
 @pytest.mark.slow
 def test_sm90a_compile_without_spills(tmp_path):
-    cuobjdump = _cuobjdump()
+    cuobjdump = find_cuobjdump()
     if cuobjdump is None:
         pytest.skip("cuobjdump not installed")
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin",
-               CUTE_DSL_DUMP_DIR=str(tmp_path),
-               PYTHONPATH=str(pathlib.Path(__file__).resolve().parents[1]))
-    subprocess.run([sys.executable, "-c", SPILL_SCRIPT, json.dumps(SPILL_CASES), str(tmp_path)],
-                   env=env,
-                   check=True)
-    cubins = sorted(tmp_path.glob("case*.cubin"))
-    assert len(cubins) == len(SPILL_CASES)
-    for cubin in cubins:
-        usage = subprocess.run([cuobjdump, "-res-usage", str(cubin)], capture_output=True,
-                               text=True, check=True).stdout
-        case = SPILL_CASES[int(cubin.stem[4:])]
-        assert "LOCAL:0 " in usage and "STACK:0 " in usage, f"{case}: {usage}"
+    variants = []
+    for n, dtype, flags in SPILL_CASES:
+        cfg = ops.forward_config(n, dtype, flags["weighted"] and flags["smoothing"])
+        variants.append(("xent", n, dtype, cfg,
+                         lambda cfg=cfg, dtype=dtype, flags=flags: ops.forward_kernel(cfg, dtype, torch.int64, **flags)))
+    rows = list(measure(variants, str(tmp_path), cuobjdump))
+    assert len(rows) == len(SPILL_CASES)
+    for (_, n, dtype, _, _, res), (_, _, flags) in zip(rows, SPILL_CASES):
+        assert res["local"] == 0 and res["stack"] == 0, f"{n} {dtype} {flags}: {res}"

@@ -1,15 +1,12 @@
 """rms_norm / layer_norm on the CPU path (CI): references, custom-op contracts, autograd,
 input errors, and compile-for-sm_90a of every kernel variant with zero spills."""
 
-import glob
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import quack_kernels as qk
+from quack_kernels.report import find_cuobjdump, measure
 from quack_kernels.ops import norm as ops
 
 from helpers import assert_close
@@ -215,53 +212,29 @@ VARIANTS = [
 ]
 
 
-def _compile_variants():
-    f32 = torch.float32
+def _variants():
+    """(name, n, dtype, cfg, build) for the report's measure(): forward with and
+    without a residual (stream in the weight's dtype, mixed when they differ), backward
+    without and with dweight/dbias and a residual gradient."""
     for n, dt, wdt, rms in VARIANTS:
+        bias = None if rms else wdt
         for has_residual in (False, True):
-            # residual input in x's dtype, stream in the weight's (mixed when they differ)
-            cfg = ops.forward_config(n, dt, wdt, has_residual, dt, wdt, None if rms else wdt,
-                                     residual_in_dtype=dt)
-            ops.compile_forward(cfg, rms, dt, wdt, has_residual, has_residual, wdt,
-                                None if rms else wdt, dt, residual_in_dtype=dt)
+            cfg = ops.forward_config(n, dt, wdt, has_residual, dt, wdt, bias, residual_in_dtype=dt)
+            args = (cfg, rms, dt, wdt, has_residual, has_residual, wdt, bias, dt, dt)
+            yield "fwd", n, dt, cfg, lambda args=args: ops.forward_kernel(*args)
         for accumulators, dres in ((0, False), (1 if rms else 2, True)):
-            need_db = accumulators == 2
             outs = [dt, wdt] if dres else [dt]
             cfg = ops.backward_config(n, wdt, dt, outs, wdt, accumulators)
-            ops.compile_backward(cfg, rms, wdt, dt, wdt, dres, dt if dres else None, dt,
-                                 wdt if dres else None, accumulators > 0, need_db)
+            args = (cfg, rms, wdt, dt, wdt, dres, dt if dres else None, dt,
+                    wdt if dres else None, accumulators > 0, accumulators == 2)
+            yield "bwd", n, dt, cfg, lambda args=args: ops.backward_kernel(*args)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="compile-only check for CPU machines")
 def test_sm90a_variants_compile_without_spills(tmp_path):
-    # the DSL reads CUTE_DSL_KEEP / DUMP_DIR at import: compile in a fresh interpreter
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=str(tmp_path),
-               CUTE_DSL_ARCH="sm_90a", CUTE_DSL_NO_CACHE="1",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")]))
-    subprocess.run([sys.executable, "-c", "import test_norm_cpu; test_norm_cpu._compile_variants()"],
-                   env=env, cwd=here, check=True, timeout=900)
-    cubins = glob.glob(str(tmp_path / "*Norm*.cubin"))
-    assert len(cubins) >= len(VARIANTS) * 3
-    cuobjdump = _cuobjdump()
+    cuobjdump = find_cuobjdump()
     if cuobjdump is None:
         pytest.skip("cuobjdump not found")
-    for cubin in cubins:
-        usage = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True,
-                               text=True).stdout
-        assert "LOCAL:0" in usage, f"register spills in {cubin}: {usage}"
-
-
-def _cuobjdump():
-    import shutil
-
-    found = shutil.which("cuobjdump")
-    if found:
-        return found
-    try:
-        import nvidia.cu13
-
-        path = os.path.join(list(nvidia.cu13.__path__)[0], "bin", "cuobjdump")
-        return path if os.path.exists(path) else None
-    except ImportError:
-        return None
+    rows = list(measure(_variants(), str(tmp_path), cuobjdump))
+    assert len(rows) == len(VARIANTS) * 4
+    for name, n, dtype, cfg, smem, res in rows:
+        assert res["local"] == 0, f"register spills in {name} n={n} {dtype}: {res}"

@@ -7,7 +7,6 @@ import torch
 
 import quack_kernels as qk
 from quack_kernels.ops import norm as ops
-from quack_kernels.primitives.config import row_config
 
 from helpers import assert_close
 

@@ -17,9 +17,12 @@ def test_report_quick_has_no_spills():
     proc = subprocess.run([sys.executable, "-m", "quack_kernels.report", "--quick"],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    rows = [line for line in proc.stdout.splitlines() if line.split() and line.split()[0].endswith(("_fwd", "_bwd"))]
-    assert len(rows) >= 48
-    assert all(int(row.split()[-1]) == 0 for row in rows)  # spill column
+    rows = [line.split() for line in proc.stdout.splitlines()
+            if line.split() and line.split()[0].startswith(("softmax", "log_softmax", "rms_norm", "layer_norm", "xent"))]
+    families = {row[0].split("_")[0] for row in rows}
+    assert families == {"softmax", "log", "rms", "layer", "xent"}
+    assert len(rows) >= 150
+    assert all(int(row[-1]) == 0 for row in rows)  # spill column
 
 
 def test_resource_parser_reads_cuobjdump(tmp_path):

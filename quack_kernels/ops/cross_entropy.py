@@ -59,6 +59,34 @@ def forward_config(n_cols: int, dtype: torch.dtype, stage_weight: bool,
     return row_config(n_cols, elem, staged_tensors=1, max_vec=max_vec)
 
 
+def forward_kernel(cfg: RowConfig, dtype: torch.dtype, target_dtype: torch.dtype, *,
+                   weighted: bool, smoothing: bool, zloss: bool, softcap: bool,
+                   write_grad: bool):
+    """(kernel object, *fake arguments it compiles against)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    dt = cutlass_dtype(dtype)
+    tt = cutlass.Int32 if target_dtype == torch.int32 else cutlass.Int64
+    kernel = CrossEntropyForward(cfg, dt, tt, weighted=weighted, smoothing=smoothing,
+                                 zloss=zloss, softcap=softcap, write_grad=write_grad)
+    stage_weight = weighted and smoothing
+    rows = cute.sym_int()
+    return (
+        kernel,
+        fake_rows(dt, cfg.n_cols, cfg.vec, rows),
+        fake_vector(tt, rows),
+        fake_vector(cutlass.Float32, cute.sym_int(), cfg.vec if stage_weight else 1),
+        fake_vector(cutlass.Float32, rows),
+        fake_vector(cutlass.Float32, rows),
+        fake_rows(dt, cfg.n_cols, cfg.vec, rows),
+        cutlass.Int64(-100),
+        cutlass.Float32(0.0),
+        cutlass.Float32(0.0),
+        cutlass.Float32(1.0),
+    )
+
+
 @functools.lru_cache(maxsize=None)  # on every call: skip building the key
 def compile_forward(cfg: RowConfig, dtype: torch.dtype, target_dtype: torch.dtype, *,
                     weighted: bool, smoothing: bool, zloss: bool, softcap: bool,
@@ -67,30 +95,31 @@ def compile_forward(cfg: RowConfig, dtype: torch.dtype, target_dtype: torch.dtyp
                  write_grad=write_grad)
 
     def build():
-        import cutlass
-        import cutlass.cute as cute
-
-        dt = cutlass_dtype(dtype)
-        tt = cutlass.Int32 if target_dtype == torch.int32 else cutlass.Int64
-        kernel = CrossEntropyForward(cfg, dt, tt, **flags)
-        stage_weight = weighted and smoothing
-        rows = cute.sym_int()
-        return compile_kernel(
-            kernel,
-            fake_rows(dt, cfg.n_cols, cfg.vec, rows),
-            fake_vector(tt, rows),
-            fake_vector(cutlass.Float32, cute.sym_int(), cfg.vec if stage_weight else 1),
-            fake_vector(cutlass.Float32, rows),
-            fake_vector(cutlass.Float32, rows),
-            fake_rows(dt, cfg.n_cols, cfg.vec, rows),
-            cutlass.Int64(-100),
-            cutlass.Float32(0.0),
-            cutlass.Float32(0.0),
-            cutlass.Float32(1.0),
-        )
+        return compile_kernel(*forward_kernel(cfg, dtype, target_dtype, **flags))
 
     key = kernel_key("cross_entropy_fwd", dtype, target_dtype, cfg, tuple(sorted(flags.items())))
     return compiled(key, build)
+
+
+# flag sets in the resource report: plain loss + gradient, every option on, and
+# smoothing + softcap without the gradient
+REPORT_FLAGS = (
+    dict(weighted=False, smoothing=False, zloss=False, softcap=False, write_grad=True),
+    dict(weighted=True, smoothing=True, zloss=True, softcap=True, write_grad=True),
+    dict(weighted=False, smoothing=True, zloss=False, softcap=True, write_grad=False),
+)
+
+
+def report_variants(n_grid, dtypes):
+    """Kernel variants for the sm_90a resource report: (name, n, dtype, cfg, build)."""
+    for dtype in dtypes:
+        for n in n_grid:
+            for flags in REPORT_FLAGS:
+                cfg = forward_config(n, dtype, flags["weighted"] and flags["smoothing"])
+                suffix = "_all" if flags["zloss"] else ("_grad" if flags["write_grad"] else "_loss")
+                yield (f"xent_fwd{suffix}", n, dtype, cfg,
+                       lambda n=n, dtype=dtype, cfg=cfg, flags=flags:
+                       forward_kernel(cfg, dtype, torch.int64, **flags))
 
 
 # -------------------------------------------------------------------------- reference

@@ -66,73 +66,103 @@ def backward_config(n_cols: int, h_dtype, dy_dtype, out_dtypes, weight_dtype, ac
                       max_vec=max_vec)
 
 
+def forward_kernel(cfg: RowConfig, rms: bool, x_dtype, residual_dtype, has_residual: bool,
+                   store_residual: bool, weight_dtype, bias_dtype, out_dtype,
+                   residual_in_dtype=None):
+    """(kernel object, *fake arguments it compiles against). ``residual_dtype``: the
+    stream x + residual (rounding, stored output); ``residual_in_dtype``: the residual
+    input (default the same)."""
+    from cutlass import Float32
+    import cutlass.cute as cute
+
+    residual_in_dtype = residual_in_dtype or residual_dtype
+    vec, n, dt = cfg.vec, cfg.n_cols, cutlass_dtype
+    rdt = dt(residual_dtype)
+    kernel = NormForward(cfg, rms, dt(x_dtype), dt(residual_in_dtype), rdt, has_residual,
+                         store_residual)
+    rows = cute.sym_int()
+    return (
+        kernel,
+        fake_rows(dt(x_dtype), n, vec),
+        fake_rows(dt(residual_in_dtype), n, vec) if has_residual else None,
+        fake_vector(dt(weight_dtype), n, vec) if weight_dtype is not None else None,
+        fake_vector(dt(bias_dtype), n, vec) if bias_dtype is not None else None,
+        fake_rows(dt(out_dtype), n, vec),
+        fake_rows(rdt, n, vec) if store_residual else None,
+        fake_vector(Float32, rows) if not rms else None,
+        fake_vector(Float32, rows),
+        Float32(1e-6),
+        Float32(0.0),
+    )
+
+
 def compile_forward(cfg: RowConfig, rms: bool, x_dtype, residual_dtype, has_residual: bool,
                     store_residual: bool, weight_dtype, bias_dtype, out_dtype,
                     residual_in_dtype=None):
-    """``residual_dtype``: the stream x + residual (rounding, stored output);
-    ``residual_in_dtype``: the residual input (default the same)."""
     residual_in_dtype = residual_in_dtype or residual_dtype
+    args = (cfg, rms, x_dtype, residual_dtype, has_residual, store_residual, weight_dtype,
+            bias_dtype, out_dtype, residual_in_dtype)
+    return compiled(kernel_key("norm_fwd", *args), lambda: compile_kernel(*forward_kernel(*args)))
 
-    def build():
-        vec = cfg.vec
-        dt = cutlass_dtype
-        rdt = dt(residual_dtype)
-        kernel = NormForward(cfg, rms, dt(x_dtype), dt(residual_in_dtype), rdt, has_residual,
-                             store_residual)
-        n = cfg.n_cols
-        from cutlass import Float32
-        import cutlass.cute as cute
-        rows = cute.sym_int()
-        return compile_kernel(
-            kernel,
-            fake_rows(dt(x_dtype), n, vec),
-            fake_rows(dt(residual_in_dtype), n, vec) if has_residual else None,
-            fake_vector(dt(weight_dtype), n, vec) if weight_dtype is not None else None,
-            fake_vector(dt(bias_dtype), n, vec) if bias_dtype is not None else None,
-            fake_rows(dt(out_dtype), n, vec),
-            fake_rows(rdt, n, vec) if store_residual else None,
-            fake_vector(Float32, rows) if not rms else None,
-            fake_vector(Float32, rows),
-            Float32(1e-6),
-            Float32(0.0),
-        )
 
-    key = kernel_key("norm_fwd", cfg, rms, x_dtype, residual_dtype, residual_in_dtype, has_residual,
-                     store_residual, weight_dtype, bias_dtype, out_dtype)
-    return compiled(key, build)
+def backward_kernel(cfg: RowConfig, rms: bool, h_dtype, dy_dtype, weight_dtype,
+                    has_dresidual_out: bool, dresidual_out_dtype, dx_dtype, dresidual_dtype,
+                    need_dweight: bool, need_dbias: bool):
+    """(kernel object, *fake arguments it compiles against)."""
+    from cutlass import Float32, Int32
+    import cutlass.cute as cute
+
+    vec, n, dt = cfg.vec, cfg.n_cols, cutlass_dtype
+    kernel = NormBackward(cfg, rms, dt(h_dtype), dt(dy_dtype), need_dweight, need_dbias)
+    rows = cute.sym_int()
+    return (
+        kernel,
+        fake_rows(dt(h_dtype), n, vec),
+        fake_rows(dt(dy_dtype), n, vec),
+        fake_vector(dt(weight_dtype), n, vec) if weight_dtype is not None else None,
+        fake_vector(Float32, rows) if not rms else None,
+        fake_vector(Float32, rows),
+        fake_rows(dt(dresidual_out_dtype), n, vec) if has_dresidual_out else None,
+        fake_rows(dt(dx_dtype), n, vec) if dx_dtype is not None else None,
+        fake_rows(dt(dresidual_dtype), n, vec) if dresidual_dtype is not None else None,
+        fake_rows(Float32, n, vec) if need_dweight else None,
+        fake_rows(Float32, n, vec) if need_dbias else None,
+        Float32(0.0),
+        Int32(1),
+    )
 
 
 def compile_backward(cfg: RowConfig, rms: bool, h_dtype, dy_dtype, weight_dtype,
                      has_dresidual_out: bool, dresidual_out_dtype, dx_dtype, dresidual_dtype,
                      need_dweight: bool, need_dbias: bool):
-    def build():
-        from cutlass import Float32, Int32
-        import cutlass.cute as cute
+    args = (cfg, rms, h_dtype, dy_dtype, weight_dtype, has_dresidual_out, dresidual_out_dtype,
+            dx_dtype, dresidual_dtype, need_dweight, need_dbias)
+    return compiled(kernel_key("norm_bwd", *args), lambda: compile_kernel(*backward_kernel(*args)))
 
-        vec = cfg.vec
-        dt = cutlass_dtype
-        n = cfg.n_cols
-        kernel = NormBackward(cfg, rms, dt(h_dtype), dt(dy_dtype), need_dweight, need_dbias)
-        rows = cute.sym_int()
-        return compile_kernel(
-            kernel,
-            fake_rows(dt(h_dtype), n, vec),
-            fake_rows(dt(dy_dtype), n, vec),
-            fake_vector(dt(weight_dtype), n, vec) if weight_dtype is not None else None,
-            fake_vector(Float32, rows) if not rms else None,
-            fake_vector(Float32, rows),
-            fake_rows(dt(dresidual_out_dtype), n, vec) if has_dresidual_out else None,
-            fake_rows(dt(dx_dtype), n, vec) if dx_dtype is not None else None,
-            fake_rows(dt(dresidual_dtype), n, vec) if dresidual_dtype is not None else None,
-            fake_rows(Float32, n, vec) if need_dweight else None,
-            fake_rows(Float32, n, vec) if need_dbias else None,
-            Float32(0.0),
-            Int32(1),
-        )
 
-    key = kernel_key("norm_bwd", cfg, rms, h_dtype, dy_dtype, weight_dtype, has_dresidual_out,
-                     dresidual_out_dtype, dx_dtype, dresidual_dtype, need_dweight, need_dbias)
-    return compiled(key, build)
+def report_variants(n_grid, dtypes):
+    """Kernel variants for the sm_90a resource report: (name, n, dtype, cfg, build).
+    Per norm: forward with weight (and bias for LayerNorm); forward with a residual
+    whose stream is stored (prenorm); backward without and with dweight/dbias and a
+    residual gradient."""
+    for dtype in dtypes:
+        for n in n_grid:
+            for rms in (True, False):
+                name = "rms_norm" if rms else "layer_norm"
+                bias = None if rms else dtype
+                for has_residual in (False, True):
+                    cfg = forward_config(n, dtype, dtype, has_residual, dtype, dtype, bias)
+                    args = (cfg, rms, dtype, dtype, has_residual, has_residual, dtype, bias, dtype)
+                    yield (f"{name}_fwd" + ("_res" if has_residual else ""), n, dtype, cfg,
+                           lambda args=args: forward_kernel(*args))
+                for accumulators in (0, 1 if rms else 2):
+                    dres = accumulators > 0
+                    outs = [dtype, dtype] if dres else [dtype]
+                    cfg = backward_config(n, dtype, dtype, outs, dtype, accumulators)
+                    args = (cfg, rms, dtype, dtype, dtype, dres, dtype if dres else None, dtype,
+                            dtype if dres else None, dres, accumulators == 2)
+                    yield (f"{name}_bwd" + ("_dw" if dres else ""), n, dtype, cfg,
+                           lambda args=args: backward_kernel(*args))
 
 
 def _pointer_vec_limit(*vectors: Optional[Tensor]) -> int:
