@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 # Relative tolerance on the whole tensor (||out - ref|| / ||ref||) and max abs error per
 # element, by output dtype. bf16 keeps 8 mantissa bits (2^-8 ~ 4e-3 per element).
@@ -40,3 +41,22 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype=None, scale: float 
     if norm > 0:
         rel = (o[finite] - r[finite]).norm() / norm
         assert rel <= tol["rel"] * scale, f"{name}: relative error {rel:.3g} > {tol['rel'] * scale:.3g}"
+
+
+def torch_cross_entropy(x, target, weight, *, ignore_index=-100, reduction="mean",
+                        label_smoothing=0.0, lse_square_scale=0.0, softcap=None):
+    """The definition, from torch's own cross_entropy: softcap first, z-loss per
+    non-ignored row, the reduction as torch does it (mean over the summed target
+    weights)."""
+    z = softcap * torch.tanh(x / softcap) if softcap else x
+    loss = F.cross_entropy(z, target, weight, ignore_index=ignore_index, reduction="none",
+                           label_smoothing=label_smoothing)
+    kept = target != ignore_index
+    if lse_square_scale:
+        loss = loss + torch.where(kept, lse_square_scale * torch.logsumexp(z, -1) ** 2, 0.0)
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    w_t = kept.to(x.dtype) if weight is None else weight[target.clamp(min=0)] * kept
+    return loss.sum() / w_t.sum()

@@ -11,7 +11,7 @@ import quack_kernels as qk
 from quack_kernels.ops import cross_entropy as ops
 from quack_kernels.report import find_cuobjdump, measure
 
-from helpers import assert_close
+from helpers import assert_close, torch_cross_entropy
 
 OPTIONS = dict(
     weighted=[False, True],
@@ -21,25 +21,6 @@ OPTIONS = dict(
     reduction=["none", "sum", "mean"],
 )
 COMBOS = [dict(zip(OPTIONS, values)) for values in itertools.product(*OPTIONS.values())]
-
-
-def torch_cross_entropy(x, target, weight, *, ignore_index=-100, reduction="mean",
-                        label_smoothing=0.0, lse_square_scale=0.0, softcap=None):
-    """The definition, from torch's own cross_entropy: softcap first, z-loss per
-    non-ignored row, the reduction as torch does it (mean over the summed target
-    weights)."""
-    z = softcap * torch.tanh(x / softcap) if softcap else x
-    loss = F.cross_entropy(z, target, weight, ignore_index=ignore_index, reduction="none",
-                           label_smoothing=label_smoothing)
-    kept = target != ignore_index
-    if lse_square_scale:
-        loss = loss + torch.where(kept, lse_square_scale * torch.logsumexp(z, -1) ** 2, 0.0)
-    if reduction == "none":
-        return loss
-    if reduction == "sum":
-        return loss.sum()
-    w_t = kept.to(x.dtype) if weight is None else weight[target.clamp(min=0)] * kept
-    return loss.sum() / w_t.sum()
 
 
 def make_case(m=29, v=37, dtype=torch.float64, ignore_every=4, seed=0):

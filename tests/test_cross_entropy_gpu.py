@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import quack_kernels as qk
 from quack_kernels.ops import cross_entropy as ops
 
-from helpers import assert_close
+from helpers import assert_close, torch_cross_entropy
 
 pytestmark = pytest.mark.gpu
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -89,22 +89,6 @@ def test_every_option(v, dtype, flags):
     assert_close(loss, ref_loss, LOSS_TOL, scale=LOSS_SCALE, name="loss")
     assert_close(lse, ref_lse, LOSS_TOL, scale=LOSS_SCALE, name="lse")
     assert_close(grad, ref_grad, dtype, scale=2.0, name="grad")
-
-
-def torch_cross_entropy(x, target, weight, *, ignore_index=-100, reduction="mean",
-                        label_smoothing=0.0, lse_square_scale=0.0, softcap=None):
-    z = softcap * torch.tanh(x / softcap) if softcap else x
-    loss = F.cross_entropy(z, target, weight, ignore_index=ignore_index, reduction="none",
-                           label_smoothing=label_smoothing)
-    kept = target != ignore_index
-    if lse_square_scale:
-        loss = loss + torch.where(kept, lse_square_scale * torch.logsumexp(z, -1) ** 2, 0.0)
-    if reduction == "none":
-        return loss
-    if reduction == "sum":
-        return loss.sum()
-    w_t = kept.to(x.dtype) if weight is None else weight[target.clamp(min=0)] * kept
-    return loss.sum() / w_t.sum()
 
 
 @pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
