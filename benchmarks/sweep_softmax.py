@@ -8,11 +8,10 @@ import torch
 import triton
 
 from quack_kernels.ops import softmax as ops
-from quack_kernels.primitives.config import row_config
+from quack_kernels.primitives.config import SMEM_BYTES_PER_CTA, row_config
 
 SHAPES = [(dtype, n) for dtype in (torch.bfloat16, torch.float32)
           for n in (1024, 4096, 16384, 65536, 262144)]
-SMEM_LIMIT = 227 * 1024
 
 
 def copy_ceiling_gbps():
@@ -34,7 +33,7 @@ def main():
         eb = x.element_size()
         for backward, vpt, kib in itertools.product((False, True), (16, 32, 64), (16, 32, 64)):
             cfg = row_config(n, eb, 2 if backward else 1, values_per_thread=vpt, cta_row_bytes=kib * 1024)
-            if cfg.staging_smem_bytes(eb * (2 if backward else 1)) > SMEM_LIMIT - 4096:
+            if cfg.staging_smem_bytes(eb * (2 if backward else 1)) > SMEM_BYTES_PER_CTA - 4096:
                 continue
             try:
                 if backward:

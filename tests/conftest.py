@@ -8,11 +8,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU of compute capability >= 9.0")
-    config.addinivalue_line("markers", "slow: long-running (large tensors or many compiles)")
-
-
 def pytest_collection_modifyitems(config, items):
     has_gpu = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
     skip = pytest.mark.skip(reason="needs a CUDA GPU with compute capability >= 9.0")

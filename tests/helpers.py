@@ -14,10 +14,6 @@ TOLERANCE = {
 }
 
 
-def poisoned_like(t: torch.Tensor) -> torch.Tensor:
-    return torch.full_like(t, float("nan"))
-
-
 def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype=None, scale: float = 1.0, name="out"):
     """Compare with an fp64/fp32 reference; report the first mismatching index and the
     NaN/inf pattern so a failure says where, not only that."""

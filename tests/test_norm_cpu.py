@@ -238,3 +238,21 @@ def test_sm90a_variants_compile_without_spills(tmp_path):
     assert len(rows) == len(VARIANTS) * 4
     for name, n, dtype, cfg, smem, res in rows:
         assert res["local"] == 0, f"register spills in {name} n={n} {dtype}: {res}"
+
+
+def test_rows_too_long_for_shared_memory_are_refused_with_a_clear_error():
+    # LayerNorm backward with dweight and dbias keeps two fp32 partial rows per CTA
+    n = 1 << 20
+    cfg = ops.backward_config(n, torch.bfloat16, torch.bfloat16, [torch.bfloat16], torch.bfloat16, 2)
+    with pytest.raises(ValueError, match="KiB of shared memory per CTA"):
+        ops.compile_backward(cfg, False, torch.bfloat16, torch.bfloat16, torch.bfloat16, False, None,
+                             torch.bfloat16, None, True, True)
+
+
+def test_every_staging_and_cluster_path():
+    cfgs = [ops.backward_config(n, dt, dt, [dt], dt, acc) for n in (4096, 65536, 262144)
+            for dt in (torch.bfloat16, torch.float32) for acc in (0, 2)]
+    cfgs += [ops.forward_config(n, dt, dt, res, dt) for n in (4096, 262144)
+             for dt in (torch.bfloat16, torch.float32) for res in (False, True)]
+    assert {c.staging for c in cfgs} == {"registers", "smem", "global"}
+    assert any(c.cluster_size == 16 for c in cfgs) and any(c.cluster_size == 1 for c in cfgs)

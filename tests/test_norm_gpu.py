@@ -95,15 +95,6 @@ def test_many_row_blocks_per_cta(m, n):
                        need_db=True)
 
 
-def test_every_staging_and_cluster_path():
-    cfgs = [ops.backward_config(n, dt, dt, [dt], dt, acc) for n in (4096, 65536, 262144)
-            for dt in (torch.bfloat16, torch.float32) for acc in (0, 2)]
-    cfgs += [ops.forward_config(n, dt, dt, res, dt) for n in (4096, 262144)
-             for dt in (torch.bfloat16, torch.float32) for res in (False, True)]
-    assert {c.staging for c in cfgs} == {"registers", "smem", "global"}
-    assert any(c.cluster_size == 16 for c in cfgs) and any(c.cluster_size == 1 for c in cfgs)
-
-
 @pytest.mark.parametrize("x_dtype,r_dtype,w_dtype,res_dtype,out_dtype", [
     (torch.bfloat16, torch.bfloat16, torch.float32, None, None),
     (torch.float16, torch.bfloat16, torch.bfloat16, torch.float32, torch.float32),

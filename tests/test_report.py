@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from quack_kernels.report import resource_usage, find_cuobjdump
+from quack_kernels.report import _RES, find_cuobjdump, resource_usage
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,6 +23,11 @@ def test_report_quick_has_no_spills():
     assert families == {"softmax", "log", "rms", "layer", "xent"}
     assert len(rows) >= 150
     assert all(int(row[-1]) == 0 for row in rows)  # spill column
+
+
+def test_resource_line_parser():
+    line = "  REG:80 STACK:0 SHARED:1024 LOCAL:16 CONSTANT[0]:600 TEXTURE:0"
+    assert _RES.search(line).groups() == ("80", "0", "1024", "16")
 
 
 def test_resource_parser_reads_cuobjdump(tmp_path):

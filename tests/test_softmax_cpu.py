@@ -7,7 +7,7 @@ from torch.library import opcheck
 
 import quack_kernels as qk
 from quack_kernels.ops import softmax as ops
-from quack_kernels.primitives.compile_cache import compile_kernel
+from quack_kernels.report import find_cuobjdump, measure
 
 from helpers import assert_close
 
@@ -91,8 +91,13 @@ def test_backward_rejects_mismatched_inputs():
 
 @pytest.mark.parametrize("n", [1, 7, 4097, 262144, 1 << 20])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernels_compile_for_sm90a(n, dtype):
-    for build in (ops.forward_kernel(ops.forward_config(n, dtype), dtype, True),
-                  ops.backward_kernel(ops.backward_config(n, dtype), dtype, False)):
-        kernel, *fakes = build
-        assert compile_kernel(kernel, *fakes) is not None
+def test_kernels_compile_for_sm90a_without_spills(n, dtype, tmp_path):
+    cuobjdump = find_cuobjdump()
+    if cuobjdump is None:
+        pytest.skip("cuobjdump not installed")
+    fwd, bwd = ops.forward_config(n, dtype), ops.backward_config(n, dtype)
+    variants = [("fwd", n, dtype, fwd, lambda: ops.forward_kernel(fwd, dtype, True)),
+                ("bwd", n, dtype, bwd, lambda: ops.backward_kernel(bwd, dtype, False))]
+    for name, _, _, cfg, smem, res in measure(variants, str(tmp_path), cuobjdump):
+        assert res["local"] == 0 and res["stack"] == 0, f"{name} n={n}: {res}"
+        assert res["regs"] <= 255 and smem <= 227 * 1024

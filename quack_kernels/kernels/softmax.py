@@ -26,7 +26,6 @@ from ..primitives.config import RowConfig
 from ..primitives.rows import ReductionSlot, RowKernel, RowTiles
 
 LOG2_E = math.log2(math.e)
-LN_2 = math.log(2.0)
 
 
 def _finite_or_zero(m: Float32) -> Float32:

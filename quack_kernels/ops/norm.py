@@ -338,9 +338,11 @@ def _norm_backward_cuda(dy, h, weight, mean, rstd, dresidual_out, weight_offset,
                      dtype=dx_dtype or dy.dtype, device=device)
     dres = torch.empty(h_rows.shape if dresidual_dtype is not None else EMPTY,
                        dtype=dresidual_dtype or dy.dtype, device=device)
-    dweight = torch.zeros(n_cols if need_dweight else 0,
+    # with no rows the sums over rows are zero; otherwise the partials below fill them
+    dweight = torch.zeros(n_cols if need_dweight and num_rows == 0 else 0,
                           dtype=weight.dtype if weight is not None else dy.dtype, device=device)
-    dbias = torch.zeros(n_cols if need_dbias else 0, dtype=dbias_dtype or dy.dtype, device=device)
+    dbias = torch.zeros(n_cols if need_dbias and num_rows == 0 else 0,
+                        dtype=dbias_dtype or dy.dtype, device=device)
     if num_rows > 0 and (dx_dtype or dresidual_dtype or need_dweight or need_dbias):
         outs = [t for t in (dres_rows, dx if dx_dtype else None, dres if dresidual_dtype else None)
                 if t is not None]
@@ -443,8 +445,9 @@ def _setup_context(ctx, inputs, output):
     ctx.residual_dtype = residual.dtype if residual is not None else None
     ctx.bias_dtype = bias.dtype if bias is not None else None
     ctx.residual_stream_dtype = residual_dtype or (residual.dtype if residual is not None else x.dtype)
-    ctx.eps = eps
     ctx.set_materialize_grads(False)
+    # the statistics are returned for callers who want them, without a gradient path
+    ctx.mark_non_differentiable(mean, rstd)
     if residual is None:
         ctx.save_for_backward(x, weight, mean if not rms else None, rstd, None, None)
     elif ctx.stored:
@@ -453,7 +456,7 @@ def _setup_context(ctx, inputs, output):
         ctx.save_for_backward(None, weight, mean if not rms else None, rstd, x, residual)
 
 
-def _backward(ctx, dy, dresidual_out, _dmean, _drstd):
+def _backward(ctx, dy, dresidual_out, _mean_grad_unused, _rstd_grad_unused):
     h, weight, mean, rstd, x, residual = ctx.saved_tensors
     if h is None:
         h = (x.float() + residual.float()).to(ctx.residual_stream_dtype)

@@ -145,7 +145,8 @@ def softmax_backward(y: Tensor, dy: Tensor, log: bool) -> Tensor:
 @softmax_backward.register_kernel("cuda")
 def _softmax_backward_cuda(y: Tensor, dy: Tensor, log: bool) -> Tensor:
     key = _launch_key(y, log, dy.dtype, dy.data_ptr() % 16)
-    same_layout = y.is_contiguous() and dy.is_contiguous() and y.shape == dy.shape
+    same_layout = (y.is_contiguous() and dy.is_contiguous() and y.shape == dy.shape
+                   and y.device == dy.device)
     kernel = _backward_launch.get(key) if same_layout else None
     if kernel is None:
         return _softmax_backward_checked(y, dy, log, key)
@@ -220,7 +221,8 @@ class _EagerSoftmax(torch.autograd.Function):
 
 
 def _softmax_last_dim(x: Tensor, log: bool) -> Tensor:
-    if not x.is_cuda or torch.compiler.is_compiling():
+    # tensor subclasses and tracing need the registered op's dispatch
+    if type(x) is not Tensor or not x.is_cuda or torch.compiler.is_compiling():
         return softmax_forward(x, log)
     if x.requires_grad and torch.is_grad_enabled():
         return _EagerSoftmax.apply(x, log)

@@ -65,10 +65,6 @@ def compiled(key: Hashable, build: Callable[[], Any]) -> Any:
     return fn
 
 
-def cache_size() -> int:
-    return len(_cache)
-
-
 def fake_rows(dtype, n_cols: int, vec: int, rows=None):
     """A fake (M, n_cols) tensor: M symbolic, unit column stride, row stride symbolic
     but a multiple of ``vec`` (64-bit, so tensors over 2^31 elements index safely), base
@@ -92,9 +88,21 @@ def fake_vector(dtype, length, align_elems: int = 1):
 
 def compile_kernel(kernel_obj, *fake_args, keep_cubin_in: str | None = None):
     """cute.compile with TVM-FFI and the caller's stream taken from torch. With
-    ``keep_cubin_in`` (a folder) the cubin is kept there; its path is ``fn.__cubin__``."""
+    ``keep_cubin_in`` (a folder) the cubin is kept there; its path is ``fn.__cubin__``.
+    A configuration whose shared memory exceeds a CTA's is refused here, with the row
+    length in the message, instead of failing at launch."""
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
+
+    from .config import SMEM_BYTES_PER_CTA
+
+    smem = kernel_obj.smem_bytes()
+    if smem > SMEM_BYTES_PER_CTA:
+        raise ValueError(
+            f"quack_kernels: {type(kernel_obj).__name__} for rows of {kernel_obj.cfg.n_cols} "
+            f"columns needs {smem // 1024} KiB of shared memory per CTA, more than the "
+            f"{SMEM_BYTES_PER_CTA // 1024} KiB a Hopper CTA has; use shorter rows"
+        )
 
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     options = "--enable-tvm-ffi"

@@ -36,10 +36,6 @@ def sum_combine(a: Values, b: Values) -> Values:
     return tuple(x + y for x, y in zip(a, b))
 
 
-def max_combine(a: Values, b: Values) -> Values:
-    return tuple(cute.arch.fmax(x, y) for x, y in zip(a, b))
-
-
 def scratch_layout(cfg: RowConfig, num_values: int, buffers: int = 1) -> cute.Layout:
     """(row, slot, value[, buffer]); looping kernels alternate between two buffers."""
     slots = cfg.warps_per_row * cfg.cluster_size
