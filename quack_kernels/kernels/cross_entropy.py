@@ -40,18 +40,12 @@ from ..primitives import reduce as red
 from ..primitives import tiling
 from ..primitives.config import RowConfig
 from ..primitives.rows import ReductionSlot, RowKernel, RowTiles
-from .softmax import LOG2_E, _finite_or_zero
 
 
 def _combine(a, b):
     """(max, sum of exp, sum of exp over the non-target classes) merged online, both
     sums rescaled to the new max; every further value is a plain sum."""
-    m = cute.arch.fmax(a[0], b[0])
-    m_safe = _finite_or_zero(m)  # fully masked: avoid -inf - -inf = nan
-    scale_a = cute.math.exp2((a[0] - m_safe) * LOG2_E, fastmath=True)
-    scale_b = cute.math.exp2((b[0] - m_safe) * LOG2_E, fastmath=True)
-    return (m, a[1] * scale_a + b[1] * scale_b, a[2] * scale_a + b[2] * scale_b) \
-        + red.sum_combine(a[3:], b[3:])
+    return red.online_softmax_combine(a, b, rescaled=2)
 
 
 @cute.jit
@@ -163,7 +157,7 @@ class CrossEntropyForward(RowKernel):
                 z_max_in = tiling.mask_out_of_row(z, tiles.coords[c], n_cols, -math.inf)
                 z_sum_in = tiling.mask_out_of_row(z, tiles.coords[c], n_cols, 0.0)
             chunk_max = red.thread_reduce(z_max_in, cute.ReductionOp.MAX, -math.inf)
-            e = cute.math.exp2((z_max_in - _finite_or_zero(chunk_max)) * LOG2_E, fastmath=True)
+            e = cute.math.exp2((z_max_in - red.finite_or_zero(chunk_max)) * red.LOG2_E, fastmath=True)
             # the non-target sum keeps 1 - p_t = sumexp_other / sumexp exact for a
             # confident row, where 1 - exp(z_t - lse) would be mostly rounding
             e_other = cute.where(_is_column(tiles.coords[c], target_col), 0.0, e)
@@ -242,7 +236,7 @@ class CrossEntropyForward(RowKernel):
             coef_p = coef_p * row_keep
             coef_t = nll_scale * row_keep
             coef_w = eps_per_class * row_keep
-            lse_log2 = lse * LOG2_E
+            lse_log2 = lse * red.LOG2_E
             one_minus_p_target = other_sumexp * cute.arch.rcp_approx(row_sumexp)
             for c in cutlass.range_constexpr(cfg.num_chunks):
                 if cutlass.const_expr(cfg.staging == "registers"):
@@ -252,7 +246,7 @@ class CrossEntropyForward(RowKernel):
                     w = None
                     if cutlass.const_expr(self.stage_weight):
                         w = tiles.values(1, c)
-                p = cute.math.exp2(z * LOG2_E - lse_log2, fastmath=True)
+                p = cute.math.exp2(z * red.LOG2_E - lse_log2, fastmath=True)
                 g = self._gradient(p, z, w, tiles.coords[c], target_col, coef_p, coef_t, coef_w,
                                    one_minus_p_target, inv_softcap)
                 tiles.store(mdX, c, g)

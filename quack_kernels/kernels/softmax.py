@@ -25,21 +25,6 @@ from ..primitives import reduce as red
 from ..primitives.config import RowConfig
 from ..primitives.rows import ReductionSlot, RowKernel, RowTiles
 
-LOG2_E = math.log2(math.e)
-
-
-def _finite_or_zero(m: Float32) -> Float32:
-    return Float32(cutlass.select_(m == -math.inf, Float32(0.0), m))
-
-
-def _online_softmax_combine(a, b):
-    """Merge two (max, sum of exp(x - max)) partials; an all -inf side contributes 0."""
-    m = cute.arch.fmax(a[0], b[0])
-    m_safe = _finite_or_zero(m)  # fully masked: avoid -inf - -inf = nan
-    return (m, a[1] * cute.math.exp2((a[0] - m_safe) * LOG2_E, fastmath=True)
-            + b[1] * cute.math.exp2((b[0] - m_safe) * LOG2_E, fastmath=True))
-
-
 class SoftmaxForward(RowKernel):
     values_per_reduction = 2
 
@@ -68,14 +53,14 @@ class SoftmaxForward(RowKernel):
             tiles.wait_chunk(c)
             x = tiles.values(0, c, fill=-math.inf)
             chunk_max = red.thread_reduce(x, cute.ReductionOp.MAX, -math.inf)
-            chunk_max_safe = _finite_or_zero(chunk_max)
-            e = cute.math.exp2((x - chunk_max_safe) * LOG2_E, fastmath=True)
-            stats = _online_softmax_combine(
+            chunk_max_safe = red.finite_or_zero(chunk_max)
+            e = cute.math.exp2((x - chunk_max_safe) * red.LOG2_E, fastmath=True)
+            stats = red.online_softmax_combine(
                 stats, (chunk_max, red.thread_reduce(e, cute.ReductionOp.ADD, 0.0)))
             if cutlass.const_expr(cfg.staging == "registers"):
                 kept.append(e if not self.log else x)
                 kept_max = chunk_max_safe
-        row_max, row_sum = slot.allreduce(stats, _online_softmax_combine,
+        row_max, row_sum = slot.allreduce(stats, red.online_softmax_combine,
                                           (Float32(-math.inf), Float32(0.0)))
 
         for c in cutlass.range_constexpr(cfg.num_chunks):
@@ -84,7 +69,7 @@ class SoftmaxForward(RowKernel):
                     y = kept[c] - (row_max + cute.math.log(row_sum, fastmath=True))
                 else:
                     # e was exp(x - thread max): rescale to the row max in one multiply
-                    scale = cute.math.exp2((kept_max - row_max) * LOG2_E, fastmath=True) \
+                    scale = cute.math.exp2((kept_max - row_max) * red.LOG2_E, fastmath=True) \
                         * cute.arch.rcp_approx(row_sum)
                     y = kept[c] * scale
             else:
@@ -92,7 +77,7 @@ class SoftmaxForward(RowKernel):
                 if cutlass.const_expr(self.log):
                     y = x - (row_max + cute.math.log(row_sum, fastmath=True))
                 else:
-                    y = cute.math.exp2((x - row_max) * LOG2_E, fastmath=True) \
+                    y = cute.math.exp2((x - row_max) * red.LOG2_E, fastmath=True) \
                         * cute.arch.rcp_approx(row_sum)
             tiles.store(mY, c, y)
 
@@ -139,7 +124,7 @@ class SoftmaxBackward(RowKernel):
                 y = tiles.values(0, c)
                 dy = tiles.values(1, c)
             if cutlass.const_expr(self.log):
-                dx = dy - cute.math.exp2(y * LOG2_E, fastmath=True) * dot
+                dx = dy - cute.math.exp2(y * red.LOG2_E, fastmath=True) * dot
             else:
                 dx = y * (dy - dot)
             tiles.store(mdX, c, dx)

@@ -20,6 +20,8 @@ needed between consecutive reductions).
 
 from __future__ import annotations
 
+import math
+
 from typing import Callable, Tuple
 
 import cutlass
@@ -32,8 +34,28 @@ from .config import RowConfig
 Values = Tuple[Float32, ...]
 
 
+LOG2_E = math.log2(math.e)
+
+
 def sum_combine(a: Values, b: Values) -> Values:
     return tuple(x + y for x, y in zip(a, b))
+
+
+def finite_or_zero(m: Float32) -> Float32:
+    """A running max of -inf (nothing seen yet) as 0, so x - max never is -inf - -inf."""
+    return Float32(cutlass.select_(m == -math.inf, Float32(0.0), m))
+
+
+def online_softmax_combine(a: Values, b: Values, rescaled: int = 1) -> Values:
+    """Merge partials (max, ``rescaled`` sums of exp(x - max), any further plain sums):
+    the exp sums are rescaled to the merged max; an all -inf side contributes 0."""
+    m = cute.arch.fmax(a[0], b[0])
+    m_safe = finite_or_zero(m)
+    scale_a = cute.math.exp2((a[0] - m_safe) * LOG2_E, fastmath=True)
+    scale_b = cute.math.exp2((b[0] - m_safe) * LOG2_E, fastmath=True)
+    end = 1 + rescaled
+    return ((m,) + tuple(x * scale_a + y * scale_b for x, y in zip(a[1:end], b[1:end]))
+            + sum_combine(a[end:], b[end:]))
 
 
 def scratch_layout(cfg: RowConfig, num_values: int, buffers: int = 1) -> cute.Layout:
