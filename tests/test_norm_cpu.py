@@ -223,7 +223,7 @@ def _variants():
             args = (cfg, rms, dt, wdt, has_residual, has_residual, wdt, bias, dt, dt)
             yield "fwd", n, dt, cfg, lambda args=args: ops.forward_kernel(*args)
         for accumulators, dres in ((0, False), (1 if rms else 2, True)):
-            outs = [dt, wdt] if dres else [dt]
+            outs = (dt, wdt) if dres else (dt,)
             cfg = ops.backward_config(n, wdt, dt, outs, wdt, accumulators)
             args = (cfg, rms, wdt, dt, wdt, dres, dt if dres else None, dt,
                     wdt if dres else None, accumulators > 0, accumulators == 2)
@@ -243,14 +243,14 @@ def test_sm90a_variants_compile_without_spills(tmp_path):
 def test_rows_too_long_for_shared_memory_are_refused_with_a_clear_error():
     # LayerNorm backward with dweight and dbias keeps two fp32 partial rows per CTA
     n = 1 << 20
-    cfg = ops.backward_config(n, torch.bfloat16, torch.bfloat16, [torch.bfloat16], torch.bfloat16, 2)
+    cfg = ops.backward_config(n, torch.bfloat16, torch.bfloat16, (torch.bfloat16,), torch.bfloat16, 2)
     with pytest.raises(ValueError, match="KiB of shared memory per CTA"):
         ops.compile_backward(cfg, False, torch.bfloat16, torch.bfloat16, torch.bfloat16, False, None,
                              torch.bfloat16, None, True, True)
 
 
 def test_every_staging_and_cluster_path():
-    cfgs = [ops.backward_config(n, dt, dt, [dt], dt, acc) for n in (4096, 65536, 262144)
+    cfgs = [ops.backward_config(n, dt, dt, (dt,), dt, acc) for n in (4096, 65536, 262144)
             for dt in (torch.bfloat16, torch.float32) for acc in (0, 2)]
     cfgs += [ops.forward_config(n, dt, dt, res, dt) for n in (4096, 262144)
              for dt in (torch.bfloat16, torch.float32) for res in (False, True)]

@@ -14,6 +14,8 @@ Ops (namespace ``quack_kernels``), usable directly by callers who want the stati
 
 from __future__ import annotations
 
+import functools
+
 import math
 from typing import Optional
 
@@ -37,11 +39,17 @@ from .common import (
 EMPTY = (0,)
 
 
+def _stream_dtype(x: Tensor, residual: Optional[Tensor], residual_dtype) -> torch.dtype:
+    """dtype of the residual stream x + residual: as asked, else the residual's, else x's."""
+    return residual_dtype or (residual.dtype if residual is not None else x.dtype)
+
+
 # ----------------------------------------------------------------------------- configs
 def _bytes(*dtypes) -> list[int]:
     return [d.itemsize for d in dtypes if d is not None]
 
 
+@functools.lru_cache(maxsize=None)  # on every call
 def forward_config(n_cols: int, x_dtype, residual_dtype, has_residual: bool, out_dtype,
                    weight_dtype=None, bias_dtype=None, max_vec: int | None = None,
                    residual_in_dtype=None) -> RowConfig:
@@ -56,8 +64,9 @@ def forward_config(n_cols: int, x_dtype, residual_dtype, has_residual: bool, out
                       bytes_per_col=sum(_bytes(*staged)), max_vec=max_vec)
 
 
-def backward_config(n_cols: int, h_dtype, dy_dtype, out_dtypes, weight_dtype, accumulators: int,
-                    max_vec: int | None = None) -> RowConfig:
+@functools.lru_cache(maxsize=None)  # on every call
+def backward_config(n_cols: int, h_dtype, dy_dtype, out_dtypes: tuple, weight_dtype,
+                    accumulators: int, max_vec: int | None = None) -> RowConfig:
     """Staged: h and dy; every fp32 dweight/dbias accumulator counts as one more
     tensor kept per column (registers for one chunk, shared memory beyond)."""
     widest = max(_bytes(h_dtype, dy_dtype, weight_dtype, *out_dtypes))
@@ -157,7 +166,7 @@ def report_variants(n_grid, dtypes):
                            lambda args=args: forward_kernel(*args))
                 for accumulators in (0, 1 if rms else 2):
                     dres = accumulators > 0
-                    outs = [dtype, dtype] if dres else [dtype]
+                    outs = (dtype, dtype) if dres else (dtype,)
                     cfg = backward_config(n, dtype, dtype, outs, dtype, accumulators)
                     args = (cfg, rms, dtype, dtype, dtype, dres, dtype if dres else None, dtype,
                             dtype if dres else None, dres, accumulators == 2)
@@ -184,7 +193,7 @@ def norm_reference(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
     """(y, h, mean, rstd) in ``compute_dtype`` math; y in out_dtype, h (the normalized
     stream x + residual, rounded to residual_dtype) in residual_dtype."""
     out_dtype = out_dtype or x.dtype
-    residual_dtype = residual_dtype or (residual.dtype if residual is not None else x.dtype)
+    residual_dtype = _stream_dtype(x, residual, residual_dtype)
     h = x.to(compute_dtype)
     if residual is not None:
         h = (h + residual.to(compute_dtype)).to(residual_dtype).to(compute_dtype)
@@ -244,7 +253,7 @@ def _norm_forward_cuda(x, weight, bias, residual, eps, weight_offset, rms, out_d
     _check_forward(x, weight, bias, residual, out_dtype, residual_dtype)
     check_gpu(x)
     out_dtype = out_dtype or x.dtype
-    residual_dtype = residual_dtype or (residual.dtype if residual is not None else x.dtype)
+    residual_dtype = _stream_dtype(x, residual, residual_dtype)
     has_residual = residual is not None
     store_residual = store_residual and has_residual
     rows = as_rows(x)
@@ -279,7 +288,7 @@ def _norm_forward_fake(x, weight, bias, residual, eps, weight_offset, rms, out_d
                        residual_dtype, store_residual):
     _check_forward(x, weight, bias, residual, out_dtype, residual_dtype)
     out_dtype = out_dtype or x.dtype
-    residual_dtype = residual_dtype or (residual.dtype if residual is not None else x.dtype)
+    residual_dtype = _stream_dtype(x, residual, residual_dtype)
     stored = store_residual and residual is not None
     y = x.new_empty(x.shape, dtype=out_dtype)
     h = x.new_empty(x.shape if stored else EMPTY, dtype=residual_dtype)
@@ -347,7 +356,7 @@ def _norm_backward_cuda(dy, h, weight, mean, rstd, dresidual_out, weight_offset,
         outs = [t for t in (dres_rows, dx if dx_dtype else None, dres if dresidual_dtype else None)
                 if t is not None]
         max_vec = min(vector_limit(h_rows, dy_rows, *outs), _pointer_vec_limit(weight_c))
-        out_dtypes = [t.dtype for t in outs]
+        out_dtypes = tuple(t.dtype for t in outs)
         accumulators = int(need_dweight) + int(need_dbias)
         cfg = backward_config(n_cols, h.dtype, dy.dtype, out_dtypes,
                               weight.dtype if weight is not None else None, accumulators, max_vec)
@@ -444,7 +453,7 @@ def _setup_context(ctx, inputs, output):
     ctx.x_dtype = x.dtype
     ctx.residual_dtype = residual.dtype if residual is not None else None
     ctx.bias_dtype = bias.dtype if bias is not None else None
-    ctx.residual_stream_dtype = residual_dtype or (residual.dtype if residual is not None else x.dtype)
+    ctx.residual_stream_dtype = _stream_dtype(x, residual, residual_dtype)
     ctx.set_materialize_grads(False)
     # the statistics are returned for callers who want them, without a gradient path
     ctx.mark_non_differentiable(mean, rstd)
@@ -484,8 +493,7 @@ norm_forward.register_autograd(_backward, setup_context=_setup_context)
 def _norm(x, weight, bias, residual, eps, weight_offset, rms, prenorm, out_dtype, residual_dtype):
     if not isinstance(x, Tensor):
         raise TypeError(f"quack_kernels: expected a torch.Tensor, got {type(x).__name__}")
-    _check_forward(x, weight, bias, residual, out_dtype, residual_dtype)
-    residual_dtype = residual_dtype or (residual.dtype if residual is not None else x.dtype)
+    residual_dtype = _stream_dtype(x, residual, residual_dtype)
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, weight, bias, residual))
     store = residual is not None and (prenorm or needs_grad)
