@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.cross_entropy import CrossEntropyForward
-from ..primitives.compile_cache import compile_kernel, fake_rows, fake_vector
+from ..primitives.compile_cache import SUPPORTED_DTYPES, compile_kernel, fake_rows, fake_vector
 from ..primitives.config import RowConfig, row_config
 from .common import (
     as_rows,
@@ -41,7 +41,7 @@ from .common import (
 )
 
 REDUCTIONS = ("none", "mean", "sum")
-GPU_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+GPU_DTYPES = SUPPORTED_DTYPES
 # fp64 logits are accepted by the CPU reference (gradcheck); the CUDA kernel takes the rest
 CPU_DTYPES = GPU_DTYPES + (torch.float64,)
 TARGET_DTYPES = (torch.int32, torch.int64)
@@ -411,8 +411,6 @@ def cross_entropy(logits: Tensor, target: Tensor, weight: Optional[Tensor] = Non
     args = (target_rows, weight, int(ignore_index), float(label_smoothing),
             float(lse_square_scale), float(softcap or 0.0))
     if torch.is_grad_enabled() and logits.requires_grad:
-        if inplace_backward and rows.stride(-1) != 1:
-            rows = rows.contiguous()
         loss, lse = CrossEntropyFunction.apply(rows, *args, bool(inplace_backward))
     else:
         loss, lse, _ = cross_entropy_forward(rows, *args, False)
