@@ -14,6 +14,16 @@ TOLERANCE = {
 }
 
 
+def poison_allocator(*like: torch.Tensor) -> None:
+    """Leave 0xFF-filled (NaN in every float dtype) blocks of these tensors' sizes in
+    torch's caching allocator, in reverse order, so the outputs an op allocates next
+    reuse them: an element the kernel never writes then reads back as NaN. Call it
+    after creating the inputs and right before the op."""
+    blocks = [torch.empty(t.numel() * t.element_size(), dtype=torch.uint8, device=t.device).fill_(255)
+              for t in reversed(like)]
+    del blocks
+
+
 def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype=None, scale: float = 1.0, name="out"):
     """Compare with an fp64/fp32 reference; report the first mismatching index and the
     NaN/inf pattern so a failure says where, not only that."""

@@ -6,7 +6,7 @@ import torch
 import quack_kernels as qk
 from quack_kernels.ops import softmax as ops
 
-from helpers import assert_close
+from helpers import assert_close, poison_allocator
 
 pytestmark = pytest.mark.gpu
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -49,13 +49,17 @@ def test_million_columns(n, dtype):
                  ops.softmax_backward_reference(y.double(), dy.double(), False), dtype, scale=4.0)
 
 
-def test_outputs_fully_written_and_poison_free():
-    # The op allocates its output; run twice on fresh data and check no NaN slips in.
-    for _ in range(2):
-        x = fresh((129, 3000), torch.bfloat16)
-        y = qk.softmax(x)
+@pytest.mark.parametrize("n", [3000, 65536, 1 << 20])
+def test_outputs_fully_written(n):
+    for log in (False, True):
+        x = fresh((129 if n < 65536 else 5, n), torch.bfloat16)
+        poison_allocator(x)
+        y = ops.softmax_forward(x, log)
         assert not torch.isnan(y).any()
-        assert_close(y, reference(x, False), torch.bfloat16)
+        dy = fresh(x.shape, torch.bfloat16)
+        poison_allocator(x)
+        dx = ops.softmax_backward(y, dy, log)
+        assert not torch.isnan(dx).any()
 
 
 def test_special_values():
