@@ -8,7 +8,7 @@ import torch
 import quack_kernels as qk
 from quack_kernels.ops import norm as ops
 
-from helpers import assert_close
+from helpers import assert_close, poison_allocator
 
 pytestmark = pytest.mark.gpu
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -30,6 +30,7 @@ def check_backward(dy, h, w, mean, rstd, offset, rms, dres_out=None, need_db=Fal
     """Run the op on (h, dy) and compare every gradient with the fp64 reference; dw/db
     sum M terms, so their tolerance grows with sqrt(M)."""
     x_dtype = h.dtype
+    poison_allocator(h, h)  # dx and dresidual start as NaN: unwritten elements show
     dx, dres, dw, db = ops.norm_backward(
         dy, h, w, mean, rstd, dres_out, offset, rms, x_dtype,
         x_dtype if dres_out is not None else None, w is not None,
@@ -56,6 +57,8 @@ def test_forward_backward(n, dtype, rms):
     w = fresh(n, dtype, 0.5, 1.0)
     b = None if rms else fresh(n, dtype, 0.5)
     eps = 1e-6 if rms else 1e-5
+    stats = torch.empty(m, dtype=torch.float32, device="cuda")
+    poison_allocator(x, stats, stats)  # y, mean, rstd start as NaN
     y, h, mean, rstd = ops.norm_forward(x, w, b, None, eps, 0.0, rms, None, None, False)
     ry, _, rmean, rrstd = forward_ref(x, w, b, None, eps, 0.0, rms)
     assert_close(y, ry, dtype)
