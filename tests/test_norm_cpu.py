@@ -256,3 +256,17 @@ def test_every_staging_and_cluster_path():
              for dt in (torch.bfloat16, torch.float32) for res in (False, True)]
     assert {c.staging for c in cfgs} == {"registers", "smem", "global"}
     assert any(c.cluster_size == 16 for c in cfgs) and any(c.cluster_size == 1 for c in cfgs)
+
+
+def test_return_stats_gives_fp32_statistics_without_gradient():
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    w = torch.randn(16, requires_grad=True)
+    y, rstd = qk.rms_norm(x, w, eps=1e-6, return_stats=True)
+    assert_close(rstd, torch.rsqrt(x.detach().double().pow(2).mean(-1) + 1e-6), torch.float32)
+    assert rstd.shape == (3, 5) and rstd.dtype == torch.float32 and not rstd.requires_grad
+    y2, h, mean, rstd2 = qk.layer_norm(x, w, None, residual=x.detach(), prenorm=True, return_stats=True)
+    hd = 2 * x.detach().double()
+    assert_close(mean, hd.mean(-1), torch.float32)
+    assert_close(rstd2, torch.rsqrt(hd.var(-1, unbiased=False) + 1e-5), torch.float32)
+    (y.sum() + y2.sum()).backward()  # statistics do not block the gradient of y
+    assert x.grad is not None and w.grad is not None

@@ -490,44 +490,49 @@ norm_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ------------------------------------------------------------------------ public API
-def _norm(x, weight, bias, residual, eps, weight_offset, rms, prenorm, out_dtype, residual_dtype):
+def _norm(x, weight, bias, residual, eps, weight_offset, rms, prenorm, out_dtype, residual_dtype,
+          return_stats):
     if not isinstance(x, Tensor):
         raise TypeError(f"quack_kernels: expected a torch.Tensor, got {type(x).__name__}")
     residual_dtype = _stream_dtype(x, residual, residual_dtype)
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, weight, bias, residual))
     store = residual is not None and (prenorm or needs_grad)
-    y, h, _, _ = norm_forward(x, weight, bias, residual, float(eps), float(weight_offset), rms,
-                              out_dtype, residual_dtype, store)
-    if not prenorm:
-        return y
-    if residual is None:
-        return y, x.to(residual_dtype)
-    return y, h
+    y, h, mean, rstd = norm_forward(x, weight, bias, residual, float(eps), float(weight_offset),
+                                    rms, out_dtype, residual_dtype, store)
+    outputs = (y,)
+    if prenorm:
+        outputs += (h if residual is not None else x.to(residual_dtype),)
+    if return_stats:
+        outputs += (rstd,) if rms else (mean, rstd)
+    return outputs[0] if len(outputs) == 1 else outputs
 
 
 def rms_norm(x: Tensor, weight: Optional[Tensor] = None, *, eps: float = 1e-6,
              residual: Optional[Tensor] = None, weight_offset: float = 0.0, prenorm: bool = False,
-             out_dtype: Optional[torch.dtype] = None, residual_dtype: Optional[torch.dtype] = None):
+             out_dtype: Optional[torch.dtype] = None, residual_dtype: Optional[torch.dtype] = None,
+             return_stats: bool = False):
     """RMSNorm over the last dimension:
     ``y = h * rsqrt(mean(h^2) + eps) * (weight + weight_offset)``, h = x + residual.
 
     ``weight_offset=1.0`` is the Gemma form (ignored without a weight). With
     ``prenorm=True`` returns ``(y, h)``, h in ``residual_dtype`` (default: the
     residual's dtype, else x's). Statistics in fp32; y in ``out_dtype`` (default x's).
-    Differentiable wrt x, weight and residual. For rstd use
-    ``torch.ops.quack_kernels.norm_forward``."""
+    ``return_stats=True`` appends rstd (fp32, shape ``x.shape[:-1]``, no gradient).
+    Differentiable wrt x, weight and residual."""
     return _norm(x, weight, None, residual, eps, weight_offset, True, prenorm, out_dtype,
-                 residual_dtype)
+                 residual_dtype, return_stats)
 
 
 def layer_norm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None, *,
                eps: float = 1e-5, residual: Optional[Tensor] = None, prenorm: bool = False,
                out_dtype: Optional[torch.dtype] = None,
-               residual_dtype: Optional[torch.dtype] = None):
+               residual_dtype: Optional[torch.dtype] = None, return_stats: bool = False):
     """LayerNorm over the last dimension (centered variance):
     ``y = (h - mean(h)) * rsqrt(var(h) + eps) * weight + bias``, h = x + residual.
 
-    ``prenorm``, ``out_dtype`` and ``residual_dtype`` as in :func:`rms_norm`.
+    ``prenorm``, ``out_dtype`` and ``residual_dtype`` as in :func:`rms_norm`;
+    ``return_stats=True`` appends (mean, rstd) (fp32, no gradient).
     Differentiable wrt x, weight, bias and residual."""
-    return _norm(x, weight, bias, residual, eps, 0.0, False, prenorm, out_dtype, residual_dtype)
+    return _norm(x, weight, bias, residual, eps, 0.0, False, prenorm, out_dtype, residual_dtype,
+                 return_stats)
