@@ -63,11 +63,9 @@ class CrossEntropyForward(RowKernel):
     The matching float values are runtime arguments, so changing them never
     recompiles."""
 
-    def __init__(self, cfg: RowConfig, dtype, target_dtype, *, weighted: bool, smoothing: bool,
+    def __init__(self, cfg: RowConfig, dtype, *, weighted: bool, smoothing: bool,
                  zloss: bool, softcap: bool, write_grad: bool):
         self.cfg = cfg
-        self.dtype = dtype
-        self.target_dtype = target_dtype
         self.weighted = weighted
         self.smoothing = smoothing
         self.zloss = zloss

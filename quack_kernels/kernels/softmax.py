@@ -28,7 +28,7 @@ from ..primitives.rows import ReductionSlot, RowKernel, RowTiles
 class SoftmaxForward(RowKernel):
     values_per_reduction = 2
 
-    def __init__(self, cfg: RowConfig, dtype, out_dtype, log: bool):
+    def __init__(self, cfg: RowConfig, dtype, log: bool):
         self.cfg = cfg
         self.staged_dtypes = (dtype,)
         self.log = log
@@ -85,7 +85,7 @@ class SoftmaxForward(RowKernel):
 class SoftmaxBackward(RowKernel):
     values_per_reduction = 1
 
-    def __init__(self, cfg: RowConfig, y_dtype, dy_dtype, dx_dtype, log: bool):
+    def __init__(self, cfg: RowConfig, y_dtype, dy_dtype, log: bool):
         self.cfg = cfg
         self.staged_dtypes = (y_dtype, dy_dtype)
         self.log = log

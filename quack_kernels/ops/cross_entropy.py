@@ -68,7 +68,7 @@ def forward_kernel(cfg: RowConfig, dtype: torch.dtype, target_dtype: torch.dtype
 
     dt = cutlass_dtype(dtype)
     tt = cutlass.Int32 if target_dtype == torch.int32 else cutlass.Int64
-    kernel = CrossEntropyForward(cfg, dt, tt, weighted=weighted, smoothing=smoothing,
+    kernel = CrossEntropyForward(cfg, dt, weighted=weighted, smoothing=smoothing,
                                  zloss=zloss, softcap=softcap, write_grad=write_grad)
     stage_weight = weighted and smoothing
     rows = cute.sym_int()

@@ -37,12 +37,12 @@ def backward_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None)
 def forward_kernel(cfg: RowConfig, dtype: torch.dtype, log: bool):
     """(kernel object, *fake arguments it compiles against)."""
     dt = cutlass_dtype(dtype)
-    return SoftmaxForward(cfg, dt, dt, log), *[fake_rows(dt, cfg.n_cols, cfg.vec) for _ in range(2)]
+    return SoftmaxForward(cfg, dt, log), *[fake_rows(dt, cfg.n_cols, cfg.vec) for _ in range(2)]
 
 
 def backward_kernel(cfg: RowConfig, dtype: torch.dtype, log: bool):
     dt = cutlass_dtype(dtype)
-    return SoftmaxBackward(cfg, dt, dt, dt, log), *[fake_rows(dt, cfg.n_cols, cfg.vec) for _ in range(3)]
+    return SoftmaxBackward(cfg, dt, dt, log), *[fake_rows(dt, cfg.n_cols, cfg.vec) for _ in range(3)]
 
 
 def compile_forward(cfg: RowConfig, dtype: torch.dtype, log: bool):
