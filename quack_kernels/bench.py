@@ -32,7 +32,7 @@ import re
 import statistics
 import sys
 import types
-from dataclasses import dataclass
+import dataclasses
 from typing import Callable
 
 import torch
@@ -68,7 +68,7 @@ class Unavailable(Exception):
     """Raised by a builder whose baseline package is not installed: skipped silently."""
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class OpBench:
     """One benchmarked op.
 
@@ -94,7 +94,7 @@ class OpBench:
     host_inclusive: bool = False
 
 
-@dataclass
+@dataclasses.dataclass
 class Result:
     """One (op, dtype, shape, implementation) measurement; ``error`` set on failure."""
 
@@ -493,9 +493,12 @@ def _norm_benches(rms: bool) -> list[OpBench]:
 # Vocabularies of real models (GPT-2 50257, Llama-2 32000, Llama-3 128256, Qwen 151936)
 # and one 2^19 row that needs a 16-CTA cluster; M * V ~ 2^27 elements.
 
-CROSS_ENTROPY_SHAPES = ((4096, 32000), (4096, 50257), (1024, 128256), (1024, 151936),
-                        (256, 524288))
-CROSS_ENTROPY_QUICK_SHAPES = ((4096, 50257), (1024, 128256))
+# M * V = 2^27 for V = 1K .. 256K, plus two LLM vocabularies at training batch sizes
+CROSS_ENTROPY_SHAPES = ((131072, 1024), (32768, 4096), (8192, 16384), (2048, 65536),
+                        (512, 262144), (4096, 128256), (8192, 151936))
+CROSS_ENTROPY_QUICK_SHAPES = ((32768, 4096), (4096, 128256))
+# the "options" case: every extra term switched on
+CE_OPTIONS = dict(label_smoothing=0.1, lse_square_scale=1e-4, softcap=30.0)
 
 
 def _cross_entropy_inputs(requires_grad: bool) -> Callable[[int, int, torch.dtype], Inputs]:
@@ -506,17 +509,28 @@ def _cross_entropy_inputs(requires_grad: bool) -> Callable[[int, int, torch.dtyp
     return make
 
 
-def _eager_cross_entropy(x, target):
-    return torch.nn.functional.cross_entropy(x, target)
+def _eager_cross_entropy(x, target, label_smoothing=0.0, lse_square_scale=0.0, softcap=None):
+    """torch's cross-entropy, with softcap and z-loss composed from torch ops."""
+    if softcap:
+        x = softcap * torch.tanh(x.float() / softcap)
+    loss = torch.nn.functional.cross_entropy(x.float() if softcap else x, target,
+                                             label_smoothing=label_smoothing)
+    if lse_square_scale:
+        loss = loss + lse_square_scale * torch.logsumexp(x.float(), -1).square().mean()
+    return loss
 
 
-def _ours_cross_entropy(x, target):
-    return _quack_kernels().cross_entropy(x, target)
+def _ours_cross_entropy(x, target, **options):
+    return _quack_kernels().cross_entropy(x, target, **options)
 
 
 def _liger_cross_entropy() -> Callable:
     fn = _optional_module("liger_kernel.ops.cross_entropy").LigerCrossEntropyFunction.apply
-    return lambda x, target: fn(x, target, None)[0]
+
+    def call(x, target, label_smoothing=0.0, lse_square_scale=0.0, softcap=None):
+        return fn(x, target, None, -100, lse_square_scale, label_smoothing, "mean", softcap)[0]
+
+    return call
 
 
 def _quack_cross_entropy() -> Callable:
@@ -529,7 +543,7 @@ def _ce_loss_only(resolve: Callable[[], Callable]) -> Builder:
     return lambda inputs: functools.partial(resolve(), inputs["x"], inputs["target"])
 
 
-def _ce_training_step(resolve: Callable[[], Callable]) -> Builder:
+def _ce_training_step(resolve: Callable[[], Callable], **options) -> Builder:
     """Builder timing loss and gradient: ``f(x, target).backward()``, x.grad dropped first."""
 
     def build(inputs):
@@ -537,7 +551,7 @@ def _ce_training_step(resolve: Callable[[], Callable]) -> Builder:
 
         def step():
             x.grad = None
-            f(x, target).backward()
+            f(x, target, **options).backward()
 
         return step
 
@@ -575,7 +589,15 @@ def _cross_entropy_benches() -> tuple[OpBench, ...]:
         shapes=CROSS_ENTROPY_SHAPES,
         quick_shapes=CROSS_ENTROPY_QUICK_SHAPES,
     )
-    return loss_only, with_grad
+    with_options = dataclasses.replace(
+        with_grad,
+        name="cross_entropy_fwdbwd_options",
+        ours=_ce_training_step(lambda: _ours_cross_entropy, **CE_OPTIONS),
+        # QuACK has none of the options
+        baselines={name: _ce_training_step(resolve, **CE_OPTIONS)
+                   for name, resolve in baselines.items() if name != "quack"},
+    )
+    return loss_only, with_grad, with_options
 
 
 OPS: dict[str, OpBench] = {

@@ -51,6 +51,53 @@ def test_public_function_matches_torch(combo):
     assert_close(ours_x.grad, ref_x.grad, torch.float32, name="grad")
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_backward_paths_match_torch(reduction, weighted, inplace):
+    """The expected upstream gradient (plain backward: nothing to rescale), a scaled
+    loss (every row rescaled), and a retained graph run backward twice."""
+    x, target, weight = make_case()
+    weight = weight if weighted else None
+    ref_x = x.clone().requires_grad_()
+    F.cross_entropy(ref_x, target, weight, reduction=reduction).backward()
+    for scale in (1.0, 0.37):
+        leaf = x.clone().requires_grad_()
+        logits = leaf * 1 if inplace else leaf
+        loss = qk.cross_entropy(logits, target, weight, reduction=reduction,
+                                inplace_backward=inplace)
+        (loss * scale).backward()
+        assert_close(leaf.grad, ref_x.grad * scale, torch.float32, name=f"grad x {scale}")
+    leaf = x.clone().requires_grad_()
+    loss = qk.cross_entropy(leaf * 1, target, weight, reduction=reduction,
+                            inplace_backward=inplace)
+    first = torch.autograd.grad(loss, leaf, retain_graph=True)[0]
+    second = torch.autograd.grad(loss * 2, leaf)[0]
+    assert_close(first, ref_x.grad, torch.float32, name="retained 1st")
+    assert_close(second, 2 * ref_x.grad, torch.float32, name="retained 2nd")
+
+
+def test_rescale_grad_op():
+    """Rows whose upstream gradient differs from the held one are scaled; matching,
+    ignored and bad-target rows are left alone; a held 0 cannot be undone (NaN)."""
+    g = torch.Generator().manual_seed(1)
+    grad = torch.randn(6, 9, generator=g)
+    target = torch.tensor([1, -100, 3, 4, 20, 0])
+    held = torch.tensor([0.5, 0.5, 0.5, 0.0, 0.5, 0.5])
+    dloss = torch.tensor([0.5, 2.0, 1.5, 1.0, 3.0, 0.0])
+    out = grad.clone()
+    torch.ops.quack_kernels.cross_entropy_rescale_grad_(out, target, dloss, held, -100)
+    expected = grad.clone()
+    expected[2] *= 3.0
+    expected[3] = float("nan")
+    expected[5] = 0.0
+    torch.testing.assert_close(out, expected, equal_nan=True)
+    torch.library.opcheck(torch.ops.quack_kernels.cross_entropy_rescale_grad_,
+                          (grad.clone(), target, dloss, held, -100))
+    with pytest.raises(ValueError, match="dloss must be torch.float32"):
+        torch.ops.quack_kernels.cross_entropy_rescale_grad_(grad, target, dloss.double(), held, -100)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("target_dtype", [torch.int64, torch.int32])
 def test_dtypes_and_inplace(dtype, target_dtype):
@@ -165,6 +212,9 @@ def test_opcheck(weighted):
     for compute_grad in (True, False):
         torch.library.opcheck(torch.ops.quack_kernels.cross_entropy_forward,
                               _op_args(x, target, weight, compute_grad))
+    grad_scale = torch.rand(x.shape[0]) + 0.5
+    torch.library.opcheck(torch.ops.quack_kernels.cross_entropy_forward,
+                          _op_args(x, target, weight) + (grad_scale,))
     torch.library.opcheck(torch.ops.quack_kernels.cross_entropy_forward_inplace,
                           _op_args(x.clone(), target, weight, None))
 
@@ -227,7 +277,11 @@ def test_sm90a_compile_without_spills(tmp_path):
         cfg = ops.forward_config(n, dtype, flags["weighted"] and flags["smoothing"])
         variants.append(("xent", n, dtype, cfg,
                          lambda cfg=cfg, dtype=dtype, flags=flags: ops.forward_kernel(cfg, dtype, torch.int64, **flags)))
+    for n, dtype in ((50257, torch.float16), (524288, torch.float32)):
+        cfg = ops.rescale_config(n, dtype)
+        variants.append(("xent_rescale", n, dtype, cfg,
+                         lambda cfg=cfg, dtype=dtype: ops.rescale_kernel(cfg, dtype, torch.int32)))
     rows = list(measure(variants, str(tmp_path), cuobjdump))
-    assert len(rows) == len(SPILL_CASES)
-    for (_, n, dtype, _, _, res), (_, _, flags) in zip(rows, SPILL_CASES):
-        assert res["local"] == 0 and res["stack"] == 0, f"{n} {dtype} {flags}: {res}"
+    assert len(rows) == len(variants)
+    for name, n, dtype, _, _, res in rows:
+        assert res["local"] == 0 and res["stack"] == 0, f"{name} {n} {dtype}: {res}"

@@ -114,6 +114,50 @@ def test_public_function_autograd(reduction, inplace, dtype, target_dtype):
     assert_close(leaf.grad, xr.grad, dtype, scale=2.0, name="grad")
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_fast_and_rescaled_paths(reduction, inplace, dtype):
+    """Plain backward (the gradient computed in the forward is already right: the
+    backward only checks the per-row upstream gradients), a scaled loss (every row
+    rescaled by the CUDA kernel), and a retained graph run twice, against fp64 torch."""
+    v = 50257
+    x, target = fresh(37, v, dtype)
+    weight = torch.rand(v, device="cuda") + 0.5
+    xr = x.double().requires_grad_()
+    F.cross_entropy(xr, target, weight.double(), reduction=reduction).backward()
+    for scale in (1.0, 0.3):
+        leaf = x.clone().requires_grad_()
+        logits = leaf * 1 if inplace else leaf
+        loss = qk.cross_entropy(logits, target, weight, reduction=reduction,
+                                inplace_backward=inplace)
+        (loss * scale).backward()
+        assert_close(leaf.grad, xr.grad * scale, dtype, scale=2.0, name=f"grad x {scale}")
+    leaf = x.clone().requires_grad_()
+    loss = qk.cross_entropy(leaf * 1, target, weight, reduction=reduction,
+                            inplace_backward=inplace)
+    first = torch.autograd.grad(loss, leaf, retain_graph=True)[0]
+    second = torch.autograd.grad(3 * loss, leaf)[0]
+    assert_close(first, xr.grad, dtype, scale=2.0, name="retained 1st")
+    assert_close(second, 3 * xr.grad, dtype, scale=2.0, name="retained 2nd")
+
+
+def test_rescale_kernel_matches_cpu_op():
+    """The CUDA rescale against the CPU op: matching, differing, ignored, bad-target
+    and held-0 rows; ragged V."""
+    v = 1001
+    grad = torch.randn(8, v, device="cuda", dtype=torch.bfloat16)
+    target = torch.tensor([1, -100, 3, 4, 2000, 0, 5, 6], device="cuda")
+    held = torch.tensor([0.5, 0.5, 0.5, 0.0, 0.5, 0.5, 2.0, 1.0], device="cuda")
+    dloss = torch.tensor([0.5, 2.0, 1.5, 1.0, 3.0, 0.0, 2.0, -1.0], device="cuda")
+    ours = grad.clone()
+    torch.ops.quack_kernels.cross_entropy_rescale_grad_(ours, target, dloss, held, -100)
+    ref = grad.cpu()
+    torch.ops.quack_kernels.cross_entropy_rescale_grad_(ref, target.cpu(), dloss.cpu(),
+                                                         held.cpu(), -100)
+    torch.testing.assert_close(ours.cpu(), ref, equal_nan=True, rtol=0, atol=0)
+
+
 def test_leading_dims_module_and_lse():
     x, target = fresh(24, 1000, torch.bfloat16)
     x3, t3 = x.view(2, 12, 1000), target.view(2, 12)

@@ -12,19 +12,24 @@ without), smoothing eps, z-loss scale zs and softcap s (z = s * tanh(x / s), els
   dloss/dx_j = dloss/dz_j * (1 - (z_j / s)^2)               (softcap chain rule)
 
 Ignored rows (t == ignore_index): loss 0, gradient 0. Targets outside [0, C) that are
-not ignore_index: loss NaN and gradient row NaN (never an out-of-bounds read: the
-target logit is loaded only for a target inside the row). lse is written for every row.
-The loss is per row; the reduction over rows and the upstream gradient are applied by
-the torch layer.
+not ignore_index: loss NaN and gradient row NaN (never an out-of-bounds access: the
+target column is only ever compared with, never used as an address, except for the
+class weight of a target inside the row). lse is written for every row. The loss is
+per row; the reduction over rows is the torch layer's.
+
+The gradient row i is scaled by ``grad_scale[i]``, the upstream gradient of loss i the
+caller expects (e.g. 1 / count for a mean), so that the backward has nothing to do when
+the expectation holds; :class:`CrossEntropyGradRescale` fixes the rows where it does not.
 
 Bytes: one read of the logits (M x C); with the gradient, one write of M x C more.
 Class weights with label smoothing also read the weight row (C fp32, from L2).
 
 Layout: RowKernel geometry (a row split over a cluster of up to 16 CTAs). One
 row_allreduce per row combines the online (max, sum of exp, sum of exp over the
-non-target classes) triple with plain sums of the target logit and weight (contributed by the row's first thread, which gathers them) and,
-for label smoothing, of sum_j w_j z_j and W. Every thread then knows lse and writes its
-share of the gradient; the row's first thread writes loss and lse.
+non-target classes) triple with plain sums of z_t (from the thread holding the target
+column), of w_t (gathered by the row's first thread) and, for label smoothing, of
+sum_j w_j z_j and W. Every thread then knows lse and writes its share of the gradient;
+the row's first thread writes loss and lse.
 """
 
 from __future__ import annotations
@@ -81,11 +86,11 @@ class CrossEntropyForward(RowKernel):
     @cute.jit
     def __call__(self, mX: cute.Tensor, mTarget: cute.Tensor, mWeight: cute.Tensor,
                  mLoss: cute.Tensor, mLse: cute.Tensor, mdX: cute.Tensor,
-                 ignore_index: Int64, smoothing: Float32, lse_square_scale: Float32,
-                 softcap: Float32, stream):
+                 mGradScale: cute.Tensor, ignore_index: Int64, smoothing: Float32,
+                 lse_square_scale: Float32, softcap: Float32, stream):
         self.launch(
-            self.kernel(mX, mTarget, mWeight, mLoss, mLse, mdX, ignore_index, smoothing,
-                        lse_square_scale, softcap),
+            self.kernel(mX, mTarget, mWeight, mLoss, mLse, mdX, mGradScale, ignore_index,
+                        smoothing, lse_square_scale, softcap),
             mX.shape[0], stream)
 
     @cute.jit
@@ -97,8 +102,8 @@ class CrossEntropyForward(RowKernel):
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mTarget: cute.Tensor, mWeight: cute.Tensor,
                mLoss: cute.Tensor, mLse: cute.Tensor, mdX: cute.Tensor,
-               ignore_index: Int64, smoothing: Float32, lse_square_scale: Float32,
-               softcap: Float32):
+               mGradScale: cute.Tensor, ignore_index: Int64, smoothing: Float32,
+               lse_square_scale: Float32, softcap: Float32):
         cfg = self.cfg
         n_cols = cfg.n_cols
         smem = SmemAllocator()
@@ -128,15 +133,11 @@ class CrossEntropyForward(RowKernel):
         valid = inside & (target != ignore_index)
         target_col = Int32(cutlass.select_(valid, Int32(target), Int32(-1)))
 
-        # The row's first thread gathers z_t (and w_t) and feeds them into the reduction
-        # as summands (everyone else adds 0): the allreduce hands them to every thread,
-        # and the load completes before any thread of the row can overwrite the logits
-        # with the gradient (inplace).
-        z_target = Float32(0.0)
+        # w_t is gathered by the row's first thread (everyone else adds 0 in the
+        # reduction); the weight vector is small and stays in L2.
         w_target = Float32(0.0)
-        if lead & valid & tiles.row_in_bounds:
-            z_target = self._cap(Float32(mX[row, target_col]), inv_softcap, softcap)
-            if cutlass.const_expr(self.weighted):
+        if cutlass.const_expr(self.weighted):
+            if lead & valid & tiles.row_in_bounds:
                 w_target = Float32(mWeight[target_col])
 
         if cutlass.const_expr(cfg.cluster_size > 1):
@@ -144,6 +145,7 @@ class CrossEntropyForward(RowKernel):
 
         kept = []
         stats = (Float32(-math.inf), Float32(0.0), Float32(0.0))
+        z_target = Float32(0.0)
         sum_wz = Float32(0.0)
         sum_w = Float32(0.0)
         for c in cutlass.range_constexpr(cfg.num_chunks):
@@ -156,9 +158,14 @@ class CrossEntropyForward(RowKernel):
                 z_sum_in = tiling.mask_out_of_row(z, tiles.coords[c], n_cols, 0.0)
             chunk_max = red.thread_reduce(z_max_in, cute.ReductionOp.MAX, -math.inf)
             e = cute.math.exp2((z_max_in - red.finite_or_zero(chunk_max)) * red.LOG2_E, fastmath=True)
+            # z_t comes from the registers of the thread holding the target column, not
+            # from a dependent global load after the row's: that load's latency on
+            # every row's critical path halved the throughput
+            at_target = _is_column(tiles.coords[c], target_col)
+            z_target = z_target + red.thread_reduce(cute.where(at_target, z, 0.0), cute.ReductionOp.ADD, 0.0)
             # the non-target sum keeps 1 - p_t = sumexp_other / sumexp exact for a
             # confident row, where 1 - exp(z_t - lse) would be mostly rounding
-            e_other = cute.where(_is_column(tiles.coords[c], target_col), 0.0, e)
+            e_other = cute.where(at_target, 0.0, e)
             stats = _combine(stats, (chunk_max, red.thread_reduce(e, cute.ReductionOp.ADD, 0.0),
                                      red.thread_reduce(e_other, cute.ReductionOp.ADD, 0.0)))
             w = None
@@ -225,11 +232,15 @@ class CrossEntropyForward(RowKernel):
             mLse[row] = lse
 
         if cutlass.const_expr(self.write_grad):
-            # Row coefficients; 0 for an ignored row, NaN for a bad target.
+            # Row coefficients times the row's gradient scale; 0 for an ignored row
+            # (whatever its scale), NaN for a bad target.
+            grad_scale = Float32(0.0)
+            if tiles.row_in_bounds:
+                grad_scale = mGradScale[row]
             coef_p = nll_scale + eps_per_class * sum_w
             if cutlass.const_expr(self.zloss):
                 coef_p = coef_p + Float32(2.0) * lse_square_scale * lse
-            row_keep = cutlass.select_(valid, Float32(1.0), Float32(0.0))
+            row_keep = cutlass.select_(valid, grad_scale, Float32(0.0))
             row_keep = cutlass.select_(inside | ignored, row_keep, Float32(math.nan))
             coef_p = coef_p * row_keep
             coef_t = nll_scale * row_keep
@@ -267,3 +278,48 @@ class CrossEntropyForward(RowKernel):
             y = z * inv_softcap
             g = g * (Float32(1.0) - y * y)
         return g
+
+
+class CrossEntropyGradRescale(RowKernel):
+    """Backward of the fused loss: the gradient rows were computed for upstream
+    gradients ``held``; rows whose actual upstream gradient ``dloss`` differs are scaled
+    by dloss / held in place, every other row is left untouched (no bytes moved).
+    Ignored and bad-target rows are skipped (their rows are 0 or NaN whatever the
+    scale). A row computed for held = 0 cannot be recovered and becomes NaN.
+
+    Bytes: M targets and scales; plus one read and one write of each rescaled row."""
+
+    staged_dtypes = ()
+    reductions = 0
+
+    def __init__(self, cfg: RowConfig):
+        assert cfg.staging == "global", "the rescale reads rows straight from global memory"
+        self.cfg = cfg
+
+    @cute.jit
+    def __call__(self, mGrad: cute.Tensor, mTarget: cute.Tensor, mDloss: cute.Tensor,
+                 mHeld: cute.Tensor, ignore_index: Int64, stream):
+        self.launch(self.kernel(mGrad, mTarget, mDloss, mHeld, ignore_index),
+                    mGrad.shape[0], stream)
+
+    @cute.kernel
+    def kernel(self, mGrad: cute.Tensor, mTarget: cute.Tensor, mDloss: cute.Tensor,
+               mHeld: cute.Tensor, ignore_index: Int64):
+        cfg = self.cfg
+        tiles = RowTiles(cfg, [mGrad], SmemAllocator())
+        rescale = Boolean(False)
+        factor = Float32(1.0)
+        if tiles.row_in_bounds:
+            target = Int64(mTarget[tiles.row])
+            valid = (target >= Int64(0)) & (target < Int64(cfg.n_cols)) & (target != ignore_index)
+            dloss = mDloss[tiles.row]
+            held = mHeld[tiles.row]
+            rescale = valid & (dloss != held)
+            factor = cutlass.select_(held != Float32(0.0), dloss / held, Float32(math.nan))
+        if rescale:
+            self._scale_row(tiles, mGrad, factor)
+
+    @cute.jit
+    def _scale_row(self, tiles: RowTiles, mGrad: cute.Tensor, factor: Float32):
+        for c in cutlass.range_constexpr(self.cfg.num_chunks):
+            tiles.store(mGrad, c, tiles.values(0, c) * factor)

@@ -1,17 +1,19 @@
 """Cross-entropy as torch custom ops: CPU reference, CUDA kernel, fake kernels, autograd,
 and the public ``cross_entropy`` function.
 
-Two ops compute the per-row loss, lse and (optionally) the gradient of each row's loss
-wrt its logits in one pass over the logits:
+Two ops compute the per-row loss, lse and (optionally) the gradient of
+sum_i grad_scale_i loss_i wrt the logits in one pass over the logits:
 
   quack_kernels::cross_entropy_forward          functional; the gradient in a new buffer
   quack_kernels::cross_entropy_forward_inplace  writes the gradient over the logits
 
-The autograd function saves that gradient; its backward only scales row i by the
-upstream gradient of loss i (an elementwise multiply, in place over the saved buffer in
-the inplace mode). The reduction over rows is plain torch on the (M,) loss vector, so
-autograd gets the per-row upstream gradient right for every reduction, weighting and
-any use of the result.
+grad_scale is the upstream gradient each row is expected to receive (1 / count for a
+mean). The autograd function saves the gradient and, in the backward,
+``quack_kernels::cross_entropy_rescale_grad_`` rescales in place only the rows whose
+actual upstream gradient differs: the expected case moves no gradient bytes, and any
+other (non-uniform per-row gradients, scaled losses) is still exact. The reduction
+over rows is plain torch on the (M,) loss vector, so autograd delivers the per-row
+upstream gradient for every reduction, weighting and use of the result.
 
 Bad targets (outside [0, C) and not ignore_index): the CPU op raises ValueError; the
 CUDA op does not synchronize to check them and gives that row loss NaN and a NaN
@@ -28,9 +30,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..kernels.cross_entropy import CrossEntropyForward
+from ..kernels.cross_entropy import CrossEntropyForward, CrossEntropyGradRescale
 from ..primitives.compile_cache import SUPPORTED_DTYPES, compile_kernel, fake_rows, fake_vector
-from ..primitives.config import RowConfig, row_config
+from ..primitives.config import RowConfig, elementwise_row_config, row_config
 from .common import (
     as_rows,
     check_gpu,
@@ -80,6 +82,7 @@ def forward_kernel(cfg: RowConfig, dtype: torch.dtype, target_dtype: torch.dtype
         fake_vector(cutlass.Float32, rows),
         fake_vector(cutlass.Float32, rows),
         fake_rows(dt, cfg.n_cols, cfg.vec, rows),
+        fake_vector(cutlass.Float32, rows),
         cutlass.Int64(-100),
         cutlass.Float32(0.0),
         cutlass.Float32(0.0),
@@ -101,6 +104,33 @@ def compile_forward(cfg: RowConfig, dtype: torch.dtype, target_dtype: torch.dtyp
     return compiled(key, build)
 
 
+@functools.lru_cache(maxsize=None)
+def rescale_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None) -> RowConfig:
+    return elementwise_row_config(n_cols, torch.finfo(dtype).bits // 8, max_vec)
+
+
+def rescale_kernel(cfg: RowConfig, dtype: torch.dtype, target_dtype: torch.dtype):
+    """(kernel object, *fake arguments it compiles against)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    rows = cute.sym_int()
+    return (
+        CrossEntropyGradRescale(cfg),
+        fake_rows(cutlass_dtype(dtype), cfg.n_cols, cfg.vec, rows),
+        fake_vector(cutlass.Int32 if target_dtype == torch.int32 else cutlass.Int64, rows),
+        fake_vector(cutlass.Float32, rows),
+        fake_vector(cutlass.Float32, rows),
+        cutlass.Int64(-100),
+    )
+
+
+@functools.lru_cache(maxsize=None)  # on every call: skip building the key
+def compile_rescale(cfg: RowConfig, dtype: torch.dtype, target_dtype: torch.dtype):
+    return compiled(kernel_key("cross_entropy_rescale", dtype, target_dtype, cfg),
+                    lambda: compile_kernel(*rescale_kernel(cfg, dtype, target_dtype)))
+
+
 # flag sets in the resource report: plain loss + gradient, every option on, and
 # smoothing + softcap without the gradient
 REPORT_FLAGS = (
@@ -120,15 +150,19 @@ def report_variants(n_grid, dtypes):
                 yield (f"xent_fwd{suffix}", n, dtype, cfg,
                        lambda n=n, dtype=dtype, cfg=cfg, flags=flags:
                        forward_kernel(cfg, dtype, torch.int64, **flags))
+            cfg = rescale_config(n, dtype)
+            yield ("xent_rescale", n, dtype, cfg,
+                   lambda dtype=dtype, cfg=cfg: rescale_kernel(cfg, dtype, torch.int64))
 
 
 # -------------------------------------------------------------------------- reference
 def cross_entropy_reference(logits: Tensor, target: Tensor, weight: Optional[Tensor],
                             ignore_index: int, label_smoothing: float, lse_square_scale: float,
-                            softcap: float, compute_grad: bool = True):
-    """Per-row loss, lse and gradient of each row's loss wrt its logits, from the
-    formulas in kernels/cross_entropy.py, in fp32 (fp64 for fp64 logits). Bad targets
-    give NaN rows here (the CPU op raises before calling this)."""
+                            softcap: float, compute_grad: bool = True,
+                            grad_scale: Optional[Tensor] = None):
+    """Per-row loss, lse and the gradient of sum_i grad_scale_i loss_i (grad_scale 1 when
+    None) wrt the logits, from the formulas in kernels/cross_entropy.py, in fp32 (fp64 for
+    fp64 logits). Bad targets give NaN rows here (the CPU op raises before calling this)."""
     math_dtype = torch.promote_types(logits.dtype, torch.float32)
     x = logits.to(math_dtype)
     n_cols = x.shape[-1]
@@ -150,7 +184,8 @@ def cross_entropy_reference(logits: Tensor, target: Tensor, weight: Optional[Ten
     if lse_square_scale:
         loss = loss + lse_square_scale * lse * lse
     nan = torch.full_like(loss, math.nan)
-    row_keep = torch.where(valid, 1.0, torch.where(inside | ignored, 0.0, nan))
+    scale = torch.ones_like(loss) if grad_scale is None else grad_scale.to(math_dtype)
+    row_keep = torch.where(valid, scale, torch.where(inside | ignored, 0.0, nan))
     loss = torch.where(valid, loss, torch.zeros_like(loss))
     loss = torch.where(inside | ignored, loss, nan)
     if not compute_grad:
@@ -206,12 +241,23 @@ def _raise_on_bad_targets(target: Tensor, n_cols: int, ignore_index: int) -> Non
             f"outside [0, {n_cols}) and is not ignore_index ({ignore_index})")
 
 
+def _check_grad_scale(grad_scale: Optional[Tensor], logits: Tensor, name: str = "grad_scale") -> None:
+    """Per-row scales come in the loss dtype (fp32; fp64 for the CPU path's fp64 logits)."""
+    dtype = _loss_dtype(logits)
+    if grad_scale is not None and (grad_scale.dtype != dtype
+                                   or grad_scale.shape != logits.shape[:1]
+                                   or grad_scale.device != logits.device):
+        raise ValueError(f"quack_kernels: {name} must be {dtype} of shape ({logits.shape[0]},) "
+                         f"on {logits.device}; got {grad_scale.dtype} "
+                         f"{tuple(grad_scale.shape)} on {grad_scale.device}")
+
+
 # ----------------------------------------------------------------------------- CUDA
 def _launch(rows: Tensor, target: Tensor, weight: Optional[Tensor], loss: Tensor, lse: Tensor,
-            grad: Optional[Tensor], ignore_index: int, label_smoothing: float,
-            lse_square_scale: float, softcap: float) -> None:
+            grad: Optional[Tensor], grad_scale: Optional[Tensor], ignore_index: int,
+            label_smoothing: float, lse_square_scale: float, softcap: float) -> None:
     """Run the kernel; ``grad`` is where the gradient goes (may be ``rows`` itself), None
-    for loss only."""
+    for loss only; ``grad_scale`` its per-row scale (None: 1)."""
     check_gpu(rows)
     n_cols = rows.shape[1]
     smoothing = label_smoothing != 0.0
@@ -220,15 +266,18 @@ def _launch(rows: Tensor, target: Tensor, weight: Optional[Tensor], loss: Tensor
         weight = weight.to(torch.float32).contiguous()
         if stage_weight and weight.data_ptr() % 16:
             weight = weight.clone()
+    if grad is not None and grad_scale is None:
+        grad_scale = torch.ones_like(loss)
     target = target.contiguous()
     grad_out = rows if grad is None else grad
     cfg = forward_config(n_cols, rows.dtype, stage_weight, vector_limit(rows, grad_out))
     fn = compile_forward(cfg, rows.dtype, target.dtype, weighted=weight is not None,
                          smoothing=smoothing, zloss=lse_square_scale != 0.0,
                          softcap=softcap != 0.0, write_grad=grad is not None)
-    # without weights any fp32 vector fills the (unused) weight argument
+    # fp32 vectors the variant does not read (no weights, no gradient) are filled by loss
     fn(rows, target, loss if weight is None else weight, loss, lse, grad_out,
-       ignore_index, label_smoothing, lse_square_scale, softcap if softcap else 1.0)
+       loss if grad_scale is None else grad_scale.contiguous(), ignore_index,
+       label_smoothing, lse_square_scale, softcap if softcap else 1.0)
 
 
 def _loss_dtype(logits: Tensor) -> torch.dtype:
@@ -240,21 +289,25 @@ def _loss_dtype(logits: Tensor) -> torch.dtype:
                          device_types="cpu")
 def cross_entropy_forward(logits: Tensor, target: Tensor, weight: Optional[Tensor],
                           ignore_index: int, label_smoothing: float, lse_square_scale: float,
-                          softcap: float, compute_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-row (loss, lse, grad) of (M, C) logits; softcap 0 means none. ``grad`` is
-    d loss_i / d logits_i in the logits' dtype, or an empty tensor when not asked for."""
+                          softcap: float, compute_grad: bool,
+                          grad_scale: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-row (loss, lse, grad) of (M, C) logits; softcap 0 means none. ``grad`` is the
+    gradient of sum_i grad_scale_i loss_i wrt the logits (grad_scale: fp32 (M,), default
+    1) in the logits' dtype, or an empty tensor when not asked for."""
     _check_op_inputs(logits, target, weight, cuda=False)
+    _check_grad_scale(grad_scale, logits)
     _raise_on_bad_targets(target, logits.shape[1], ignore_index)
     loss, lse, grad = cross_entropy_reference(logits, target, weight, ignore_index,
                                               label_smoothing, lse_square_scale, softcap,
-                                              compute_grad)
+                                              compute_grad, grad_scale)
     return loss, lse, grad if compute_grad else logits.new_empty(0)
 
 
 @cross_entropy_forward.register_kernel("cuda")
 def _cross_entropy_forward_cuda(logits, target, weight, ignore_index, label_smoothing,
-                                lse_square_scale, softcap, compute_grad):
+                                lse_square_scale, softcap, compute_grad, grad_scale=None):
     _check_op_inputs(logits, target, weight, cuda=True)
+    _check_grad_scale(grad_scale, logits)
     rows = logits if logits.stride(-1) == 1 or logits.shape[0] == 0 else logits.contiguous()
     m = rows.shape[0]
     loss = torch.empty(m, dtype=torch.float32, device=logits.device)
@@ -262,15 +315,16 @@ def _cross_entropy_forward_cuda(logits, target, weight, ignore_index, label_smoo
     grad = torch.empty(rows.shape, dtype=logits.dtype, device=logits.device) if compute_grad \
         else logits.new_empty(0)
     if m > 0:
-        _launch(rows, target, weight, loss, lse, grad if compute_grad else None, ignore_index,
-                label_smoothing, lse_square_scale, softcap)
+        _launch(rows, target, weight, loss, lse, grad if compute_grad else None, grad_scale,
+                ignore_index, label_smoothing, lse_square_scale, softcap)
     return loss, lse, grad
 
 
 @cross_entropy_forward.register_fake
 def _cross_entropy_forward_fake(logits, target, weight, ignore_index, label_smoothing,
-                                lse_square_scale, softcap, compute_grad):
+                                lse_square_scale, softcap, compute_grad, grad_scale=None):
     _check_op_inputs(logits, target, weight, cuda=logits.device.type == "cuda")
+    _check_grad_scale(grad_scale, logits)
     m = logits.shape[0]
     loss = logits.new_empty(m, dtype=_loss_dtype(logits))
     grad = logits.new_empty(logits.shape) if compute_grad else logits.new_empty(0)
@@ -281,20 +335,25 @@ def _cross_entropy_forward_fake(logits, target, weight, ignore_index, label_smoo
                          mutates_args=("logits",), device_types="cpu")
 def cross_entropy_forward_inplace(logits: Tensor, target: Tensor, weight: Optional[Tensor],
                                   ignore_index: int, label_smoothing: float,
-                                  lse_square_scale: float, softcap: float) -> tuple[Tensor, Tensor]:
-    """Per-row (loss, lse); the logits are overwritten by d loss_i / d logits_i."""
+                                  lse_square_scale: float, softcap: float,
+                                  grad_scale: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """Per-row (loss, lse); the logits are overwritten by the gradient of
+    sum_i grad_scale_i loss_i."""
     _check_op_inputs(logits, target, weight, cuda=False)
+    _check_grad_scale(grad_scale, logits)
     _raise_on_bad_targets(target, logits.shape[1], ignore_index)
     loss, lse, grad = cross_entropy_reference(logits, target, weight, ignore_index,
-                                              label_smoothing, lse_square_scale, softcap)
+                                              label_smoothing, lse_square_scale, softcap,
+                                              True, grad_scale)
     logits.copy_(grad)
     return loss, lse
 
 
 @cross_entropy_forward_inplace.register_kernel("cuda")
 def _cross_entropy_forward_inplace_cuda(logits, target, weight, ignore_index, label_smoothing,
-                                        lse_square_scale, softcap):
+                                        lse_square_scale, softcap, grad_scale=None):
     _check_op_inputs(logits, target, weight, cuda=True)
+    _check_grad_scale(grad_scale, logits)
     if logits.stride(-1) != 1 and logits.shape[0] > 0:
         raise ValueError("quack_kernels: inplace cross_entropy needs logits with unit "
                          "column stride")
@@ -302,62 +361,107 @@ def _cross_entropy_forward_inplace_cuda(logits, target, weight, ignore_index, la
     loss = torch.empty(m, dtype=torch.float32, device=logits.device)
     lse = torch.empty(m, dtype=torch.float32, device=logits.device)
     if m > 0:
-        _launch(logits, target, weight, loss, lse, logits, ignore_index, label_smoothing,
-                lse_square_scale, softcap)
+        _launch(logits, target, weight, loss, lse, logits, grad_scale, ignore_index,
+                label_smoothing, lse_square_scale, softcap)
     return loss, lse
 
 
 @cross_entropy_forward_inplace.register_fake
 def _cross_entropy_forward_inplace_fake(logits, target, weight, ignore_index, label_smoothing,
-                                        lse_square_scale, softcap):
+                                        lse_square_scale, softcap, grad_scale=None):
     _check_op_inputs(logits, target, weight, cuda=logits.device.type == "cuda")
+    _check_grad_scale(grad_scale, logits)
     m = logits.shape[0]
     return (logits.new_empty(m, dtype=_loss_dtype(logits)),
             logits.new_empty(m, dtype=_loss_dtype(logits)))
 
 
+@torch.library.custom_op("quack_kernels::cross_entropy_rescale_grad_",
+                         mutates_args=("grad",), device_types="cpu")
+def cross_entropy_rescale_grad_(grad: Tensor, target: Tensor, dloss: Tensor, held: Tensor,
+                                ignore_index: int) -> None:
+    """Backward of the fused loss, in place: ``grad`` holds the gradient for per-row
+    upstream gradients ``held``; rows of valid targets whose ``dloss`` differs are scaled
+    by dloss / held (NaN where held is 0). Rows that match move no bytes on CUDA."""
+    _check_rescale_inputs(grad, target, dloss, held)
+    grad.copy_(rescaled_grad(grad, target, dloss, held, ignore_index))
+
+
+@cross_entropy_rescale_grad_.register_kernel("cuda")
+def _cross_entropy_rescale_grad_cuda(grad, target, dloss, held, ignore_index):
+    _check_rescale_inputs(grad, target, dloss, held)
+    if grad.shape[0] > 0:
+        check_gpu(grad)
+        cfg = rescale_config(grad.shape[1], grad.dtype, vector_limit(grad))
+        fn = compile_rescale(cfg, grad.dtype, target.dtype)
+        fn(grad, target.contiguous(), dloss.contiguous(), held.contiguous(), ignore_index)
+
+
+@cross_entropy_rescale_grad_.register_fake
+def _cross_entropy_rescale_grad_fake(grad, target, dloss, held, ignore_index):
+    _check_rescale_inputs(grad, target, dloss, held)
+
+
+def rescaled_grad(grad: Tensor, target: Tensor, dloss: Tensor, held: Tensor,
+                  ignore_index: int) -> Tensor:
+    """What cross_entropy_rescale_grad_ writes, as a new tensor (torch ops, any device)."""
+    n_cols = grad.shape[1]
+    valid = (target != ignore_index) & (target >= 0) & (target < n_cols)
+    factor = torch.where(held != 0, dloss / held, math.nan)
+    factor = torch.where(valid & (dloss != held), factor, 1.0)
+    return (grad.to(factor.dtype) * factor[:, None]).to(grad.dtype)
+
+
+def _check_rescale_inputs(grad: Tensor, target: Tensor, dloss: Tensor, held: Tensor) -> None:
+    if grad.dim() != 2 or grad.stride(-1) != 1 or grad.dtype not in GPU_DTYPES + (torch.float64,):
+        raise ValueError("quack_kernels: cross_entropy_rescale_grad_ needs a (M, C) float "
+                         f"gradient with unit column stride, got {grad.dtype} {tuple(grad.shape)}")
+    if target.dtype not in TARGET_DTYPES or target.shape != grad.shape[:1]:
+        raise ValueError(f"quack_kernels: target must be int32/int64 of shape ({grad.shape[0]},)")
+    _check_grad_scale(dloss, grad, "dloss")
+    _check_grad_scale(held, grad, "held")
+
+
 # ------------------------------------------------------------------------- autograd
 class CrossEntropyFunction(torch.autograd.Function):
-    """(M, C) logits -> per-row (loss, lse). The forward computes the gradient of each
-    row's loss; the backward scales row i by d out / d loss_i. lse is not
-    differentiable."""
+    """(M, C) logits -> per-row (loss, lse). The forward computes the gradient of
+    sum_i held_i loss_i, ``held`` being the upstream gradient the caller expects (e.g.
+    1 / count for a mean); the backward rescales only the rows where the actual
+    upstream gradient differs, so in the expected case it moves no gradient bytes.
+    lse is not differentiable."""
 
     @staticmethod
     def forward(ctx, logits, target, weight, ignore_index, label_smoothing, lse_square_scale,
-                softcap, inplace):
+                softcap, inplace, held):
         if inplace:
             loss, lse = cross_entropy_forward_inplace(logits, target, weight, ignore_index,
-                                                      label_smoothing, lse_square_scale, softcap)
+                                                      label_smoothing, lse_square_scale,
+                                                      softcap, held)
             grad = logits
         else:
             loss, lse, grad = cross_entropy_forward(logits, target, weight, ignore_index,
                                                     label_smoothing, lse_square_scale, softcap,
-                                                    True)
-        ctx.inplace = inplace
-        ctx.save_for_backward(grad)
+                                                    True, held)
+        ctx.ignore_index = ignore_index
+        ctx.save_for_backward(grad, target, held)
         ctx.mark_non_differentiable(lse)
         return loss, lse
 
     @staticmethod
     def backward(ctx, dloss, dlse):
-        (grad,) = ctx.saved_tensors
+        grad, target, held = ctx.saved_tensors
         if dloss is None:
-            return (None,) * 8
-        scale = dloss.unsqueeze(-1)
-        if grad.dtype != torch.float16:
-            # one dtype keeps torch's vectorized elementwise path (a mixed-dtype
-            # broadcast multiply is not vectorized); bf16 has fp32's range, so rounding
-            # the row scale adds about one rounding of the gradient. fp16 keeps the
-            # fp32 scale: a mean over many rows would make it subnormal in fp16.
-            scale = scale.to(grad.dtype)
-        if ctx.inplace:
-            # the buffer is the logits' and is consumed here: backward runs once
-            dlogits = grad.mul_(scale)
-        elif scale.dtype == grad.dtype:
-            dlogits = torch.mul(grad, scale)
+            return (None,) * 9
+        dloss = dloss.to(held.dtype).contiguous()
+        if torch.compiler.is_compiling() or torch._C._autograd._get_current_graph_task_keep_graph():
+            # the graph may run backward again (retain_graph, gradcheck) or is being
+            # traced: leave the saved buffer intact
+            dlogits = rescaled_grad(grad, target, dloss, held, ctx.ignore_index)
         else:
-            dlogits = torch.mul(grad, scale, out=torch.empty_like(grad))
-        return dlogits, None, None, None, None, None, None, None
+            # last use of the buffer: rescale in place and hand it to autograd
+            cross_entropy_rescale_grad_(grad, target, dloss, held, ctx.ignore_index)
+            dlogits = grad
+        return dlogits, None, None, None, None, None, None, None, None
 
 
 # ------------------------------------------------------------------------ public API
@@ -377,8 +481,11 @@ def cross_entropy(logits: Tensor, target: Tensor, weight: Optional[Tensor] = Non
     ``softcap`` replaces the logits by softcap * tanh(logits / softcap).
     ``return_lse``: also return the per-row fp32 log-sum-exp (shape of target, not
     differentiable). When the logits require grad, their gradient is computed in the
-    forward pass and stored in a new buffer, or with ``inplace_backward=True`` over the
-    logits (their values are destroyed; backward may then run only once).
+    forward pass, for the upstream gradient a plain ``backward()`` of the result gives,
+    and stored in a new buffer, or with ``inplace_backward=True`` over the logits (their
+    values are destroyed). The backward then moves no bytes; another upstream gradient
+    (a scaled loss, a weighted sum of per-row losses) costs one pass rescaling the
+    affected rows (a retained graph gets a new gradient tensor each backward).
 
     Targets outside [0, C) that are not ignore_index: on CUDA that row's loss (and
     gradient) is NaN, so a mean or sum is NaN; ``check_targets=True`` (synchronizing)
@@ -410,8 +517,28 @@ def cross_entropy(logits: Tensor, target: Tensor, weight: Optional[Tensor] = Non
         _raise_on_bad_targets(target_rows, n_cols, ignore_index)
     args = (target_rows, weight, int(ignore_index), float(label_smoothing),
             float(lse_square_scale), float(softcap or 0.0))
+    num_rows = rows.shape[0]
+    loss_dtype = _loss_dtype(logits)
+
+    denominator = None
+    if reduction == "mean":
+        kept = target_rows != ignore_index
+        if weight is None:
+            denominator = kept.sum()
+        else:
+            safe = torch.where(kept, target_rows, torch.zeros_like(target_rows)).clamp(0, n_cols - 1)
+            denominator = (weight.to(loss_dtype)[safe] * kept).sum()
+
     if torch.is_grad_enabled() and logits.requires_grad:
-        loss, lse = CrossEntropyFunction.apply(rows, *args, bool(inplace_backward))
+        # The gradient is computed in the forward for the upstream gradient a plain
+        # backward() of this function's result gives each row: 1 / denominator for a
+        # mean (computed as autograd's DivBackward does, so it compares equal), 1 for a
+        # sum or per-row losses. Any other upstream gradient costs a rescale pass.
+        if denominator is not None:
+            held = torch.reciprocal(denominator.to(loss_dtype)).expand(num_rows).contiguous()
+        else:
+            held = torch.ones(num_rows, dtype=loss_dtype, device=logits.device)
+        loss, lse = CrossEntropyFunction.apply(rows, *args, bool(inplace_backward), held)
     else:
         loss, lse, _ = cross_entropy_forward(rows, *args, False)
 
@@ -420,13 +547,7 @@ def cross_entropy(logits: Tensor, target: Tensor, weight: Optional[Tensor] = Non
     elif reduction == "sum":
         out = loss.sum()
     else:
-        kept = target_rows != ignore_index
-        if weight is None:
-            denominator = kept.sum()
-        else:
-            safe = torch.where(kept, target_rows, torch.zeros_like(target_rows)).clamp(0, n_cols - 1)
-            denominator = (weight.to(loss.dtype)[safe] * kept).sum()
-        # where, not a plain sum: an ignored row then gets upstream gradient 0, not
-        # 0 / 0 (torch's gradient is 0 even when every target is ignored)
-        out = torch.where(kept, loss, torch.zeros_like(loss)).sum() / denominator
+        # ignored rows have loss 0; their gradient rows are 0 whatever upstream gradient
+        # they get (the backward skips them), so a plain sum is safe even with no kept row
+        out = loss.sum() / denominator
     return (out, lse.view(target.shape)) if return_lse else out

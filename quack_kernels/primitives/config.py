@@ -18,8 +18,8 @@ Vocabulary:
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
 
 # Hopper limits (sm_90): 16 CTAs per cluster with the non-portable attribute,
 # 227 KB of shared memory per CTA, 64K 32-bit registers per SM.
@@ -56,7 +56,7 @@ def _next_pow2(value: int) -> int:
     return 1 if value <= 1 else 1 << (value - 1).bit_length()
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class RowConfig:
     n_cols: int
     vec: int  # elements per vector access
@@ -174,6 +174,12 @@ def row_config(n_cols: int, elem_bytes: int, staged_tensors: int = 1,
         num_chunks=num_chunks,
         staging=staging_for(num_chunks, chunk_bytes),
     )
+
+
+def elementwise_row_config(n_cols: int, elem_bytes: int, max_vec: int | None = None) -> RowConfig:
+    """Rows rewritten element by element (no reduction, nothing kept between passes):
+    the usual tiling, each chunk read from and written back to global memory."""
+    return dataclasses.replace(row_config(n_cols, elem_bytes, max_vec=max_vec), staging="global")
 
 
 # Kernels that reduce over rows too (a norm's dweight) launch a fixed grid that loops

@@ -59,7 +59,9 @@ class RowKernel:
         kernel.launch(
             grid=[grid_rows, cfg.cluster_size, 1],
             block=[cfg.threads_per_block, 1, 1],
-            cluster=[1, cfg.cluster_size, 1] if cfg.cluster_size > 1 else None,
+            # CTAs of a row exchange partials only through a reduction; without one the
+            # row's CTAs are independent and need no co-scheduling
+            cluster=[1, cfg.cluster_size, 1] if cfg.cluster_size > 1 and self.reductions else None,
             smem=self.smem_bytes(),
             stream=stream,
         )
