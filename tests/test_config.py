@@ -2,6 +2,7 @@
 
 import pytest
 
+from quack_kernels.primitives import config
 from quack_kernels.primitives.config import (
     MAX_CLUSTER_SIZE,
     STAGING_SMEM_BYTES,
@@ -51,3 +52,14 @@ def test_staging_paths_for_large_rows():
 def test_rejects_empty_rows():
     with pytest.raises(ValueError):
         row_config(0, 2)
+
+
+def test_loop_grid_fills_the_gpu_once():
+    """The looping grid never asks for more CTAs than fit at once (a second wave would
+    run mostly idle), and uses more than two per SM when they fit."""
+    small = config.row_config(4096, 2, staged_tensors=3, bytes_per_col=8)
+    assert config.loop_ctas_per_sm(small, 8 * 1024) > 2
+    assert config.loop_ctas_per_sm(small, 150 * 1024) == 1
+    rows = config.loop_grid_rows(small, 1 << 20, 132, 8 * 1024)
+    assert rows * small.cluster_size <= config.loop_ctas_per_sm(small, 8 * 1024) * 132
+    assert config.loop_grid_rows(small, 3, 132, 8 * 1024) == 3  # never more blocks than rows

@@ -149,6 +149,13 @@ def compile_backward(cfg: RowConfig, rms: bool, h_dtype, dy_dtype, weight_dtype,
     return compiled(kernel_key("norm_bwd", *args), lambda: compile_kernel(*backward_kernel(*args)))
 
 
+@functools.lru_cache(maxsize=None)  # on every call
+def _backward_smem_bytes(cfg: RowConfig, rms: bool, h_dtype, dy_dtype, need_dweight: bool,
+                         need_dbias: bool) -> int:
+    dt = cutlass_dtype
+    return NormBackward(cfg, rms, dt(h_dtype), dt(dy_dtype), need_dweight, need_dbias).smem_bytes()
+
+
 def report_variants(n_grid, dtypes):
     """Kernel variants for the sm_90a resource report: (name, n, dtype, cfg, build).
     Per norm: forward with weight (and bias for LayerNorm); forward with a residual
@@ -365,7 +372,8 @@ def _norm_backward_cuda(dy, h, weight, mean, rstd, dresidual_out, weight_offset,
                               dres_rows is not None,
                               dres_rows.dtype if dres_rows is not None else None,
                               dx_dtype, dresidual_dtype, need_dweight, need_dbias)
-        grid_rows = loop_grid_rows(cfg, num_rows, _num_sms(device))
+        smem = _backward_smem_bytes(cfg, rms, h.dtype, dy.dtype, need_dweight, need_dbias)
+        grid_rows = loop_grid_rows(cfg, num_rows, _num_sms(device), smem)
         partial_rows = grid_rows * cfg.rows_per_block
         dw_part = torch.empty((partial_rows, n_cols), dtype=torch.float32, device=device) \
             if need_dweight else None

@@ -183,13 +183,32 @@ def elementwise_row_config(n_cols: int, elem_bytes: int, max_vec: int | None = N
 
 
 # Kernels that reduce over rows too (a norm's dweight) launch a fixed grid that loops
-# over row blocks: enough CTAs for two resident per SM, so one loads while the other
-# computes, and few enough that the partial sums they write stay small (one row each).
-LOOP_CTAS_PER_SM = 2
+# over row blocks, as many CTAs as fit on the GPU at once: each CTA has only one row
+# block's loads in flight, so the number of resident CTAs sets the bytes in flight per
+# SM (two CTAs of 8 KiB each held the 4096-column backward to ~50% of the copy ceiling
+# on H200), and a CTA that does not fit would run as a second, mostly idle wave.
+MAX_LOOP_CTAS_PER_SM = 8
+# Registers per thread assumed for the looping kernels, which bounds CTAs per SM by the
+# register file (tests/test_norm_cpu.py checks every compiled norm backward fits).
+LOOP_REGS_PER_THREAD = 80
+REGISTERS_PER_SM = 64 * 1024
+THREADS_PER_SM = 2048
+SMEM_BYTES_PER_SM = 228 * 1024
+SMEM_RESERVED_PER_CTA = 1024  # the driver's own shared memory per CTA
 
 
-def loop_grid_rows(cfg: RowConfig, num_rows: int, num_sms: int) -> int:
+def loop_ctas_per_sm(cfg: RowConfig, smem_bytes: int) -> int:
+    """Resident CTAs per SM of a looping kernel: the fewest that registers, threads and
+    shared memory allow, at most MAX_LOOP_CTAS_PER_SM."""
+    threads = cfg.threads_per_block
+    return max(1, min(MAX_LOOP_CTAS_PER_SM,
+                      REGISTERS_PER_SM // (LOOP_REGS_PER_THREAD * threads),
+                      THREADS_PER_SM // threads,
+                      SMEM_BYTES_PER_SM // (smem_bytes + SMEM_RESERVED_PER_CTA)))
+
+
+def loop_grid_rows(cfg: RowConfig, num_rows: int, num_sms: int, smem_bytes: int) -> int:
     """Row blocks launched by a kernel looping over row blocks (grid x; each of them
     is a cluster of cfg.cluster_size CTAs)."""
     blocks = math.ceil(num_rows / cfg.rows_per_block)
-    return max(1, min(blocks, LOOP_CTAS_PER_SM * num_sms // cfg.cluster_size))
+    return max(1, min(blocks, loop_ctas_per_sm(cfg, smem_bytes) * num_sms // cfg.cluster_size))
