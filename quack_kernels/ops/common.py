@@ -44,6 +44,17 @@ def check_gpu(tensor: torch.Tensor) -> None:
         )
 
 
+def eager_cuda(*tensors) -> bool:
+    """Whether a call may skip the custom op's dispatcher and run the CUDA implementation
+    directly: plain CUDA tensors (None allowed), no torch.compile tracing and no
+    dispatch mode (fake tensors, profilers of ops). The dispatcher's Python layers cost
+    100+ us per call in torch 2.11 (measured with benchmarks/host_profile.py), more
+    than the kernels of most shapes."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return False
+    return all(t is None or (type(t) is torch.Tensor and t.is_cuda) for t in tensors)
+
+
 def as_rows(tensor: torch.Tensor) -> torch.Tensor:
     """(..., N) -> (M, N) with unit column stride, a view when the layout allows."""
     n_cols = tensor.shape[-1]
@@ -75,6 +86,7 @@ __all__ = [
     "check_float_dtype",
     "check_same_device",
     "check_gpu",
+    "eager_cuda",
     "as_rows",
     "vector_limit",
     "kernel_key",

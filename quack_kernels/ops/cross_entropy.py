@@ -38,6 +38,7 @@ from .common import (
     check_gpu,
     compiled,
     cutlass_dtype,
+    eager_cuda,
     kernel_key,
     vector_limit,
 )
@@ -432,16 +433,17 @@ class CrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, weight, ignore_index, label_smoothing, lse_square_scale,
-                softcap, inplace, held):
+                softcap, inplace, held, eager):
+        """``eager``: call the CUDA implementations directly (see common.eager_cuda)."""
+        options = (ignore_index, label_smoothing, lse_square_scale, softcap)
         if inplace:
-            loss, lse = cross_entropy_forward_inplace(logits, target, weight, ignore_index,
-                                                      label_smoothing, lse_square_scale,
-                                                      softcap, held)
+            forward = _cross_entropy_forward_inplace_cuda if eager else cross_entropy_forward_inplace
+            loss, lse = forward(logits, target, weight, *options, held)
             grad = logits
         else:
-            loss, lse, grad = cross_entropy_forward(logits, target, weight, ignore_index,
-                                                    label_smoothing, lse_square_scale, softcap,
-                                                    True, held)
+            forward = _cross_entropy_forward_cuda if eager else cross_entropy_forward
+            loss, lse, grad = forward(logits, target, weight, *options, True, held)
+        ctx.eager = eager
         ctx.ignore_index = ignore_index
         ctx.save_for_backward(grad, target, held)
         ctx.mark_non_differentiable(lse)
@@ -451,7 +453,7 @@ class CrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, dloss, dlse):
         grad, target, held = ctx.saved_tensors
         if dloss is None:
-            return (None,) * 9
+            return (None,) * 10
         dloss = dloss.to(held.dtype).contiguous()
         if torch.compiler.is_compiling() or torch._C._autograd._get_current_graph_task_keep_graph():
             # the graph may run backward again (retain_graph, gradcheck) or is being
@@ -459,9 +461,10 @@ class CrossEntropyFunction(torch.autograd.Function):
             dlogits = rescaled_grad(grad, target, dloss, held, ctx.ignore_index)
         else:
             # last use of the buffer: rescale in place and hand it to autograd
-            cross_entropy_rescale_grad_(grad, target, dloss, held, ctx.ignore_index)
+            rescale = _cross_entropy_rescale_grad_cuda if ctx.eager else cross_entropy_rescale_grad_
+            rescale(grad, target, dloss, held, ctx.ignore_index)
             dlogits = grad
-        return dlogits, None, None, None, None, None, None, None, None
+        return dlogits, None, None, None, None, None, None, None, None, None
 
 
 # ------------------------------------------------------------------------ public API
@@ -519,6 +522,7 @@ def cross_entropy(logits: Tensor, target: Tensor, weight: Optional[Tensor] = Non
             float(lse_square_scale), float(softcap or 0.0))
     num_rows = rows.shape[0]
     loss_dtype = _loss_dtype(logits)
+    eager = eager_cuda(logits, target, weight)
 
     denominator = None
     if reduction == "mean":
@@ -538,7 +542,10 @@ def cross_entropy(logits: Tensor, target: Tensor, weight: Optional[Tensor] = Non
             held = torch.reciprocal(denominator.to(loss_dtype)).expand(num_rows).contiguous()
         else:
             held = torch.ones(num_rows, dtype=loss_dtype, device=logits.device)
-        loss, lse = CrossEntropyFunction.apply(rows, *args, bool(inplace_backward), held)
+        loss, lse = CrossEntropyFunction.apply(rows, *args, bool(inplace_backward), held,
+                                               eager)
+    elif eager:
+        loss, lse, _ = _cross_entropy_forward_cuda(rows, *args, False)
     else:
         loss, lse, _ = cross_entropy_forward(rows, *args, False)
 

@@ -32,6 +32,7 @@ from .common import (
     check_same_device,
     compiled,
     cutlass_dtype,
+    eager_cuda,
     kernel_key,
     vector_limit,
 )
@@ -474,6 +475,12 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dy, dresidual_out, _mean_grad_unused, _rstd_grad_unused):
+    return _gradients(ctx, dy, dresidual_out, norm_backward)
+
+
+def _gradients(ctx, dy, dresidual_out, backward_op):
+    """Input gradients from the saved context, through ``backward_op`` (the registered
+    op, or its CUDA implementation on the eager path)."""
     h, weight, mean, rstd, x, residual = ctx.saved_tensors
     if h is None:
         h = (x.float() + residual.float()).to(ctx.residual_stream_dtype)
@@ -482,7 +489,7 @@ def _backward(ctx, dy, dresidual_out, _mean_grad_unused, _rstd_grad_unused):
         dy = torch.zeros_like(h)
     if not ctx.stored:
         dresidual_out = None
-    dx, dres, dw, db = norm_backward(
+    dx, dres, dw, db = backward_op(
         dy, h, weight, mean, rstd, dresidual_out, ctx.weight_offset, ctx.rms,
         ctx.x_dtype if needs[0] else None,
         ctx.residual_dtype if ctx.has_residual and needs[3] else None,
@@ -497,6 +504,21 @@ def _backward(ctx, dy, dresidual_out, _mean_grad_unused, _rstd_grad_unused):
 norm_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _EagerNorm(torch.autograd.Function):
+    """The op's autograd on the eager CUDA path: the same kernels and formulas without
+    the custom-op dispatcher (see common.eager_cuda)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _norm_forward_cuda(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dy, dresidual_out, _mean_grad_unused, _rstd_grad_unused):
+        return _gradients(ctx, dy, dresidual_out, _norm_backward_cuda)
+
+
 # ------------------------------------------------------------------------ public API
 def _norm(x, weight, bias, residual, eps, weight_offset, rms, prenorm, out_dtype, residual_dtype,
           return_stats):
@@ -506,8 +528,14 @@ def _norm(x, weight, bias, residual, eps, weight_offset, rms, prenorm, out_dtype
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, weight, bias, residual))
     store = residual is not None and (prenorm or needs_grad)
-    y, h, mean, rstd = norm_forward(x, weight, bias, residual, float(eps), float(weight_offset),
-                                    rms, out_dtype, residual_dtype, store)
+    args = (x, weight, bias, residual, float(eps), float(weight_offset), rms, out_dtype,
+            residual_dtype, store)
+    if not eager_cuda(x, weight, bias, residual):
+        y, h, mean, rstd = norm_forward(*args)
+    elif needs_grad:
+        y, h, mean, rstd = _EagerNorm.apply(*args)
+    else:
+        y, h, mean, rstd = _norm_forward_cuda(*args)
     outputs = (y,)
     if prenorm:
         outputs += (h if residual is not None else x.to(residual_dtype),)

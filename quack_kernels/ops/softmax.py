@@ -18,6 +18,7 @@ from .common import (
     check_gpu,
     compiled,
     cutlass_dtype,
+    eager_cuda,
     kernel_key,
     vector_limit,
 )
@@ -204,8 +205,8 @@ softmax_forward.register_autograd(_backward, setup_context=_setup_context)
 # ------------------------------------------------------------------------ public API
 class _EagerSoftmax(torch.autograd.Function):
     """Eager CUDA path with gradients: the same kernels as the op, minus the custom-op
-    dispatcher's Python overhead (tens of microseconds per call, which dominates small
-    shapes). torch.compile and CPU tensors go through the registered op instead."""
+    dispatcher (see common.eager_cuda). torch.compile and CPU tensors go through the
+    registered op instead."""
 
     @staticmethod
     def forward(ctx, x: Tensor, log: bool) -> Tensor:
@@ -221,8 +222,7 @@ class _EagerSoftmax(torch.autograd.Function):
 
 
 def _softmax_last_dim(x: Tensor, log: bool) -> Tensor:
-    # tensor subclasses and tracing need the registered op's dispatch
-    if type(x) is not Tensor or not x.is_cuda or torch.compiler.is_compiling():
+    if not eager_cuda(x):
         return softmax_forward(x, log)
     if x.requires_grad and torch.is_grad_enabled():
         return _EagerSoftmax.apply(x, log)
