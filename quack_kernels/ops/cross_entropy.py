@@ -51,6 +51,11 @@ TARGET_DTYPES = (torch.int32, torch.int64)
 
 
 # ----------------------------------------------------------------------------- configs
+# Row bytes per CTA: 32 KiB halves the cluster of long 16-bit rows (131072 bf16 columns:
+# 8 CTAs instead of 16, 57% vs 39% of the copy ceiling loss only, same sweep); the
+# cross-entropy epilogue per row is longer than softmax's, so fewer, fuller CTAs win.
+CE_CTA_ROW_BYTES = 32 * 1024
+
 @functools.lru_cache(maxsize=None)
 def forward_config(n_cols: int, dtype: torch.dtype, stage_weight: bool,
                    max_vec: int | None = None) -> RowConfig:
@@ -58,8 +63,19 @@ def forward_config(n_cols: int, dtype: torch.dtype, stage_weight: bool,
     weight row is staged beside them, so accesses are sized for fp32 (4 elements)."""
     elem = torch.finfo(dtype).bits // 8
     if stage_weight:
-        return row_config(n_cols, 4, staged_tensors=2, bytes_per_col=elem + 4, max_vec=max_vec)
-    return row_config(n_cols, elem, staged_tensors=1, max_vec=max_vec)
+        return row_config(n_cols, 4, staged_tensors=2, bytes_per_col=elem + 4, max_vec=max_vec,
+                          cta_row_bytes=CE_CTA_ROW_BYTES)
+    # H200 sweep (benchmarks/sweep_cross_entropy.py): 16 values per thread, in more and
+    # smaller shared-memory chunks for long rows (fp32 131072: 66% vs 59% at 32 values,
+    # loss only), except 16-bit rows that fit one chunk of 32 values (4096 bf16 columns:
+    # 58% vs 41%: twice the bytes in flight per thread)
+    if elem < 4:
+        roomy = row_config(n_cols, elem, max_vec=max_vec, values_per_thread=32,
+                           cta_row_bytes=CE_CTA_ROW_BYTES)
+        if roomy.staging == "registers":
+            return roomy
+    return row_config(n_cols, elem, max_vec=max_vec, values_per_thread=16,
+                      cta_row_bytes=CE_CTA_ROW_BYTES)
 
 
 def forward_kernel(cfg: RowConfig, dtype: torch.dtype, target_dtype: torch.dtype, *,
