@@ -1,23 +1,12 @@
 """Host overhead per call: wall-clock time of many back-to-back calls on a tiny tensor
 (the GPU finishes each kernel long before the next launch), per code path."""
 
-import time
-
 import torch
 
 import quack_kernels as qk
 from quack_kernels.ops import softmax as ops
 
-
-def per_call_us(fn, calls=2000):
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
+from profile_ops import wall_us
 
 
 def main():
@@ -38,7 +27,7 @@ def main():
         ("fwd+bwd torch.softmax", lambda: torch.softmax(xg, -1).backward(dy)),
     ]
     for name, fn in rows:
-        print(f"{name:45s} {per_call_us(fn):7.1f} us/call")
+        print(f"{name:45s} {wall_us(fn, calls=2000, warmup=50):7.1f} us/call")
 
 
 if __name__ == "__main__":

@@ -6,11 +6,12 @@ tensors so the GPU never holds the host back.
 
 import cProfile
 import pstats
-import time
 
 import torch
 
 import quack_kernels as qk
+
+from profile_ops import wall_us
 
 CALLS = 300
 
@@ -48,14 +49,7 @@ def cases():
 
 def main():
     for name, fn in cases().items():
-        for _ in range(20):
-            fn()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(CALLS):
-            fn()
-        torch.cuda.synchronize()
-        print(f"\n== {name}: {(time.perf_counter() - start) / CALLS * 1e6:.1f} us/call")
+        print(f"\n== {name}: {wall_us(fn, CALLS, warmup=20):.1f} us/call")
         if name.startswith("torch"):
             continue
         profiler = cProfile.Profile()

@@ -20,8 +20,9 @@ import quack_kernels as qk
 CALLS = 10
 
 
-def wall_us(fn, calls=50):
-    for _ in range(5):
+def wall_us(fn, calls=50, warmup=5):
+    """Wall time per call of ``calls`` back-to-back calls, GPU work included."""
+    for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     start = time.perf_counter()
