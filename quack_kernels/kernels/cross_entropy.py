@@ -159,8 +159,7 @@ class CrossEntropyForward(RowKernel):
             chunk_max = red.thread_reduce(z_max_in, cute.ReductionOp.MAX, -math.inf)
             e = cute.math.exp2((z_max_in - red.finite_or_zero(chunk_max)) * red.LOG2_E, fastmath=True)
             # z_t comes from the registers of the thread holding the target column, not
-            # from a dependent global load after the row's: that load's latency on
-            # every row's critical path halved the throughput
+            # from a global load that depends on the target
             at_target = _is_column(tiles.coords[c], target_col)
             z_target = z_target + red.thread_reduce(cute.where(at_target, z, 0.0), cute.ReductionOp.ADD, 0.0)
             # the non-target sum keeps 1 - p_t = sumexp_other / sumexp exact for a
