@@ -513,8 +513,7 @@ def _eager_cross_entropy(x, target, label_smoothing=0.0, lse_square_scale=0.0, s
     """torch's cross-entropy, with softcap and z-loss composed from torch ops."""
     if softcap:
         x = softcap * torch.tanh(x.float() / softcap)
-    loss = torch.nn.functional.cross_entropy(x.float() if softcap else x, target,
-                                             label_smoothing=label_smoothing)
+    loss = torch.nn.functional.cross_entropy(x, target, label_smoothing=label_smoothing)
     if lse_square_scale:
         loss = loss + lse_square_scale * torch.logsumexp(x.float(), -1).square().mean()
     return loss

@@ -66,3 +66,27 @@ def torch_cross_entropy(x, target, weight, *, ignore_index=-100, reduction="mean
         return loss.sum()
     w_t = kept.to(x.dtype) if weight is None else weight[target.clamp(min=0)] * kept
     return loss.sum() / w_t.sum()
+
+
+def check_cross_entropy_backward_paths(x, target, weight, reduction, inplace, ref_grad,
+                                       dtype, tol_scale=1.0, loss_scale=0.37, reuse_scale=2.0):
+    """quack_kernels.cross_entropy's three backward paths against ``ref_grad`` (the
+    reference gradient of the plain loss): a plain backward (the gradient computed in
+    the forward is used as is), a scaled loss (every row rescaled), and a retained graph
+    run backward twice (the second time scaled by ``reuse_scale``)."""
+    import quack_kernels as qk
+
+    for scale in (1.0, loss_scale):
+        leaf = x.clone().requires_grad_()
+        logits = leaf * 1 if inplace else leaf
+        loss = qk.cross_entropy(logits, target, weight, reduction=reduction,
+                                inplace_backward=inplace)
+        (loss * scale).backward()
+        assert_close(leaf.grad, ref_grad * scale, dtype, scale=tol_scale, name=f"grad x {scale}")
+    leaf = x.clone().requires_grad_()
+    loss = qk.cross_entropy(leaf * 1, target, weight, reduction=reduction,
+                            inplace_backward=inplace)
+    first = torch.autograd.grad(loss, leaf, retain_graph=True)[0]
+    second = torch.autograd.grad(reuse_scale * loss, leaf)[0]
+    assert_close(first, ref_grad, dtype, scale=tol_scale, name="retained 1st")
+    assert_close(second, reuse_scale * ref_grad, dtype, scale=tol_scale, name="retained 2nd")

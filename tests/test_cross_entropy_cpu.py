@@ -11,7 +11,7 @@ import quack_kernels as qk
 from quack_kernels.ops import cross_entropy as ops
 from quack_kernels.report import find_cuobjdump, measure
 
-from helpers import assert_close, torch_cross_entropy
+from helpers import assert_close, check_cross_entropy_backward_paths, torch_cross_entropy
 
 OPTIONS = dict(
     weighted=[False, True],
@@ -61,20 +61,8 @@ def test_backward_paths_match_torch(reduction, weighted, inplace):
     weight = weight if weighted else None
     ref_x = x.clone().requires_grad_()
     F.cross_entropy(ref_x, target, weight, reduction=reduction).backward()
-    for scale in (1.0, 0.37):
-        leaf = x.clone().requires_grad_()
-        logits = leaf * 1 if inplace else leaf
-        loss = qk.cross_entropy(logits, target, weight, reduction=reduction,
-                                inplace_backward=inplace)
-        (loss * scale).backward()
-        assert_close(leaf.grad, ref_x.grad * scale, torch.float32, name=f"grad x {scale}")
-    leaf = x.clone().requires_grad_()
-    loss = qk.cross_entropy(leaf * 1, target, weight, reduction=reduction,
-                            inplace_backward=inplace)
-    first = torch.autograd.grad(loss, leaf, retain_graph=True)[0]
-    second = torch.autograd.grad(loss * 2, leaf)[0]
-    assert_close(first, ref_x.grad, torch.float32, name="retained 1st")
-    assert_close(second, 2 * ref_x.grad, torch.float32, name="retained 2nd")
+    check_cross_entropy_backward_paths(x, target, weight, reduction, inplace, ref_x.grad,
+                                       torch.float32, loss_scale=0.37, reuse_scale=2.0)
 
 
 def test_rescale_grad_op():

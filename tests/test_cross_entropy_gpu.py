@@ -9,7 +9,8 @@ import torch.nn.functional as F
 import quack_kernels as qk
 from quack_kernels.ops import cross_entropy as ops
 
-from helpers import assert_close, poison_allocator, torch_cross_entropy
+from helpers import (assert_close, check_cross_entropy_backward_paths, poison_allocator,
+                     torch_cross_entropy)
 
 pytestmark = pytest.mark.gpu
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -126,20 +127,8 @@ def test_backward_fast_and_rescaled_paths(reduction, inplace, dtype):
     weight = torch.rand(v, device="cuda") + 0.5
     xr = x.double().requires_grad_()
     F.cross_entropy(xr, target, weight.double(), reduction=reduction).backward()
-    for scale in (1.0, 0.3):
-        leaf = x.clone().requires_grad_()
-        logits = leaf * 1 if inplace else leaf
-        loss = qk.cross_entropy(logits, target, weight, reduction=reduction,
-                                inplace_backward=inplace)
-        (loss * scale).backward()
-        assert_close(leaf.grad, xr.grad * scale, dtype, scale=2.0, name=f"grad x {scale}")
-    leaf = x.clone().requires_grad_()
-    loss = qk.cross_entropy(leaf * 1, target, weight, reduction=reduction,
-                            inplace_backward=inplace)
-    first = torch.autograd.grad(loss, leaf, retain_graph=True)[0]
-    second = torch.autograd.grad(3 * loss, leaf)[0]
-    assert_close(first, xr.grad, dtype, scale=2.0, name="retained 1st")
-    assert_close(second, 3 * xr.grad, dtype, scale=2.0, name="retained 2nd")
+    check_cross_entropy_backward_paths(x, target, weight, reduction, inplace, xr.grad, dtype,
+                                       tol_scale=2.0, loss_scale=0.3, reuse_scale=3.0)
 
 
 def test_rescale_kernel_matches_cpu_op():

@@ -220,7 +220,8 @@ def cross_entropy_reference(logits: Tensor, target: Tensor, weight: Optional[Ten
 
 
 # -------------------------------------------------------------------------- checks
-def _check_op_inputs(logits: Tensor, target: Tensor, weight: Optional[Tensor], cuda: bool) -> None:
+def _check_op_inputs(logits: Tensor, target: Tensor, weight: Optional[Tensor],
+                     grad_scale: Optional[Tensor], cuda: bool) -> None:
     dtypes = GPU_DTYPES if cuda else CPU_DTYPES
     if logits.dtype not in dtypes:
         raise TypeError(f"quack_kernels: cross_entropy logits have dtype {logits.dtype}; "
@@ -246,6 +247,7 @@ def _check_op_inputs(logits: Tensor, target: Tensor, weight: Optional[Tensor], c
     if len(devices) > 1:
         raise ValueError(f"quack_kernels: logits, target and weight must be on one device, "
                          f"got {', '.join(str(d) for d in devices)}")
+    _check_grad_scale(grad_scale, logits)
 
 
 def _raise_on_bad_targets(target: Tensor, n_cols: int, ignore_index: int) -> None:
@@ -302,6 +304,15 @@ def _loss_dtype(logits: Tensor) -> torch.dtype:
 
 
 # ----------------------------------------------------------------------------- the ops
+def _checked_reference(logits, target, weight, ignore_index, label_smoothing, lse_square_scale,
+                       softcap, compute_grad, grad_scale):
+    """The CPU ops' body: validate (bad targets raise), then the reference."""
+    _check_op_inputs(logits, target, weight, grad_scale, cuda=False)
+    _raise_on_bad_targets(target, logits.shape[1], ignore_index)
+    return cross_entropy_reference(logits, target, weight, ignore_index, label_smoothing,
+                                   lse_square_scale, softcap, compute_grad, grad_scale)
+
+
 @torch.library.custom_op("quack_kernels::cross_entropy_forward", mutates_args=(),
                          device_types="cpu")
 def cross_entropy_forward(logits: Tensor, target: Tensor, weight: Optional[Tensor],
@@ -311,20 +322,15 @@ def cross_entropy_forward(logits: Tensor, target: Tensor, weight: Optional[Tenso
     """Per-row (loss, lse, grad) of (M, C) logits; softcap 0 means none. ``grad`` is the
     gradient of sum_i grad_scale_i loss_i wrt the logits (grad_scale: fp32 (M,), default
     1) in the logits' dtype, or an empty tensor when not asked for."""
-    _check_op_inputs(logits, target, weight, cuda=False)
-    _check_grad_scale(grad_scale, logits)
-    _raise_on_bad_targets(target, logits.shape[1], ignore_index)
-    loss, lse, grad = cross_entropy_reference(logits, target, weight, ignore_index,
-                                              label_smoothing, lse_square_scale, softcap,
-                                              compute_grad, grad_scale)
+    loss, lse, grad = _checked_reference(logits, target, weight, ignore_index, label_smoothing,
+                                         lse_square_scale, softcap, compute_grad, grad_scale)
     return loss, lse, grad if compute_grad else logits.new_empty(0)
 
 
 @cross_entropy_forward.register_kernel("cuda")
 def _cross_entropy_forward_cuda(logits, target, weight, ignore_index, label_smoothing,
                                 lse_square_scale, softcap, compute_grad, grad_scale=None):
-    _check_op_inputs(logits, target, weight, cuda=True)
-    _check_grad_scale(grad_scale, logits)
+    _check_op_inputs(logits, target, weight, grad_scale, cuda=True)
     rows = logits if logits.stride(-1) == 1 or logits.shape[0] == 0 else logits.contiguous()
     m = rows.shape[0]
     loss = torch.empty(m, dtype=torch.float32, device=logits.device)
@@ -340,8 +346,7 @@ def _cross_entropy_forward_cuda(logits, target, weight, ignore_index, label_smoo
 @cross_entropy_forward.register_fake
 def _cross_entropy_forward_fake(logits, target, weight, ignore_index, label_smoothing,
                                 lse_square_scale, softcap, compute_grad, grad_scale=None):
-    _check_op_inputs(logits, target, weight, cuda=logits.device.type == "cuda")
-    _check_grad_scale(grad_scale, logits)
+    _check_op_inputs(logits, target, weight, grad_scale, cuda=logits.device.type == "cuda")
     m = logits.shape[0]
     loss = logits.new_empty(m, dtype=_loss_dtype(logits))
     grad = logits.new_empty(logits.shape) if compute_grad else logits.new_empty(0)
@@ -356,12 +361,8 @@ def cross_entropy_forward_inplace(logits: Tensor, target: Tensor, weight: Option
                                   grad_scale: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Per-row (loss, lse); the logits are overwritten by the gradient of
     sum_i grad_scale_i loss_i."""
-    _check_op_inputs(logits, target, weight, cuda=False)
-    _check_grad_scale(grad_scale, logits)
-    _raise_on_bad_targets(target, logits.shape[1], ignore_index)
-    loss, lse, grad = cross_entropy_reference(logits, target, weight, ignore_index,
-                                              label_smoothing, lse_square_scale, softcap,
-                                              True, grad_scale)
+    loss, lse, grad = _checked_reference(logits, target, weight, ignore_index, label_smoothing,
+                                         lse_square_scale, softcap, True, grad_scale)
     logits.copy_(grad)
     return loss, lse
 
@@ -369,8 +370,7 @@ def cross_entropy_forward_inplace(logits: Tensor, target: Tensor, weight: Option
 @cross_entropy_forward_inplace.register_kernel("cuda")
 def _cross_entropy_forward_inplace_cuda(logits, target, weight, ignore_index, label_smoothing,
                                         lse_square_scale, softcap, grad_scale=None):
-    _check_op_inputs(logits, target, weight, cuda=True)
-    _check_grad_scale(grad_scale, logits)
+    _check_op_inputs(logits, target, weight, grad_scale, cuda=True)
     if logits.stride(-1) != 1 and logits.shape[0] > 0:
         raise ValueError("quack_kernels: inplace cross_entropy needs logits with unit "
                          "column stride")
@@ -386,8 +386,7 @@ def _cross_entropy_forward_inplace_cuda(logits, target, weight, ignore_index, la
 @cross_entropy_forward_inplace.register_fake
 def _cross_entropy_forward_inplace_fake(logits, target, weight, ignore_index, label_smoothing,
                                         lse_square_scale, softcap, grad_scale=None):
-    _check_op_inputs(logits, target, weight, cuda=logits.device.type == "cuda")
-    _check_grad_scale(grad_scale, logits)
+    _check_op_inputs(logits, target, weight, grad_scale, cuda=logits.device.type == "cuda")
     m = logits.shape[0]
     return (logits.new_empty(m, dtype=_loss_dtype(logits)),
             logits.new_empty(m, dtype=_loss_dtype(logits)))
