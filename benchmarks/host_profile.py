@@ -37,6 +37,14 @@ def cases():
         lg.grad = None
         qk.cross_entropy(lg, target).backward()
 
+    def softmax_train():
+        xg.grad = None
+        qk.softmax(xg).backward(dy)
+
+    def torch_softmax_train():
+        xg.grad = None
+        torch.softmax(xg, -1).backward(dy)
+
     return {
         "rms_norm fwd": lambda: qk.rms_norm(x, w),
         "torch rms_norm fwd": lambda: torch.nn.functional.rms_norm(x, (4096,), w),
@@ -44,6 +52,10 @@ def cases():
         "torch rms_norm fwd+bwd": torch_norm_train,
         "cross_entropy loss": lambda: qk.cross_entropy(logits, target),
         "cross_entropy fwd+bwd": ce_train,
+        "softmax fwd": lambda: qk.softmax(x),
+        "torch softmax fwd": lambda: torch.softmax(x, -1),
+        "softmax fwd+bwd": softmax_train,
+        "torch softmax fwd+bwd": torch_softmax_train,
     }
 
 

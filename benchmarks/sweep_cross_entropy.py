@@ -1,6 +1,8 @@
 """Config sweep for the cross-entropy forward kernel on the GPU (loss only and loss +
-gradient): values per thread and per-CTA row share, one line per variant."""
+gradient): values per thread, per-CTA row share and staging buffers (prefetch), one
+line per variant."""
 
+import dataclasses
 import itertools
 import sys
 
@@ -8,29 +10,39 @@ import torch
 import triton
 
 from quack_kernels.ops import cross_entropy as ops
-from quack_kernels.primitives.config import row_config
+from quack_kernels.ops.common import num_sms
+from quack_kernels.primitives.config import loop_grid_rows, loops_over_row_blocks, row_config
 
 from sweep_softmax import copy_ceiling_gbps
 
 SHAPES = [(dtype, m, n) for dtype in (torch.bfloat16, torch.float32)
-          for m, n in ((32768, 4096), (1024, 131072), (4096, 128256))]
+          for m, n in ((32768, 4096), (8192, 16384), (4096, 128256))]
 FLAGS = dict(weighted=False, smoothing=False, zloss=False, softcap=False)
 
 
-def main():
+def main(argv):
+    """argv: dtypes to sweep (bfloat16, float32; default both)."""
+    dtypes = [getattr(torch, name) for name in argv] or [torch.bfloat16, torch.float32]
     ceiling = copy_ceiling_gbps()
     print(f"copy ceiling {ceiling:.0f} GB/s")
     for dtype, m, n in SHAPES:
+        if dtype not in dtypes:
+            continue
         x = torch.randn(m, n, device="cuda", dtype=dtype)
         target = torch.randint(0, n, (m,), device="cuda")
         loss, lse, scale = (torch.empty(m, device="cuda") for _ in range(3))
         grad = torch.empty_like(x)
         eb = x.element_size()
-        for write_grad, vpt, kib in itertools.product((False, True), (16, 32, 64), (16, 32)):
-            cfg = row_config(n, eb, values_per_thread=vpt, cta_row_bytes=kib * 1024)
+        for write_grad, vpt, kib, stages in itertools.product((False, True), (16, 32), (16, 32), (1, 2)):
+            cfg = dataclasses.replace(
+                row_config(n, eb, values_per_thread=vpt, cta_row_bytes=kib * 1024), stages=stages)
+            if stages == 2 and not loops_over_row_blocks(cfg):
+                continue
             try:
                 fn = ops.compile_forward(cfg, dtype, torch.int64, write_grad=write_grad, **FLAGS)
-                call = lambda: fn(x, target, loss, loss, lse, grad, scale, -100, 0.0, 0.0, 1.0)
+                kernel = ops.forward_kernel_object(cfg, dtype, write_grad=write_grad, **FLAGS)
+                grid = loop_grid_rows(cfg, m, num_sms(x.device), kernel.ctas_per_sm())
+                call = lambda: fn(x, target, loss, loss, lse, grad, scale, -100, 0.0, 0.0, 1.0, grid)
                 call()
                 ms = triton.testing.do_bench(call, return_mode="median")
                 nbytes = (2 if write_grad else 1) * x.numel() * eb
@@ -38,12 +50,14 @@ def main():
                 print(f"{str(dtype)[6:]:9s} {m}x{n} {'grad' if write_grad else 'loss'} vpt={vpt:3d} "
                       f"kib={kib:3d} cl={cfg.cluster_size:2d} tpr={cfg.threads_per_row:3d} "
                       f"rows={cfg.rows_per_block} vecs={cfg.vecs_per_thread:2d} ch={cfg.num_chunks} "
-                      f"{cfg.staging:9s} {ms*1e3:8.1f}us {pct:5.1f}%", flush=True)
+                      f"{cfg.staging:9s} st={stages} ctas/SM={kernel.ctas_per_sm()} "
+                      f"{ms*1e3:8.1f}us {pct:5.1f}%", flush=True)
             except Exception as e:  # a variant that does not compile or launch
-                print(f"{dtype} {n} grad={write_grad} vpt={vpt} kib={kib}: {type(e).__name__} {e}"[:200])
+                print(f"{dtype} {n} grad={write_grad} vpt={vpt} kib={kib} st={stages}: "
+                      f"{type(e).__name__} {e}"[:200])
         del x, grad
         torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

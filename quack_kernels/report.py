@@ -4,8 +4,10 @@
 
 Works without a GPU: ``CUTE_DSL_ARCH=sm_90a`` (set here when no GPU is visible) lets
 ``cute.compile`` produce the cubin, and ``cuobjdump -res-usage`` (PyPI package
-``nvidia-cuda-cuobjdump``) reads registers, stack and local memory from it. Local
-memory (LOCAL > 0) means spilled registers: the report exits 1 when it sees any.
+``nvidia-cuda-cuobjdump``) reads registers, stack and local memory from it. Our
+kernels call no functions, so a stack frame (STACK > 0) holds spilled registers
+(nvdisasm marks its loads and stores "SpillRefill"), as does local memory (LOCAL > 0):
+the report exits 1 when it sees either.
 """
 
 from __future__ import annotations
@@ -73,15 +75,20 @@ def resource_usage(cubin: str, cuobjdump: str) -> dict:
     return dict(regs=reg, stack=stack, static_smem=shared, local=local)
 
 
+def spills(res: dict) -> int:
+    """Bytes per thread of spilled registers (stack frame and local memory)."""
+    return res["stack"] + res["local"]
+
+
 def measure(variants, dump_dir: str, cuobjdump: str):
     """Compile each (name, n, dtype, cfg, build) variant and read its resources; yields
-    (name, n, dtype, cfg, dynamic smem bytes, resource dict)."""
+    (name, n, dtype, cfg, kernel object, resource dict)."""
     from .primitives.compile_cache import compile_kernel
 
     for name, n, dtype, cfg, build in variants:
         kernel, *fakes = build()
         fn = compile_kernel(kernel, *fakes, keep_cubin_in=dump_dir)
-        yield name, n, dtype, cfg, kernel.smem_bytes(), resource_usage(_cubin_file(fn.__cubin__, dump_dir), cuobjdump)
+        yield name, n, dtype, cfg, kernel, resource_usage(_cubin_file(fn.__cubin__, dump_dir), cuobjdump)
 
 
 def main(argv=None) -> int:
@@ -104,22 +111,22 @@ def main(argv=None) -> int:
     print(f"resource report for {target_arch()} (registers/thread, shared memory/block in bytes)")
     print(f"{'kernel':18s} {'dtype':9s} {'N':>8s} {'thr':>5s} {'clu':>4s} {'stage':>9s} "
           f"{'regs':>5s} {'smem_st':>8s} {'smem_dyn':>8s} {'stack':>6s} {'spill':>6s}")
-    spills = count = 0
+    spilled = count = 0
     start = time.time()
     with tempfile.TemporaryDirectory(prefix="quack_kernels_report_") as dump_dir:
         for family, (variants, n_grid) in families().items():
             if args.family and family not in args.family:
                 continue
             grid = [n for n in n_grid if n in QUICK_N_GRID] if args.quick else n_grid
-            for name, n, dtype, cfg, smem, res in measure(variants(grid, dtypes), dump_dir, cuobjdump):
+            for name, n, dtype, cfg, kernel, res in measure(variants(grid, dtypes), dump_dir, cuobjdump):
                 count += 1
-                spills += res["local"] > 0
-                flag = "  <-- SPILL" if res["local"] else ""
+                spilled += spills(res) > 0
+                flag = "  <-- SPILL" if spills(res) else ""
                 print(f"{name:18s} {str(dtype).replace('torch.', ''):9s} {n:8d} {cfg.threads_per_block:5d} "
                       f"{cfg.cluster_size:4d} {cfg.staging:>9s} {res['regs']:5d} {res['static_smem']:8d} "
-                      f"{smem:8d} {res['stack']:6d} {res['local']:6d}{flag}", flush=True)
-    print(f"{count} variants compiled in {time.time() - start:.0f} s; {spills} with spills")
-    return 1 if spills else 0
+                      f"{kernel.smem_bytes():8d} {res['stack']:6d} {res['local']:6d}{flag}", flush=True)
+    print(f"{count} variants compiled in {time.time() - start:.0f} s; {spilled} with spills")
+    return 1 if spilled else 0
 
 
 if __name__ == "__main__":

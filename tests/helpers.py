@@ -90,3 +90,15 @@ def check_cross_entropy_backward_paths(x, target, weight, reduction, inplace, re
     second = torch.autograd.grad(reuse_scale * loss, leaf)[0]
     assert_close(first, ref_grad, dtype, scale=tol_scale, name="retained 1st")
     assert_close(second, reuse_scale * ref_grad, dtype, scale=tol_scale, name="retained 2nd")
+
+
+def assert_looping_launch_fits(kernel, name, n, dtype, cfg, res) -> None:
+    """A kernel looping over row blocks is launched for ``kernel.ctas_per_sm()`` CTAs
+    per SM: its compiled register count must let all of them be resident at once (else
+    the last CTAs would run as a second, mostly idle wave)."""
+    from quack_kernels.primitives.config import REGISTERS_PER_SM
+
+    ctas = kernel.ctas_per_sm()
+    regs = -(-res["regs"] // 8) * 8  # allocation granularity
+    assert ctas * cfg.threads_per_block * regs <= REGISTERS_PER_SM, \
+        f"{ctas} CTAs/SM of {name} n={n} {dtype} do not fit: {res}"

@@ -1,5 +1,7 @@
 """The tiling heuristics: invariants that every kernel relies on."""
 
+import dataclasses
+
 import pytest
 
 from quack_kernels.primitives import config
@@ -58,8 +60,36 @@ def test_loop_grid_fills_the_gpu_once():
     """The looping grid never asks for more CTAs than fit at once (a second wave would
     run mostly idle), and uses more than two per SM when they fit."""
     small = config.row_config(4096, 2, staged_tensors=3, bytes_per_col=8)
-    assert config.loop_ctas_per_sm(small, 8 * 1024) > 2
+    ctas = config.loop_ctas_per_sm(small, 8 * 1024)
+    assert ctas > 2
     assert config.loop_ctas_per_sm(small, 150 * 1024) == 1
-    rows = config.loop_grid_rows(small, 1 << 20, 132, 8 * 1024)
-    assert rows * small.cluster_size <= config.loop_ctas_per_sm(small, 8 * 1024) * 132
-    assert config.loop_grid_rows(small, 3, 132, 8 * 1024) == 3  # never more blocks than rows
+    assert config.loop_ctas_per_sm(small, 8 * 1024, regs_per_thread=255) == 1
+    rows = config.loop_grid_rows(small, 1 << 20, 132, ctas)
+    assert rows * small.cluster_size <= ctas * 132
+    assert config.loop_grid_rows(small, 3, 132, ctas) == 3  # never more blocks than rows
+
+
+class _StagingOnlyKernel:
+    """Stands in for a RowKernel whose shared memory is its staged rows alone."""
+
+    def __init__(self, cfg, bytes_per_col):
+        self.cfg, self.bytes_per_col = cfg, bytes_per_col
+
+    def smem_bytes(self):
+        return self.cfg.staging_smem_bytes(self.bytes_per_col)
+
+    def ctas_per_sm(self):
+        return config.loop_ctas_per_sm(self.cfg, self.smem_bytes())
+
+
+@pytest.mark.parametrize("n, bytes_per_col, stages", [
+    (4096, 4, 2),     # 16 KiB shares: 3 CTAs per SM either way (threads bound them)
+    (262144, 6, 2),   # 96 KiB shares: 2 CTAs x 1 buffer = 1 CTA x 2 buffers
+    (262144, 4, 1),   # 64 KiB shares: 3 CTAs x 1 buffer > 1 CTA x 2 buffers
+    (262144, 12, 1),  # 192 KiB shares: a second buffer does not fit
+])
+def test_prefetch_only_when_it_keeps_more_blocks_in_flight(n, bytes_per_col, stages):
+    cfg = config.row_config(n, 2, staged_tensors=2, bytes_per_col=bytes_per_col)
+    chosen = config.with_prefetch(cfg, lambda c: _StagingOnlyKernel(c, bytes_per_col))
+    assert chosen.stages == stages
+    assert dataclasses.replace(chosen, stages=1) == cfg

@@ -6,11 +6,10 @@ import pytest
 import torch
 
 import quack_kernels as qk
-from quack_kernels.primitives.config import REGISTERS_PER_SM, loop_ctas_per_sm
-from quack_kernels.report import find_cuobjdump, measure
 from quack_kernels.ops import norm as ops
+from quack_kernels.report import find_cuobjdump, measure, spills
 
-from helpers import assert_close
+from helpers import assert_close, assert_looping_launch_fits
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -237,14 +236,10 @@ def test_sm90a_variants_compile_without_spills(tmp_path):
         pytest.skip("cuobjdump not found")
     rows = list(measure(_variants(), str(tmp_path), cuobjdump))
     assert len(rows) == len(VARIANTS) * 4
-    for name, n, dtype, cfg, smem, res in rows:
-        assert res["local"] == 0, f"register spills in {name} n={n} {dtype}: {res}"
+    for name, n, dtype, cfg, kernel, res in rows:
+        assert spills(res) == 0, f"register spills in {name} n={n} {dtype}: {res}"
         if name == "bwd":
-            # the looping grid's CTAs per SM all fit the register file at once
-            ctas = loop_ctas_per_sm(cfg, smem)
-            regs = -(-res["regs"] // 8) * 8  # allocation granularity
-            assert ctas * cfg.threads_per_block * regs <= REGISTERS_PER_SM, \
-                f"{ctas} CTAs/SM of {name} n={n} {dtype} do not fit: {res}"
+            assert_looping_launch_fits(kernel, name, n, dtype, cfg, res)
 
 
 def test_rows_too_long_for_shared_memory_are_refused_with_a_clear_error():

@@ -7,7 +7,7 @@ from torch.library import opcheck
 
 import quack_kernels as qk
 from quack_kernels.ops import softmax as ops
-from quack_kernels.report import find_cuobjdump, measure
+from quack_kernels.report import find_cuobjdump, measure, spills
 
 from helpers import assert_close
 
@@ -98,6 +98,6 @@ def test_kernels_compile_for_sm90a_without_spills(n, dtype, tmp_path):
     fwd, bwd = ops.forward_config(n, dtype), ops.backward_config(n, dtype)
     variants = [("fwd", n, dtype, fwd, lambda: ops.forward_kernel(fwd, dtype, True)),
                 ("bwd", n, dtype, bwd, lambda: ops.backward_kernel(bwd, dtype, False))]
-    for name, _, _, cfg, smem, res in measure(variants, str(tmp_path), cuobjdump):
-        assert res["local"] == 0 and res["stack"] == 0, f"{name} n={n}: {res}"
-        assert res["regs"] <= 255 and smem <= 227 * 1024
+    for name, _, _, cfg, kernel, res in measure(variants, str(tmp_path), cuobjdump):
+        assert spills(res) == 0, f"{name} n={n}: {res}"
+        assert res["regs"] <= 255 and kernel.smem_bytes() <= 227 * 1024

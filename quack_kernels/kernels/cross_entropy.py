@@ -24,7 +24,10 @@ the expectation holds; :class:`CrossEntropyGradRescale` fixes the rows where it 
 Bytes: one read of the logits (M x C); with the gradient, one write of M x C more.
 Class weights with label smoothing also read the weight row (C fp32, from L2).
 
-Layout: RowKernel geometry (a row split over a cluster of up to 16 CTAs). One
+Layout: RowKernel geometry (a row split over a cluster of up to 16 CTAs), a fixed grid
+of CTAs looping over row blocks so that the next block's logits load while the
+current block is reduced and its epilogue runs (a CTA's life is otherwise one load,
+one short reduction and a short epilogue: its load latency would be exposed). One
 row_allreduce per row combines the online (max, sum of exp, sum of exp over the
 non-target classes) triple with plain sums of z_t (from the thread holding the target
 column), of w_t (gathered by the row's first thread) and, for label smoothing, of
@@ -43,7 +46,7 @@ from cutlass.memory import SmemAllocator
 
 from ..primitives import reduce as red
 from ..primitives import tiling
-from ..primitives.config import RowConfig
+from ..primitives.config import RowConfig, loops_over_row_blocks
 from ..primitives.rows import ReductionSlot, RowKernel, RowTiles
 
 
@@ -53,20 +56,18 @@ def _combine(a, b):
     return red.online_softmax_combine(a, b, rescaled=2)
 
 
-@cute.jit
-def _is_column(tXcX: cute.Tensor, col: Int32) -> cute.TensorSSA:
-    """Per value of this thread's chunk: is it in column ``col``?"""
-    flags = cute.make_rmem_tensor(cute.make_layout(tXcX.shape), Boolean)
-    for i in cutlass.range_constexpr(cute.size(flags)):
-        flags[i] = tXcX[i][1] == col
-    return flags.load()
-
-
 class CrossEntropyForward(RowKernel):
-    """Compile-time switches: ``weighted`` (class weights), ``smoothing`` (label
+    """Rows a single CTA holds (config.loops_over_row_blocks) run on a fixed grid of
+    ``grid_rows`` row blocks that loops, loading the next block while it finishes the
+    current one (cfg.stages == 2); rows split over a cluster run one row block per CTA.
+    Compile-time switches: ``weighted`` (class weights), ``smoothing`` (label
     smoothing > 0), ``zloss`` (lse_square_scale != 0), ``softcap``, ``write_grad``.
     The matching float values are runtime arguments, so changing them never
     recompiles."""
+
+    # Registers per thread of the looping grid: at 80, 16-bit rows of 1024 and 16384
+    # columns spilled.
+    loop_registers = 96
 
     def __init__(self, cfg: RowConfig, dtype, *, weighted: bool, smoothing: bool,
                  zloss: bool, softcap: bool, write_grad: bool):
@@ -82,16 +83,19 @@ class CrossEntropyForward(RowKernel):
         self.staged_dtypes = (dtype, Float32) if self.stage_weight else (dtype,)
         # (max, sumexp, sumexp without the target, z_t, [w_t], [sum w z], [W])
         self.values_per_reduction = 4 + int(weighted) + int(smoothing) + int(self.stage_weight)
+        self.loops = loops_over_row_blocks(cfg)
+        assert self.loops or cfg.stages == 1, "prefetching needs the looping grid"
+        self.scratch_buffers = 2 if self.loops else 1  # alternate per row block
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mTarget: cute.Tensor, mWeight: cute.Tensor,
                  mLoss: cute.Tensor, mLse: cute.Tensor, mdX: cute.Tensor,
                  mGradScale: cute.Tensor, ignore_index: Int64, smoothing: Float32,
-                 lse_square_scale: Float32, softcap: Float32, stream):
+                 lse_square_scale: Float32, softcap: Float32, grid_rows: Int32, stream):
         self.launch(
             self.kernel(mX, mTarget, mWeight, mLoss, mLse, mdX, mGradScale, ignore_index,
-                        smoothing, lse_square_scale, softcap),
-            mX.shape[0], stream)
+                        smoothing, lse_square_scale, softcap, grid_rows),
+            mX.shape[0], stream, grid_rows=grid_rows if self.loops else None)
 
     @cute.jit
     def _cap(self, x, inv_softcap: Float32, softcap: Float32):
@@ -103,26 +107,56 @@ class CrossEntropyForward(RowKernel):
     def kernel(self, mX: cute.Tensor, mTarget: cute.Tensor, mWeight: cute.Tensor,
                mLoss: cute.Tensor, mLse: cute.Tensor, mdX: cute.Tensor,
                mGradScale: cute.Tensor, ignore_index: Int64, smoothing: Float32,
-               lse_square_scale: Float32, softcap: Float32):
+               lse_square_scale: Float32, softcap: Float32, grid_rows: Int32):
         cfg = self.cfg
-        n_cols = cfg.n_cols
         smem = SmemAllocator()
         staged = [mX]
         if cutlass.const_expr(self.stage_weight):
             # the weight vector seen as an (M, C) tensor whose rows all alias it
             staged.append(cute.make_tensor(
-                mWeight.iterator, cute.make_layout((mX.shape[0], n_cols), stride=(0, 1))))
-        tiles = RowTiles(cfg, staged, smem)
-        slot = ReductionSlot(smem, cfg, self.values_per_reduction)
-        tiles.issue_loads()
-
+                mWeight.iterator, cute.make_layout((mX.shape[0], cfg.n_cols), stride=(0, 1))))
+        home = RowTiles(cfg, staged, smem)
+        slot = ReductionSlot(smem, cfg, self.values_per_reduction, buffers=self.scratch_buffers)
+        if cutlass.const_expr(cfg.stages == 2):
+            home.issue_loads()  # the first block; each iteration prefetches the next
         inv_softcap = Float32(0.0)
         if cutlass.const_expr(self.softcap):
             inv_softcap = cute.arch.rcp_approx(softcap)
-        row = tiles.coords[0][(0, 0), 0, 0][0]
-        lead = tiles.tidx % cfg.threads_per_row == 0
         if cutlass.const_expr(cfg.cluster_size > 1):
-            lead = lead & (tiles.cta_rank == 0)
+            cute.arch.cluster_wait()
+
+        first_block = cute.arch.block_idx()[0]
+        options = (mTarget, mWeight, mLoss, mLse, mdX, mGradScale, ignore_index, smoothing,
+                   lse_square_scale, softcap, inv_softcap)
+        if cutlass.const_expr(self.loops):
+            num_blocks = (mX.shape[0] + cfg.rows_per_block - 1) // cfg.rows_per_block
+            iterations = (num_blocks - first_block + grid_rows - 1) // grid_rows
+            for iteration in cutlass.range(iterations, unroll=1):
+                # one method call per iteration, counted as in NormBackward.kernel
+                self._row_block(home, first_block + iteration * grid_rows, grid_rows, slot,
+                                iteration, *options)
+        else:
+            self._row_block(home, first_block, grid_rows, slot, None, *options)
+
+    @cute.jit
+    def _row_block(self, home: RowTiles, block_row: Int32, grid_rows: Int32, slot: ReductionSlot,
+                   iteration, mTarget: cute.Tensor, mWeight: cute.Tensor,
+                   mLoss: cute.Tensor, mLse: cute.Tensor, mdX: cute.Tensor,
+                   mGradScale: cute.Tensor, ignore_index: Int64, smoothing: Float32,
+                   lse_square_scale: Float32, softcap: Float32, inv_softcap: Float32):
+        """Loss, lse (and gradient) of the rows of block ``block_row``; ``iteration`` is
+        the loop count of a looping grid (None: one row block per CTA)."""
+        cfg = self.cfg
+        n_cols = cfg.n_cols
+        prefetch = cfg.stages == 2
+        if cutlass.const_expr(prefetch):
+            tiles = home.at_block(block_row, iteration % 2)
+            home.at_block(block_row + grid_rows, (iteration + 1) % 2).issue_loads()
+        else:
+            tiles = home.at_block(block_row)
+            tiles.issue_loads()
+        row = tiles.row
+        lead = tiles.leads_row
 
         # Target of this thread's row (every thread of the row loads the same word).
         target = Int64(0)
@@ -137,11 +171,8 @@ class CrossEntropyForward(RowKernel):
         # reduction); the weight vector is small and stays in L2.
         w_target = Float32(0.0)
         if cutlass.const_expr(self.weighted):
-            if lead & valid & tiles.row_in_bounds:
+            if lead & valid:
                 w_target = Float32(mWeight[target_col])
-
-        if cutlass.const_expr(cfg.cluster_size > 1):
-            cute.arch.cluster_wait()
 
         kept = []
         stats = (Float32(-math.inf), Float32(0.0), Float32(0.0))
@@ -149,7 +180,7 @@ class CrossEntropyForward(RowKernel):
         sum_wz = Float32(0.0)
         sum_w = Float32(0.0)
         for c in cutlass.range_constexpr(cfg.num_chunks):
-            tiles.wait_chunk(c)
+            tiles.wait_chunk(c, prefetched=prefetch)
             z = self._cap(tiles.values(0, c), inv_softcap, softcap)
             z_max_in = z
             z_sum_in = z
@@ -160,7 +191,7 @@ class CrossEntropyForward(RowKernel):
             e = cute.math.exp2((z_max_in - red.finite_or_zero(chunk_max)) * red.LOG2_E, fastmath=True)
             # z_t comes from the registers of the thread holding the target column, not
             # from a global load that depends on the target
-            at_target = _is_column(tiles.coords[c], target_col)
+            at_target = tiling.is_column(tiles.coords[c], target_col, self.loops)
             z_target = z_target + red.thread_reduce(cute.where(at_target, z, 0.0), cute.ReductionOp.ADD, 0.0)
             # the non-target sum keeps 1 - p_t = sumexp_other / sumexp exact for a
             # confident row, where 1 - exp(z_t - lse) would be mostly rounding
@@ -188,7 +219,7 @@ class CrossEntropyForward(RowKernel):
         if cutlass.const_expr(self.stage_weight):
             partials = partials + (sum_w,)
             identity = identity + (Float32(0.0),)
-        totals = slot.allreduce(partials, _combine, identity)
+        totals = slot.allreduce(partials, _combine, identity, iteration=iteration)
         row_max, row_sumexp, other_sumexp, z_target = totals[0], totals[1], totals[2], totals[3]
         k = 4
         w_target = Float32(1.0)
@@ -213,7 +244,7 @@ class CrossEntropyForward(RowKernel):
             eps_per_class = smoothing * Float32(1.0 / n_cols)
             nll_scale = (Float32(1.0) - smoothing) * w_target
 
-        if lead & tiles.row_in_bounds:
+        if lead:
             # -log p_t = log(sumexp) + (max - z_t) = log1p(sumexp_other * exp(max - z_t)):
             # the second form keeps the precision of a small loss (confident row)
             gap = row_max - z_target
@@ -266,7 +297,7 @@ class CrossEntropyForward(RowKernel):
         """(A p - B onehot(t) - (eps/C) w) times the softcap chain, for one chunk. At the
         target, A p_t - B is formed as (A - B) p_t - B (1 - p_t) so that a confident
         row's tiny true-class gradient keeps its relative precision."""
-        is_target = _is_column(tXcX, target_col)
+        is_target = tiling.is_column(tXcX, target_col, self.loops)
         g = cute.where(is_target, p * (coef_p - coef_t) - coef_t * one_minus_p_target,
                        p * coef_p)
         if cutlass.const_expr(self.stage_weight):

@@ -15,10 +15,11 @@ writes dx (+ dresidual); weights, statistics and partial sums are O(N + M).
 
 Layout: RowKernel geometry (rows split over a cluster of up to 16 CTAs for large N).
 The forward is one row block per CTA; LayerNorm reduces twice (sum, then the centered
-sum of squares, on the staged row). The backward launches a fixed grid (two CTAs per
-SM) that loops over row blocks: each CTA keeps its columns' dw/db sums in an
-accumulator and writes them once as one row of fp32 partials, which the host sums in
-a fixed order (deterministic, no atomics).
+sum of squares, on the staged row). The backward launches a fixed grid (as many CTAs
+as fit on the GPU) that loops over row blocks, loading the next block while it
+reduces and stores the current one when two staging buffers fit (cfg.stages): each CTA
+keeps its columns' dw/db sums in an accumulator and writes them once as one row of
+fp32 partials, which the host sums in a fixed order (deterministic, no atomics).
 """
 
 from __future__ import annotations
@@ -174,11 +175,15 @@ class NormBackward(RowKernel):
         num_rows = mH.shape[0]
         num_blocks = (num_rows + cfg.rows_per_block - 1) // cfg.rows_per_block
         first_block = cute.arch.block_idx()[0]
+        if cutlass.const_expr(cfg.stages == 2):
+            home.issue_loads()  # the first block; each iteration prefetches the next
 
-        for block_row in cutlass.range(first_block, num_blocks, grid_rows, unroll=1):
+        # counting iterations (not row blocks) keeps a division out of the loop
+        iterations = (num_blocks - first_block + grid_rows - 1) // grid_rows
+        for iteration in cutlass.range(iterations, unroll=1):
             # one method call per iteration: names bound (or objects whose methods are
             # called) directly in a dynamic loop body become loop-carried values
-            self._row_block(home, block_row, slot, (block_row - first_block) // grid_rows,
+            self._row_block(home, first_block + iteration * grid_rows, grid_rows, slot, iteration,
                             mW, mMean, mRstd, mdResOut, mdX, mdRes, weight_offset, acc_w, acc_b)
 
         for c in cutlass.range_constexpr(cfg.num_chunks):
@@ -187,13 +192,18 @@ class NormBackward(RowKernel):
             if cutlass.const_expr(self.need_dbias):
                 home.store(mdB, c, acc_b[c].load(), guard_rows=False)
 
-    def _row_block(self, home: RowTiles, block_row, slot: ReductionSlot, iteration, mW, mMean,
-                   mRstd, mdResOut, mdX, mdRes, weight_offset, acc_w, acc_b):
+    def _row_block(self, home: RowTiles, block_row, grid_rows, slot: ReductionSlot, iteration,
+                   mW, mMean, mRstd, mdResOut, mdX, mdRes, weight_offset, acc_w, acc_b):
         """dx / dresidual of row block ``block_row``, and its dw / db terms."""
         cfg = self.cfg
-        tiles = home.at_block(block_row)
+        prefetch = cfg.stages == 2
         inv_n = Float32(1.0 / cfg.n_cols)
-        tiles.issue_loads()
+        if cutlass.const_expr(prefetch):
+            tiles = home.at_block(block_row, iteration % 2)
+            home.at_block(block_row + grid_rows, (iteration + 1) % 2).issue_loads()
+        else:
+            tiles = home.at_block(block_row)
+            tiles.issue_loads()
         row = cutlass.select_(tiles.row_in_bounds, tiles.row, 0)
         rstd = Float32(cutlass.select_(tiles.row_in_bounds, mRstd[row], Float32(0.0)))
         mean = Float32(0.0)
@@ -204,7 +214,7 @@ class NormBackward(RowKernel):
         dot = Float32(0.0)  # sum(g * xhat)
         g_sum = Float32(0.0)  # sum(g), LayerNorm
         for c in range(cfg.num_chunks):
-            tiles.wait_chunk(c)
+            tiles.wait_chunk(c, prefetched=prefetch)
             xhat, g = self._xhat_g(tiles, c, mW, mean, rstd, weight_offset, acc_w, acc_b)
             dot = dot + red.thread_reduce(g * xhat, cute.ReductionOp.ADD, 0.0)
             if cutlass.const_expr(not self.rms):

@@ -44,6 +44,16 @@ def check_gpu(tensor: torch.Tensor) -> None:
         )
 
 
+@functools.lru_cache(maxsize=None)
+def _sms_of(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """SMs of ``device`` (sizes the grid of kernels looping over row blocks)."""
+    return _sms_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def eager_cuda(*tensors) -> bool:
     """Whether a call may skip the custom op's dispatcher and run the CUDA implementation
     directly: plain CUDA tensors (None allowed), no torch.compile tracing and no
@@ -62,6 +72,17 @@ def as_rows(tensor: torch.Tensor) -> torch.Tensor:
     if rows.stride(-1) != 1 and rows.shape[0] > 0:
         rows = rows.contiguous()
     return rows
+
+
+def rows_view(tensor: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """A contiguous (..., n_cols) tensor as (M, n_cols); 2-D tensors as they are (a
+    view costs ~2 us of host time per call)."""
+    return tensor if tensor.dim() == 2 else tensor.view(-1, n_cols)
+
+
+def flat(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous per-row vector (shape of the leading dims) as (M,), no view if 1-D."""
+    return tensor if tensor.dim() == 1 else tensor.view(-1)
 
 
 def vector_limit(*rows: torch.Tensor) -> int:
@@ -87,7 +108,10 @@ __all__ = [
     "check_same_device",
     "check_gpu",
     "eager_cuda",
+    "num_sms",
     "as_rows",
+    "flat",
+    "rows_view",
     "vector_limit",
     "kernel_key",
     "compiled",

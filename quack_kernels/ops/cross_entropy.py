@@ -31,8 +31,21 @@ import torch
 from torch import Tensor
 
 from ..kernels.cross_entropy import CrossEntropyForward, CrossEntropyGradRescale
-from ..primitives.compile_cache import SUPPORTED_DTYPES, compile_kernel, fake_rows, fake_vector
-from ..primitives.config import RowConfig, elementwise_row_config, row_config
+from ..primitives.compile_cache import (
+    SUPPORTED_DTYPES,
+    compile_kernel,
+    fake_rows,
+    fake_strided_vector,
+    fake_vector,
+)
+from ..primitives.config import (
+    RowConfig,
+    elementwise_row_config,
+    loop_grid_rows,
+    loops_over_row_blocks,
+    row_config,
+    with_prefetch,
+)
 from .common import (
     as_rows,
     check_gpu,
@@ -40,6 +53,7 @@ from .common import (
     cutlass_dtype,
     eager_cuda,
     kernel_key,
+    num_sms,
     vector_limit,
 )
 
@@ -60,22 +74,36 @@ CE_CTA_ROW_BYTES = 32 * 1024
 def forward_config(n_cols: int, dtype: torch.dtype, stage_weight: bool,
                    max_vec: int | None = None) -> RowConfig:
     """Logits are the one staged row tensor; with weighted label smoothing the fp32
-    weight row is staged beside them, so accesses are sized for fp32 (4 elements)."""
+    weight row is staged beside them, so accesses are sized for fp32 (4 elements).
+    Two staging buffers (prefetch of the next row block) where they fit."""
     elem = torch.finfo(dtype).bits // 8
     if stage_weight:
-        return row_config(n_cols, 4, staged_tensors=2, bytes_per_col=elem + 4, max_vec=max_vec,
-                          cta_row_bytes=CE_CTA_ROW_BYTES)
-    # H200 sweep (benchmarks/sweep_cross_entropy.py): 16 values per thread, in more and
-    # smaller shared-memory chunks for long rows (fp32 131072: 66% vs 59% at 32 values,
-    # loss only), except 16-bit rows that fit one chunk of 32 values (4096 bf16 columns:
-    # 58% vs 41%: twice the bytes in flight per thread)
-    if elem < 4:
-        roomy = row_config(n_cols, elem, max_vec=max_vec, values_per_thread=32,
-                           cta_row_bytes=CE_CTA_ROW_BYTES)
-        if roomy.staging == "registers":
-            return roomy
-    return row_config(n_cols, elem, max_vec=max_vec, values_per_thread=16,
-                      cta_row_bytes=CE_CTA_ROW_BYTES)
+        cfg = row_config(n_cols, 4, staged_tensors=2, bytes_per_col=elem + 4, max_vec=max_vec,
+                         cta_row_bytes=CE_CTA_ROW_BYTES)
+    else:
+        # H200 sweeps (benchmarks/sweep_cross_entropy.py): 16 values per thread, in more
+        # and smaller shared-memory chunks for rows split over a cluster (fp32 131072:
+        # 66% vs 59% at 32 values, loss only), but 32 for 16-bit rows that fit one chunk
+        # of 32 values (4096 bf16 columns: 58% vs 41%: twice the bytes in flight per
+        # thread) or one looping CTA (8192x16384 bf16 with the gradient: 78% vs 67%)
+        cfg = row_config(n_cols, elem, max_vec=max_vec, values_per_thread=16,
+                         cta_row_bytes=CE_CTA_ROW_BYTES)
+        if elem < 4:
+            roomy = row_config(n_cols, elem, max_vec=max_vec, values_per_thread=32,
+                               cta_row_bytes=CE_CTA_ROW_BYTES)
+            if roomy.staging == "registers" or loops_over_row_blocks(roomy):
+                cfg = roomy
+    if not loops_over_row_blocks(cfg):
+        return cfg
+    # sized for the variant with the most reduced values (every option on)
+    return with_prefetch(cfg, lambda c: forward_kernel_object(
+        c, dtype, weighted=stage_weight, smoothing=True, zloss=True, softcap=True,
+        write_grad=True))
+
+
+@functools.lru_cache(maxsize=None)  # on every call
+def forward_kernel_object(cfg: RowConfig, dtype: torch.dtype, **flags) -> CrossEntropyForward:
+    return CrossEntropyForward(cfg, cutlass_dtype(dtype), **flags)
 
 
 def forward_kernel(cfg: RowConfig, dtype: torch.dtype, target_dtype: torch.dtype, *,
@@ -87,8 +115,8 @@ def forward_kernel(cfg: RowConfig, dtype: torch.dtype, target_dtype: torch.dtype
 
     dt = cutlass_dtype(dtype)
     tt = cutlass.Int32 if target_dtype == torch.int32 else cutlass.Int64
-    kernel = CrossEntropyForward(cfg, dt, weighted=weighted, smoothing=smoothing,
-                                 zloss=zloss, softcap=softcap, write_grad=write_grad)
+    kernel = forward_kernel_object(cfg, dtype, weighted=weighted, smoothing=smoothing,
+                                   zloss=zloss, softcap=softcap, write_grad=write_grad)
     stage_weight = weighted and smoothing
     rows = cute.sym_int()
     return (
@@ -99,11 +127,12 @@ def forward_kernel(cfg: RowConfig, dtype: torch.dtype, target_dtype: torch.dtype
         fake_vector(cutlass.Float32, rows),
         fake_vector(cutlass.Float32, rows),
         fake_rows(dt, cfg.n_cols, cfg.vec, rows),
-        fake_vector(cutlass.Float32, rows),
+        fake_strided_vector(cutlass.Float32, rows),
         cutlass.Int64(-100),
         cutlass.Float32(0.0),
         cutlass.Float32(0.0),
         cutlass.Float32(1.0),
+        cutlass.Int32(1),
     )
 
 
@@ -136,8 +165,8 @@ def rescale_kernel(cfg: RowConfig, dtype: torch.dtype, target_dtype: torch.dtype
         CrossEntropyGradRescale(cfg),
         fake_rows(cutlass_dtype(dtype), cfg.n_cols, cfg.vec, rows),
         fake_vector(cutlass.Int32 if target_dtype == torch.int32 else cutlass.Int64, rows),
-        fake_vector(cutlass.Float32, rows),
-        fake_vector(cutlass.Float32, rows),
+        fake_strided_vector(cutlass.Float32, rows),
+        fake_strided_vector(cutlass.Float32, rows),
         cutlass.Int64(-100),
     )
 
@@ -290,13 +319,17 @@ def _launch(rows: Tensor, target: Tensor, weight: Optional[Tensor], loss: Tensor
     target = target.contiguous()
     grad_out = rows if grad is None else grad
     cfg = forward_config(n_cols, rows.dtype, stage_weight, vector_limit(rows, grad_out))
-    fn = compile_forward(cfg, rows.dtype, target.dtype, weighted=weight is not None,
-                         smoothing=smoothing, zloss=lse_square_scale != 0.0,
-                         softcap=softcap != 0.0, write_grad=grad is not None)
+    flags = dict(weighted=weight is not None, smoothing=smoothing,
+                 zloss=lse_square_scale != 0.0, softcap=softcap != 0.0,
+                 write_grad=grad is not None)
+    fn = compile_forward(cfg, rows.dtype, target.dtype, **flags)
+    kernel = forward_kernel_object(cfg, rows.dtype, **flags)
+    grid_rows = loop_grid_rows(cfg, rows.shape[0], num_sms(rows.device), kernel.ctas_per_sm()) \
+        if kernel.loops else rows.shape[0]  # (unused without the loop)
     # fp32 vectors the variant does not read (no weights, no gradient) are filled by loss
     fn(rows, target, loss if weight is None else weight, loss, lse, grad_out,
-       loss if grad_scale is None else grad_scale.contiguous(), ignore_index,
-       label_smoothing, lse_square_scale, softcap if softcap else 1.0)
+       loss if grad_scale is None else grad_scale, ignore_index,
+       label_smoothing, lse_square_scale, softcap if softcap else 1.0, grid_rows)
 
 
 def _loss_dtype(logits: Tensor) -> torch.dtype:
@@ -410,7 +443,7 @@ def _cross_entropy_rescale_grad_cuda(grad, target, dloss, held, ignore_index):
         check_gpu(grad)
         cfg = rescale_config(grad.shape[1], grad.dtype, vector_limit(grad))
         fn = compile_rescale(cfg, grad.dtype, target.dtype)
-        fn(grad, target.contiguous(), dloss.contiguous(), held.contiguous(), ignore_index)
+        fn(grad, target.contiguous(), dloss, held, ignore_index)
 
 
 @cross_entropy_rescale_grad_.register_fake
@@ -469,7 +502,7 @@ class CrossEntropyFunction(torch.autograd.Function):
         grad, target, held = ctx.saved_tensors
         if dloss is None:
             return (None,) * 10
-        dloss = dloss.to(held.dtype).contiguous()
+        dloss = dloss.to(held.dtype)
         if torch.compiler.is_compiling() or torch._C._autograd._get_current_graph_task_keep_graph():
             # the graph may run backward again (retain_graph, gradcheck) or is being
             # traced: leave the saved buffer intact
@@ -543,7 +576,7 @@ def cross_entropy(logits: Tensor, target: Tensor, weight: Optional[Tensor] = Non
     if reduction == "mean":
         kept = target_rows != ignore_index
         if weight is None:
-            denominator = kept.sum()
+            denominator = kept.sum(dtype=loss_dtype)
         else:
             safe = torch.where(kept, target_rows, torch.zeros_like(target_rows)).clamp(0, n_cols - 1)
             denominator = (weight.to(loss_dtype)[safe] * kept).sum()
@@ -553,10 +586,11 @@ def cross_entropy(logits: Tensor, target: Tensor, weight: Optional[Tensor] = Non
         # backward() of this function's result gives each row: 1 / denominator for a
         # mean (computed as autograd's DivBackward does, so it compares equal), 1 for a
         # sum or per-row losses. Any other upstream gradient costs a rescale pass.
+        # (an expanded scalar: the kernels take per-row scales with any stride)
         if denominator is not None:
-            held = torch.reciprocal(denominator.to(loss_dtype)).expand(num_rows).contiguous()
+            held = torch.reciprocal(denominator).expand(num_rows)
         else:
-            held = torch.ones(num_rows, dtype=loss_dtype, device=logits.device)
+            held = torch.ones((), dtype=loss_dtype, device=logits.device).expand(num_rows)
         loss, lse = CrossEntropyFunction.apply(rows, *args, bool(inplace_backward), held,
                                                eager)
     elif eager:

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from ..kernels.norm import NormBackward, NormForward
 from ..primitives.compile_cache import compile_kernel, fake_rows, fake_vector
-from ..primitives.config import RowConfig, loop_grid_rows, row_config
+from ..primitives.config import RowConfig, loop_grid_rows, row_config, with_prefetch
 from .common import (
     as_rows,
     check_float_dtype,
@@ -33,7 +33,10 @@ from .common import (
     compiled,
     cutlass_dtype,
     eager_cuda,
+    flat,
     kernel_key,
+    num_sms,
+    rows_view,
     vector_limit,
 )
 
@@ -71,9 +74,12 @@ def backward_config(n_cols: int, h_dtype, dy_dtype, out_dtypes: tuple, weight_dt
     """Staged: h and dy; every fp32 dweight/dbias accumulator counts as one more
     tensor kept per column (registers for one chunk, shared memory beyond)."""
     widest = max(_bytes(h_dtype, dy_dtype, weight_dtype, *out_dtypes))
-    return row_config(n_cols, widest, staged_tensors=2 + accumulators,
-                      bytes_per_col=sum(_bytes(h_dtype, dy_dtype)) + 4 * accumulators,
-                      max_vec=max_vec)
+    cfg = row_config(n_cols, widest, staged_tensors=2 + accumulators,
+                     bytes_per_col=sum(_bytes(h_dtype, dy_dtype)) + 4 * accumulators,
+                     max_vec=max_vec)
+    # sized for the largest variant (LayerNorm: two values per reduction)
+    return with_prefetch(cfg, lambda c: _backward_kernel_object(
+        c, False, h_dtype, dy_dtype, accumulators >= 1, accumulators >= 2))
 
 
 def forward_kernel(cfg: RowConfig, rms: bool, x_dtype, residual_dtype, has_residual: bool,
@@ -151,10 +157,11 @@ def compile_backward(cfg: RowConfig, rms: bool, h_dtype, dy_dtype, weight_dtype,
 
 
 @functools.lru_cache(maxsize=None)  # on every call
-def _backward_smem_bytes(cfg: RowConfig, rms: bool, h_dtype, dy_dtype, need_dweight: bool,
-                         need_dbias: bool) -> int:
+@functools.lru_cache(maxsize=None)  # on every call
+def _backward_kernel_object(cfg: RowConfig, rms: bool, h_dtype, dy_dtype, need_dweight: bool,
+                            need_dbias: bool) -> NormBackward:
     dt = cutlass_dtype
-    return NormBackward(cfg, rms, dt(h_dtype), dt(dy_dtype), need_dweight, need_dbias).smem_bytes()
+    return NormBackward(cfg, rms, dt(h_dtype), dt(dy_dtype), need_dweight, need_dbias)
 
 
 def report_variants(n_grid, dtypes):
@@ -258,6 +265,14 @@ def norm_forward(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
 @norm_forward.register_kernel("cuda")
 def _norm_forward_cuda(x, weight, bias, residual, eps, weight_offset, rms, out_dtype,
                        residual_dtype, store_residual):
+    return _norm_forward_checked(x, weight, bias, residual, eps, weight_offset, rms, out_dtype,
+                                 residual_dtype, store_residual)
+
+
+def _norm_forward_checked(x, weight, bias, residual, eps, weight_offset, rms, out_dtype,
+                          residual_dtype, store_residual, plan_key=None):
+    """The CUDA forward for any layout; with ``plan_key`` (contiguous tensors), the
+    kernel is remembered for the eager fast path."""
     _check_forward(x, weight, bias, residual, out_dtype, residual_dtype)
     check_gpu(x)
     out_dtype = out_dtype or x.dtype
@@ -286,6 +301,8 @@ def _norm_forward_cuda(x, weight, bias, residual, eps, weight_offset, rms, out_d
                              residual_in_dtype)
         fn(rows, res_rows, weight, bias, y, h if store_residual else None,
            mean if not rms else None, rstd, eps, weight_offset)
+        if plan_key is not None:
+            _forward_plans[plan_key] = fn
     stats_shape = x.shape[:-1]
     return (y.view(x.shape), h.view(x.shape) if store_residual else h,
             mean.view(stats_shape) if not rms else mean, rstd.view(stats_shape))
@@ -342,6 +359,14 @@ def _backward_outputs(dy, weight, dx_dtype, dresidual_dtype, need_dweight, dbias
 @norm_backward.register_kernel("cuda")
 def _norm_backward_cuda(dy, h, weight, mean, rstd, dresidual_out, weight_offset, rms, dx_dtype,
                         dresidual_dtype, need_dweight, dbias_dtype):
+    return _norm_backward_checked(dy, h, weight, mean, rstd, dresidual_out, weight_offset, rms,
+                                  dx_dtype, dresidual_dtype, need_dweight, dbias_dtype)
+
+
+def _norm_backward_checked(dy, h, weight, mean, rstd, dresidual_out, weight_offset, rms,
+                           dx_dtype, dresidual_dtype, need_dweight, dbias_dtype, plan_key=None):
+    """The CUDA backward for any layout; with ``plan_key`` (contiguous tensors), the
+    kernel and its grid sizing are remembered for the eager fast path."""
     _check_backward(dy, h, weight, mean, rstd, dresidual_out, rms)
     check_gpu(dy)
     need_dweight = need_dweight and weight is not None
@@ -373,8 +398,10 @@ def _norm_backward_cuda(dy, h, weight, mean, rstd, dresidual_out, weight_offset,
                               dres_rows is not None,
                               dres_rows.dtype if dres_rows is not None else None,
                               dx_dtype, dresidual_dtype, need_dweight, need_dbias)
-        smem = _backward_smem_bytes(cfg, rms, h.dtype, dy.dtype, need_dweight, need_dbias)
-        grid_rows = loop_grid_rows(cfg, num_rows, _num_sms(device), smem)
+        kernel = _backward_kernel_object(cfg, rms, h.dtype, dy.dtype, need_dweight, need_dbias)
+        if plan_key is not None:
+            _backward_plans[plan_key] = (fn, cfg, kernel.ctas_per_sm(), num_sms(device))
+        grid_rows = loop_grid_rows(cfg, num_rows, num_sms(device), kernel.ctas_per_sm())
         partial_rows = grid_rows * cfg.rows_per_block
         dw_part = torch.empty((partial_rows, n_cols), dtype=torch.float32, device=device) \
             if need_dweight else None
@@ -397,16 +424,6 @@ def _norm_backward_fake(dy, h, weight, mean, rstd, dresidual_out, weight_offset,
                         dresidual_dtype, need_dweight, dbias_dtype):
     _check_backward(dy, h, weight, mean, rstd, dresidual_out, rms)
     return _backward_outputs(dy, weight, dx_dtype, dresidual_dtype, need_dweight, dbias_dtype)
-
-
-_sms: dict = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _sms:
-        _sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _sms[index]
 
 
 # ----------------------------------------------------------------------------- checks
@@ -451,6 +468,93 @@ def _check_backward(dy, h, weight, mean, rstd, dresidual_out, rms) -> None:
     check_same_device(dy=dy, h=h, weight=weight, rstd=rstd, dresidual_out=dresidual_out)
 
 
+# ------------------------------------------------------------------- eager fast path
+# Launch plans for contiguous tensors: one dict lookup replaces the checks, config and
+# compile-key building of the checked path, and outputs nobody reads (the stream when
+# not stored, LayerNorm's mean for RMSNorm) are None instead of empty allocations
+# (benchmarks/host_profile.py: the Python per call was 3-4x torch's). Keys carry
+# everything the checked path decides from: row length, dtypes, devices, alignment,
+# shapes of the per-column vectors, flags.
+_forward_plans: dict = {}
+_backward_plans: dict = {}
+_UNPLANNED = "not contiguous"  # in a key: never planned, such calls take the checked path
+
+
+def _plan_part(t: Optional[Tensor]):
+    if t is None:
+        return None
+    if not t.is_contiguous():
+        return _UNPLANNED
+    return t.dtype, t.device, t.data_ptr() % 16, t.shape[-1], t.dim() == 1
+
+
+def _norm_forward_eager(x, weight, bias, residual, eps, weight_offset, rms, out_dtype,
+                        residual_dtype, store_residual):
+    """(y, h, mean, rstd) of the CUDA forward, h None unless stored, mean None for
+    RMSNorm."""
+    key = (rms, out_dtype, residual_dtype, store_residual, _plan_part(x), _plan_part(weight),
+           _plan_part(bias), _plan_part(residual))
+    fn = _forward_plans.get(key)
+    if fn is None or x.numel() == 0 or (residual is not None and residual.shape != x.shape):
+        planned = None if _UNPLANNED in key else key
+        y, h, mean, rstd = _norm_forward_checked(x, weight, bias, residual, eps, weight_offset,
+                                                 rms, out_dtype, residual_dtype, store_residual,
+                                                 planned)
+    else:
+        n_cols = x.shape[-1]
+        stored = store_residual and residual is not None
+        y = torch.empty_like(x, dtype=out_dtype or x.dtype)
+        h = torch.empty_like(x, dtype=residual_dtype or residual.dtype) if stored else None
+        mean = None if rms else torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+        rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+        fn(rows_view(x, n_cols), None if residual is None else rows_view(residual, n_cols),
+           weight, bias, rows_view(y, n_cols), None if h is None else rows_view(h, n_cols),
+           None if mean is None else flat(mean), flat(rstd), eps, weight_offset)
+        return y, h, mean, rstd
+    stored = store_residual and residual is not None
+    return y, (h if stored else None), (None if rms else mean), rstd
+
+
+def _norm_backward_eager(dy, h, weight, mean, rstd, dresidual_out, weight_offset, rms,
+                         dx_dtype, dresidual_dtype, need_dweight, dbias_dtype):
+    """(dx, dresidual, dweight, dbias) of the CUDA backward, None where not asked for."""
+    key = (rms, dx_dtype, dresidual_dtype, need_dweight, dbias_dtype, _plan_part(dy),
+           _plan_part(h), _plan_part(weight), _plan_part(dresidual_out), _plan_part(rstd),
+           _plan_part(mean))
+    plan = _backward_plans.get(key)
+    if plan is None or dy.numel() == 0 or dy.shape != h.shape \
+            or (dresidual_out is not None and dresidual_out.shape != dy.shape):
+        planned = None if _UNPLANNED in key else key
+        dx, dres, dweight, dbias = _norm_backward_checked(
+            dy, h, weight, mean, rstd, dresidual_out, weight_offset, rms, dx_dtype,
+            dresidual_dtype, need_dweight, dbias_dtype, planned)
+        return (dx if dx_dtype else None, dres if dresidual_dtype else None,
+                dweight if need_dweight and weight is not None else None,
+                dbias if dbias_dtype else None)
+    fn, cfg, ctas_per_sm, sms = plan
+    n_cols = dy.shape[-1]
+    num_rows = dy.numel() // n_cols
+    dx = torch.empty_like(dy, dtype=dx_dtype) if dx_dtype else None
+    dres = torch.empty_like(dy, dtype=dresidual_dtype) if dresidual_dtype else None
+    grid_rows = loop_grid_rows(cfg, num_rows, sms, ctas_per_sm)
+    partial_shape = (grid_rows * cfg.rows_per_block, n_cols)
+    need_dweight = need_dweight and weight is not None
+    dw_part = torch.empty(partial_shape, dtype=torch.float32, device=dy.device) \
+        if need_dweight else None
+    db_part = torch.empty(partial_shape, dtype=torch.float32, device=dy.device) \
+        if dbias_dtype else None
+    fn(rows_view(h, n_cols), rows_view(dy, n_cols), weight,
+       None if mean is None else flat(mean), flat(rstd),
+       None if dresidual_out is None else rows_view(dresidual_out, n_cols),
+       None if dx is None else rows_view(dx, n_cols),
+       None if dres is None else rows_view(dres, n_cols), dw_part, db_part, weight_offset,
+       grid_rows)
+    # fixed-shape fp32 column sums over the partial rows: bitwise reproducible
+    dweight = dw_part.sum(0).to(weight.dtype) if need_dweight else None
+    dbias = db_part.sum(0).to(dbias_dtype) if dbias_dtype else None
+    return dx, dres, dweight, dbias
+
+
 # --------------------------------------------------------------------------- autograd
 def _setup_context(ctx, inputs, output):
     x, weight, bias, residual, eps, weight_offset, rms, out_dtype, residual_dtype, store = inputs
@@ -465,7 +569,7 @@ def _setup_context(ctx, inputs, output):
     ctx.residual_stream_dtype = _stream_dtype(x, residual, residual_dtype)
     ctx.set_materialize_grads(False)
     # the statistics are returned for callers who want them, without a gradient path
-    ctx.mark_non_differentiable(mean, rstd)
+    ctx.mark_non_differentiable(*(t for t in (mean, rstd) if t is not None))
     if residual is None:
         ctx.save_for_backward(x, weight, mean if not rms else None, rstd, None, None)
     elif ctx.stored:
@@ -510,13 +614,13 @@ class _EagerNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):
-        output = _norm_forward_cuda(*inputs)
+        output = _norm_forward_eager(*inputs)
         _setup_context(ctx, inputs, output)
         return output
 
     @staticmethod
     def backward(ctx, dy, dresidual_out, _mean_grad_unused, _rstd_grad_unused):
-        return _gradients(ctx, dy, dresidual_out, _norm_backward_cuda)
+        return _gradients(ctx, dy, dresidual_out, _norm_backward_eager)
 
 
 # ------------------------------------------------------------------------ public API
@@ -535,7 +639,7 @@ def _norm(x, weight, bias, residual, eps, weight_offset, rms, prenorm, out_dtype
     elif needs_grad:
         y, h, mean, rstd = _EagerNorm.apply(*args)
     else:
-        y, h, mean, rstd = _norm_forward_cuda(*args)
+        y, h, mean, rstd = _norm_forward_eager(*args)
     outputs = (y,)
     if prenorm:
         outputs += (h if residual is not None else x.to(residual_dtype),)

@@ -20,6 +20,7 @@ from .common import (
     cutlass_dtype,
     eager_cuda,
     kernel_key,
+    rows_view,
     vector_limit,
 )
 
@@ -112,7 +113,7 @@ def _softmax_forward_cuda(x: Tensor, log: bool) -> Tensor:
         return _softmax_forward_checked(x, log, key)
     out = torch.empty_like(x)
     if x.numel() > 0:
-        kernel(x.view(-1, key[0]), out.view(-1, key[0]))
+        kernel(rows_view(x, key[0]), rows_view(out, key[0]))
     return out
 
 
@@ -154,7 +155,7 @@ def _softmax_backward_cuda(y: Tensor, dy: Tensor, log: bool) -> Tensor:
     dx = torch.empty_like(dy)
     if dx.numel() > 0:
         n = key[0]
-        kernel(y.view(-1, n), dy.view(-1, n), dx.view(-1, n))
+        kernel(rows_view(y, n), rows_view(dy, n), rows_view(dx, n))
     return dx
 
 

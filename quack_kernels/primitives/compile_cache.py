@@ -86,6 +86,16 @@ def fake_vector(dtype, length, align_elems: int = 1):
     return make_fake_compact_tensor(dtype, (length,), assumed_align=align_elems * dtype.width // 8)
 
 
+def fake_strided_vector(dtype, length):
+    """A fake (length,) tensor with a symbolic element stride: a broadcast view (stride
+    0, e.g. an expanded scalar such as the upstream gradient of a mean) is accepted
+    without a copy."""
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    return make_fake_tensor(dtype, (length,), (cute.sym_int(64),), assumed_align=dtype.width // 8)
+
+
 def compile_kernel(kernel_obj, *fake_args, keep_cubin_in: str | None = None):
     """cute.compile with TVM-FFI and the caller's stream taken from torch. With
     ``keep_cubin_in`` (a folder) the cubin is kept there; its path is ``fn.__cubin__``.

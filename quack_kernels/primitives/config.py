@@ -14,6 +14,8 @@ Vocabulary:
   staging      where the CTA's share of the row lives between the reduction pass and
                the output pass: "registers" (one chunk), "smem" (every chunk staged in
                shared memory), or "global" (re-read from memory, mostly from L2)
+  stages       staging buffers of a kernel looping over row blocks: 2 lets a CTA load
+               its next row block while it reduces and stores the current one
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class RowConfig:
     vecs_per_thread: int  # vectors per thread per chunk
     num_chunks: int
     staging: str  # "registers" | "smem" | "global"
+    stages: int = 1  # staging buffers; 2: prefetch the next row block (looping kernels)
 
     @property
     def threads_per_block(self) -> int:
@@ -95,7 +98,7 @@ class RowConfig:
     def staging_smem_bytes(self, bytes_per_col: int) -> int:
         """Shared memory holding the staged row tiles of all staged tensors."""
         chunks = self.num_chunks if self.staging == "smem" else 1
-        return self.rows_per_block * self.cols_per_chunk * chunks * bytes_per_col
+        return self.rows_per_block * self.cols_per_chunk * chunks * bytes_per_col * self.stages
 
 
 def vector_width(n_cols: int, elem_bytes: int, max_vec: int | None = None) -> int:
@@ -182,14 +185,15 @@ def elementwise_row_config(n_cols: int, elem_bytes: int, max_vec: int | None = N
     return dataclasses.replace(row_config(n_cols, elem_bytes, max_vec=max_vec), staging="global")
 
 
-# Kernels that reduce over rows too (a norm's dweight) launch a fixed grid that loops
-# over row blocks, as many CTAs as fit on the GPU at once: each CTA has only one row
-# block's loads in flight, so the number of resident CTAs sets the bytes in flight per
-# SM (two CTAs of 8 KiB each held the 4096-column backward to ~50% of the copy ceiling
-# on H200), and a CTA that does not fit would run as a second, mostly idle wave.
+# Kernels that loop over row blocks (a norm backward reducing dweight over rows, the
+# cross-entropy forward) launch a fixed grid, as many CTAs as fit on the GPU at once:
+# the resident CTAs (times their staging buffers) set the bytes in flight per SM (two
+# CTAs of 8 KiB each held the 4096-column norm backward to ~50% of the copy ceiling on
+# H200), and a CTA that does not fit would run as a second, mostly idle wave.
 MAX_LOOP_CTAS_PER_SM = 8
-# Registers per thread assumed for the looping kernels, which bounds CTAs per SM by the
-# register file (tests/test_norm_cpu.py checks every compiled norm backward fits).
+# Registers per thread a looping kernel is compiled for by default: the launch asks
+# the compiler for the resident CTAs this allows (the resource report checks for
+# spills; a kernel that needs more sets RowKernel.loop_registers).
 LOOP_REGS_PER_THREAD = 80
 REGISTERS_PER_SM = 64 * 1024
 THREADS_PER_SM = 2048
@@ -197,18 +201,46 @@ SMEM_BYTES_PER_SM = 228 * 1024
 SMEM_RESERVED_PER_CTA = 1024  # the driver's own shared memory per CTA
 
 
-def loop_ctas_per_sm(cfg: RowConfig, smem_bytes: int) -> int:
+def loop_ctas_per_sm(cfg: RowConfig, smem_bytes: int,
+                     regs_per_thread: int = LOOP_REGS_PER_THREAD) -> int:
     """Resident CTAs per SM of a looping kernel: the fewest that registers, threads and
     shared memory allow, at most MAX_LOOP_CTAS_PER_SM."""
     threads = cfg.threads_per_block
     return max(1, min(MAX_LOOP_CTAS_PER_SM,
-                      REGISTERS_PER_SM // (LOOP_REGS_PER_THREAD * threads),
+                      REGISTERS_PER_SM // (regs_per_thread * threads),
                       THREADS_PER_SM // threads,
                       SMEM_BYTES_PER_SM // (smem_bytes + SMEM_RESERVED_PER_CTA)))
 
 
-def loop_grid_rows(cfg: RowConfig, num_rows: int, num_sms: int, smem_bytes: int) -> int:
+def loop_grid_rows(cfg: RowConfig, num_rows: int, num_sms: int, ctas_per_sm: int) -> int:
     """Row blocks launched by a kernel looping over row blocks (grid x; each of them
-    is a cluster of cfg.cluster_size CTAs)."""
+    is a cluster of cfg.cluster_size CTAs), for ``ctas_per_sm`` resident CTAs."""
     blocks = math.ceil(num_rows / cfg.rows_per_block)
-    return max(1, min(blocks, loop_ctas_per_sm(cfg, smem_bytes) * num_sms // cfg.cluster_size))
+    return max(1, min(blocks, ctas_per_sm * num_sms // cfg.cluster_size))
+
+
+def loops_over_row_blocks(cfg: RowConfig) -> bool:
+    """Whether a kernel free to choose (the cross-entropy forward) runs the looping grid
+    rather than one CTA per row block: only for rows one CTA holds. H200 sweep
+    (benchmarks/sweep_cross_entropy.py): 32768x4096 bf16 loss + gradient 61% -> 73% of
+    the copy ceiling, but rows split over a cluster fell (4096x128256 bf16 loss only
+    53% -> 34%): the looping grid keeps 2 CTAs of 256 threads per SM where one-block
+    CTAs reach 4, and a cluster's CTAs wait for each other at every row."""
+    return cfg.cluster_size == 1
+
+
+def with_prefetch(cfg: RowConfig, kernel_for) -> RowConfig:
+    """A looping kernel's config with two staging buffers (each CTA loads its next row
+    block while it reduces and stores the current one) when they fit and keep at least
+    as many row blocks in flight per SM as one buffer does: resident CTAs x stages.
+    ``kernel_for(config)`` builds the kernel (a RowKernel: shared memory, CTAs per SM).
+    Unchanged for rows re-read from global memory (nothing is staged)."""
+    if cfg.staging == "global":
+        return cfg
+    double = dataclasses.replace(cfg, stages=2)
+    kernel = kernel_for(double)
+    if kernel.smem_bytes() > SMEM_BYTES_PER_CTA:
+        return cfg
+    if 2 * kernel.ctas_per_sm() >= kernel_for(cfg).ctas_per_sm():
+        return double
+    return cfg

@@ -22,7 +22,7 @@ from cutlass import Float32, Int64
 
 from . import reduce as red
 from . import tiling
-from .config import RowConfig
+from .config import LOOP_REGS_PER_THREAD, RowConfig, loop_ctas_per_sm
 
 
 class RowKernel:
@@ -36,6 +36,8 @@ class RowKernel:
     values_per_reduction: int = 1
     scratch_buffers: int = 1  # 2 for kernels looping over row blocks
     accumulators: int = 0  # fp32 per-column accumulators (see RowTiles.accumulator)
+    loop_registers: int = LOOP_REGS_PER_THREAD  # per thread, when looping over row blocks
+    _ctas_per_sm = None
 
     def smem_bytes(self) -> int:
         staged = self.cfg.staging_smem_bytes(sum(d.width // 8 for d in self.staged_dtypes))
@@ -50,12 +52,26 @@ class RowKernel:
             + self.accumulators * self.cfg.num_chunks
         return staged + scratch + accumulated + 16 * allocations + 64
 
+    def ctas_per_sm(self) -> int:
+        """Resident CTAs per SM a looping launch of this kernel is sized for: the
+        fewest that shared memory, threads and ``loop_registers`` allow (remembered:
+        hosts size every looping launch with it)."""
+        if self._ctas_per_sm is None:
+            self._ctas_per_sm = loop_ctas_per_sm(self.cfg, self.smem_bytes(), self.loop_registers)
+        return self._ctas_per_sm
+
     def launch(self, kernel, num_rows, stream, grid_rows=None):
         """``grid_rows``: blocks of rows to launch when the kernel loops over row blocks
-        (default one block per rows_per_block rows)."""
+        (default one block per rows_per_block rows). A looping grid is sized for
+        ``ctas_per_sm`` resident CTAs, so the compiler is held to the registers that
+        many need (a CTA that does not fit would run as a second, mostly idle wave)."""
         cfg = self.cfg
+        occupancy = {}
         if grid_rows is None:
             grid_rows = cute.ceil_div(num_rows, cfg.rows_per_block)
+        else:
+            # carveout given so that the DSL does not query a device for it (CPU builds)
+            occupancy = dict(min_blocks_per_mp=self.ctas_per_sm(), preferred_smem_carveout=100)
         kernel.launch(
             grid=[grid_rows, cfg.cluster_size, 1],
             block=[cfg.threads_per_block, 1, 1],
@@ -64,6 +80,7 @@ class RowKernel:
             cluster=[1, cfg.cluster_size, 1] if cfg.cluster_size > 1 and self.reductions else None,
             smem=self.smem_bytes(),
             stream=stream,
+            **occupancy,
         )
 
 
@@ -114,7 +131,8 @@ class RowTiles:
                 self.smem_tiles.append(
                     smem.allocate_tensor(
                         mX.element_type,
-                        cute.make_ordered_layout((*tiler, chunks_in_smem), order=(1, 0, 2)),
+                        cute.make_ordered_layout((*tiler, chunks_in_smem, cfg.stages),
+                                                 order=(1, 0, 2, 3)),
                         byte_alignment=16,
                     )
                 )
@@ -131,12 +149,15 @@ class RowTiles:
             self.preds.append(tiling.vector_predicate(tXcX, cfg.n_cols))
         self.row = self.coords[0][(0, 0), 0, 0][0]
         self.row_in_bounds = cute.elem_less(self.row, self.num_rows)
+        self.stage = 0  # staging buffer of this view (cfg.stages of them)
 
-    def at_block(self, block_row):
-        """The same tiles moved to row block ``block_row`` (kernels looping over row
-        blocks; shared-memory buffers, predicates and copies are shared)."""
+    def at_block(self, block_row, stage=0):
+        """The same tiles moved to row block ``block_row``, staged in buffer ``stage``
+        (kernels looping over row blocks; shared-memory buffers, predicates and copies
+        are shared)."""
         view = copy.copy(self)
         view.block_row = block_row
+        view.stage = stage
         view.row = self.row + (block_row - self.block_row) * self.cfg.rows_per_block
         view.row_in_bounds = cute.elem_less(view.row, self.num_rows)
         return view
@@ -164,15 +185,26 @@ class RowTiles:
 
     def _smem_slot(self, i: int, chunk: int):
         slot = chunk if self.cfg.staging == "smem" else 0
-        return self.smem_tiles[i][None, None, slot]
+        return self.smem_tiles[i][None, None, slot, self.stage]
+
+    @property
+    def load_groups(self) -> int:
+        """cp.async commit groups one ``issue_loads`` makes (one per staged chunk)."""
+        if self.cfg.staging == "global":
+            return 0
+        return self.cfg.num_chunks if self.cfg.staging == "smem" else 1
 
     @cute.jit
     def issue_loads(self):
-        """Start the cp.async copies of every staged chunk (one commit group per chunk);
-        in "global" staging nothing is staged and values() loads directly."""
+        """Start the cp.async copies of every staged chunk into this view's staging
+        buffer (one commit group per chunk, committed even when this block is past the last
+        row, so the number of groups in flight is known at compile time); in "global"
+        staging nothing is staged and values() loads directly. Each thread later reads
+        back only what it copied, so a buffer is free again for this thread's next copy
+        once it has read it: no block barrier."""
         cfg = self.cfg
         if cutlass.const_expr(cfg.staging != "global"):
-            for c in cutlass.range_constexpr(cfg.num_chunks if cfg.staging == "smem" else 1):
+            for c in cutlass.range_constexpr(self.load_groups):
                 for i, mX in enumerate(self.staged):
                     thr = self.copy_g2s[i].get_slice(self.tidx)
                     tXgX = thr.partition_S(self._gmem_tile(mX, c))
@@ -181,13 +213,12 @@ class RowTiles:
                         cute.copy(self.copy_g2s[i], tXgX, tXsX, pred=self.preds[c])
                 cute.arch.cp_async_commit_group()
 
-    def wait_chunk(self, chunk: int):
-        """Wait until this thread's copies of ``chunk`` have landed (each thread reads
-        back only what it copied, so no block barrier is needed)."""
-        if cutlass.const_expr(self.cfg.staging == "smem"):
-            cute.arch.cp_async_wait_group(self.cfg.num_chunks - 1 - chunk)
-        elif cutlass.const_expr(self.cfg.staging == "registers"):
-            cute.arch.cp_async_wait_group(0)
+    def wait_chunk(self, chunk: int, prefetched: bool = False):
+        """Wait until this thread's copies of ``chunk`` have landed. ``prefetched``: the
+        next row block's loads were issued after this block's and may stay in flight."""
+        if cutlass.const_expr(self.cfg.staging != "global"):
+            later = self.load_groups - 1 - chunk + (self.load_groups if prefetched else 0)
+            cute.arch.cp_async_wait_group(later)
 
     @cute.jit
     def values(self, i: cutlass.Constexpr[int], chunk: cutlass.Constexpr[int], fill: cutlass.Constexpr = None,
