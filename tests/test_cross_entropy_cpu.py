@@ -267,7 +267,8 @@ def test_sm90a_compile_without_spills(tmp_path):
         pytest.skip("cuobjdump not installed")
     variants = []
     for n, dtype, flags in SPILL_CASES:
-        cfg = ops.forward_config(n, dtype, flags["weighted"] and flags["smoothing"])
+        cfg = ops.forward_config(n, dtype, flags["weighted"] and flags["smoothing"],
+                                 flags["write_grad"])
         variants.append(("xent", n, dtype, cfg,
                          lambda cfg=cfg, dtype=dtype, flags=flags: ops.forward_kernel(cfg, dtype, torch.int64, **flags)))
     for n, dtype in ((50257, torch.float16), (524288, torch.float32)):

@@ -71,7 +71,7 @@ TARGET_DTYPES = (torch.int32, torch.int64)
 CE_CTA_ROW_BYTES = 32 * 1024
 
 @functools.lru_cache(maxsize=None)
-def forward_config(n_cols: int, dtype: torch.dtype, stage_weight: bool,
+def forward_config(n_cols: int, dtype: torch.dtype, stage_weight: bool, write_grad: bool,
                    max_vec: int | None = None) -> RowConfig:
     """Logits are the one staged row tensor; with weighted label smoothing the fp32
     weight row is staged beside them, so accesses are sized for fp32 (4 elements).
@@ -85,13 +85,14 @@ def forward_config(n_cols: int, dtype: torch.dtype, stage_weight: bool,
         # and smaller shared-memory chunks for rows split over a cluster (fp32 131072:
         # 66% vs 59% at 32 values, loss only), but 32 for 16-bit rows that fit one chunk
         # of 32 values (4096 bf16 columns: 58% vs 41%: twice the bytes in flight per
-        # thread) or one looping CTA (8192x16384 bf16 with the gradient: 78% vs 67%)
+        # thread) or, with the gradient, one looping CTA (8192x16384 bf16: 78% vs 67%;
+        # loss only the same within 2%, and 32 values spilled there)
         cfg = row_config(n_cols, elem, max_vec=max_vec, values_per_thread=16,
                          cta_row_bytes=CE_CTA_ROW_BYTES)
         if elem < 4:
             roomy = row_config(n_cols, elem, max_vec=max_vec, values_per_thread=32,
                                cta_row_bytes=CE_CTA_ROW_BYTES)
-            if roomy.staging == "registers" or loops_over_row_blocks(roomy):
+            if roomy.staging == "registers" or (write_grad and loops_over_row_blocks(roomy)):
                 cfg = roomy
     if not loops_over_row_blocks(cfg):
         return cfg
@@ -191,7 +192,8 @@ def report_variants(n_grid, dtypes):
     for dtype in dtypes:
         for n in n_grid:
             for flags in REPORT_FLAGS:
-                cfg = forward_config(n, dtype, flags["weighted"] and flags["smoothing"])
+                cfg = forward_config(n, dtype, flags["weighted"] and flags["smoothing"],
+                                     flags["write_grad"])
                 suffix = "_all" if flags["zloss"] else ("_grad" if flags["write_grad"] else "_loss")
                 yield (f"xent_fwd{suffix}", n, dtype, cfg,
                        lambda n=n, dtype=dtype, cfg=cfg, flags=flags:
@@ -318,7 +320,8 @@ def _launch(rows: Tensor, target: Tensor, weight: Optional[Tensor], loss: Tensor
         grad_scale = torch.ones_like(loss)
     target = target.contiguous()
     grad_out = rows if grad is None else grad
-    cfg = forward_config(n_cols, rows.dtype, stage_weight, vector_limit(rows, grad_out))
+    cfg = forward_config(n_cols, rows.dtype, stage_weight, grad is not None,
+                         vector_limit(rows, grad_out))
     flags = dict(weighted=weight is not None, smoothing=smoothing,
                  zloss=lse_square_scale != 0.0, softcap=softcap != 0.0,
                  write_grad=grad is not None)
