@@ -33,10 +33,15 @@ def main(argv):
         loss, lse, scale = (torch.empty(m, device="cuda") for _ in range(3))
         grad = torch.empty_like(x)
         eb = x.element_size()
-        for write_grad, vpt, kib, stages in itertools.product((False, True), (16, 32), (16, 32), (1, 2)):
+        # 128 KiB and more per CTA (loss only: no second pass over the row): shares of
+        # long rows staged whole in shared memory or re-read from global memory
+        for write_grad, vpt, kib, stages in itertools.product((False, True), (16, 32),
+                                                               (16, 32, 128, 256, 1024), (1, 2)):
             cfg = dataclasses.replace(
                 row_config(n, eb, values_per_thread=vpt, cta_row_bytes=kib * 1024), stages=stages)
-            if stages == 2 and not loops_over_row_blocks(cfg):
+            if stages == 2 and (not loops_over_row_blocks(cfg) or cfg.staging == "global"):
+                continue
+            if kib > 32 and (write_grad or n * eb <= kib * 1024 // 2):
                 continue
             try:
                 fn = ops.compile_forward(cfg, dtype, torch.int64, write_grad=write_grad, **FLAGS)

@@ -72,8 +72,8 @@ def test_loop_grid_fills_the_gpu_once():
 class _StagingOnlyKernel:
     """Stands in for a RowKernel whose shared memory is its staged rows alone."""
 
-    def __init__(self, cfg, bytes_per_col):
-        self.cfg, self.bytes_per_col = cfg, bytes_per_col
+    def __init__(self, cfg, bytes_per_col, accumulators=0):
+        self.cfg, self.bytes_per_col, self.accumulators = cfg, bytes_per_col, accumulators
 
     def smem_bytes(self):
         return self.cfg.staging_smem_bytes(self.bytes_per_col)
@@ -82,14 +82,19 @@ class _StagingOnlyKernel:
         return config.loop_ctas_per_sm(self.cfg, self.smem_bytes())
 
 
-@pytest.mark.parametrize("n, bytes_per_col, stages", [
-    (4096, 4, 2),     # 16 KiB shares: 3 CTAs per SM either way (threads bound them)
-    (262144, 6, 2),   # 96 KiB shares: 2 CTAs x 1 buffer = 1 CTA x 2 buffers
-    (262144, 4, 1),   # 64 KiB shares: 3 CTAs x 1 buffer > 1 CTA x 2 buffers
-    (262144, 12, 1),  # 192 KiB shares: a second buffer does not fit
+@pytest.mark.parametrize("n, bytes_per_col, values_per_thread, accumulators, stages", [
+    (8192, 4, 64, 0, 2),    # one chunk of 32 KiB: 3 CTAs per SM with one buffer or two
+    (8192, 8, 64, 0, 1),    # one chunk of 64 KiB: 3 CTAs x 1 buffer > 1 CTA x 2 buffers
+    (8192, 16, 64, 0, 1),   # one chunk of 128 KiB: a second buffer does not fit
+    (4096, 4, 16, 0, 2),    # two shared-memory chunks, no per-column sums
+    (4096, 4, 16, 1, 1),    # two chunks with per-column sums in shared memory: never
+    (8192, 4, 64, 1, 2),    # one chunk: the sums live in registers
 ])
-def test_prefetch_only_when_it_keeps_more_blocks_in_flight(n, bytes_per_col, stages):
-    cfg = config.row_config(n, 2, staged_tensors=2, bytes_per_col=bytes_per_col)
-    chosen = config.with_prefetch(cfg, lambda c: _StagingOnlyKernel(c, bytes_per_col))
+def test_prefetch_only_when_it_keeps_more_blocks_in_flight(
+        n, bytes_per_col, values_per_thread, accumulators, stages):
+    cfg = config.row_config(n, 2, staged_tensors=2, bytes_per_col=bytes_per_col,
+                            values_per_thread=values_per_thread, cta_row_bytes=1 << 20)
+    chosen = config.with_prefetch(
+        cfg, lambda c: _StagingOnlyKernel(c, bytes_per_col, accumulators))
     assert chosen.stages == stages
     assert dataclasses.replace(chosen, stages=1) == cfg

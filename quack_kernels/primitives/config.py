@@ -234,11 +234,20 @@ def with_prefetch(cfg: RowConfig, kernel_for) -> RowConfig:
     block while it reduces and stores the current one) when they fit and keep at least
     as many row blocks in flight per SM as one buffer does: resident CTAs x stages.
     ``kernel_for(config)`` builds the kernel (a RowKernel: shared memory, CTAs per SM).
-    Unchanged for rows re-read from global memory (nothing is staged)."""
+
+    Not for rows re-read from global memory (nothing staged), nor for kernels keeping
+    per-column sums in shared memory (several chunks per share). H200 sweep of the
+    RMSNorm backward with dweight (benchmarks/sweep_norm_backward.py): one-chunk shares
+    (sums in registers) gained (32768x4096 bf16 67% -> 90% of the copy ceiling,
+    8192x16384 58% -> 72%), shares with sums in shared memory lost (2048x65536 bf16
+    57% -> 50%, 512x262144 30% -> 22%); the cross-entropy forward (no sums) gained
+    with several chunks too (8192x16384 bf16 with the gradient 72% -> 75%)."""
     if cfg.staging == "global":
         return cfg
     double = dataclasses.replace(cfg, stages=2)
     kernel = kernel_for(double)
+    if kernel.accumulators and cfg.num_chunks > 1:
+        return cfg
     if kernel.smem_bytes() > SMEM_BYTES_PER_CTA:
         return cfg
     if 2 * kernel.ctas_per_sm() >= kernel_for(cfg).ctas_per_sm():
