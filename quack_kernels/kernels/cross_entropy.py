@@ -46,7 +46,7 @@ from cutlass.memory import SmemAllocator
 
 from ..primitives import reduce as red
 from ..primitives import tiling
-from ..primitives.config import RowConfig, loops_over_row_blocks
+from ..primitives.config import STREAM_UNROLL, RowConfig, loops_over_row_blocks
 from ..primitives.rows import ReductionSlot, RowKernel, RowTiles
 
 
@@ -84,6 +84,8 @@ class CrossEntropyForward(RowKernel):
         # (max, sumexp, sumexp without the target, z_t, [w_t], [sum w z], [W])
         self.values_per_reduction = 4 + int(weighted) + int(smoothing) + int(self.stage_weight)
         self.loops = loops_over_row_blocks(cfg)
+        # the loss alone of a share re-read from global memory: one streaming pass
+        self.streams = cfg.staging == "global" and not write_grad and not self.stage_weight
         assert self.loops or cfg.stages == 1, "prefetching needs the looping grid"
         self.scratch_buffers = 2 if self.loops else 1  # alternate per row block
 
@@ -175,38 +177,27 @@ class CrossEntropyForward(RowKernel):
                 w_target = Float32(mWeight[target_col])
 
         kept = []
-        stats = (Float32(-math.inf), Float32(0.0), Float32(0.0))
-        z_target = Float32(0.0)
-        sum_wz = Float32(0.0)
-        sum_w = Float32(0.0)
-        for c in cutlass.range_constexpr(cfg.num_chunks):
-            tiles.wait_chunk(c, prefetched=prefetch)
-            z = self._cap(tiles.values(0, c), inv_softcap, softcap)
-            z_max_in = z
-            z_sum_in = z
-            if cutlass.const_expr(cfg.needs_col_predicate):
-                z_max_in = tiling.mask_out_of_row(z, tiles.coords[c], n_cols, -math.inf)
-                z_sum_in = tiling.mask_out_of_row(z, tiles.coords[c], n_cols, 0.0)
-            chunk_max = red.thread_reduce(z_max_in, cute.ReductionOp.MAX, -math.inf)
-            e = cute.math.exp2((z_max_in - red.finite_or_zero(chunk_max)) * red.LOG2_E, fastmath=True)
-            # z_t comes from the registers of the thread holding the target column, not
-            # from a global load that depends on the target
-            at_target = tiling.is_column(tiles.coords[c], target_col, self.loops)
-            z_target = z_target + red.thread_reduce(cute.where(at_target, z, 0.0), cute.ReductionOp.ADD, 0.0)
-            # the non-target sum keeps 1 - p_t = sumexp_other / sumexp exact for a
-            # confident row, where 1 - exp(z_t - lse) would be mostly rounding
-            e_other = cute.where(at_target, 0.0, e)
-            stats = _combine(stats, (chunk_max, red.thread_reduce(e, cute.ReductionOp.ADD, 0.0),
-                                     red.thread_reduce(e_other, cute.ReductionOp.ADD, 0.0)))
-            w = None
-            if cutlass.const_expr(self.stage_weight):
-                w = tiles.values(1, c, fill=0.0)
-                sum_wz = sum_wz + red.thread_reduce(w * z_sum_in, cute.ReductionOp.ADD, 0.0)
-                sum_w = sum_w + red.thread_reduce(w, cute.ReductionOp.ADD, 0.0)
-            elif cutlass.const_expr(self.smoothing):
-                sum_wz = sum_wz + red.thread_reduce(z_sum_in, cute.ReductionOp.ADD, 0.0)
-            if cutlass.const_expr(cfg.staging == "registers" and self.write_grad):
-                kept.append((z, w))
+        zero = Float32(0.0)
+        # this thread's (max, sumexp, sumexp over the non-target classes, z_t, sum w z, W)
+        running = (Float32(-math.inf), zero, zero, zero, zero, zero)
+        if cutlass.const_expr(self.streams):
+            # a dynamic loop, a few chunks unrolled so that their loads overlap
+            row_max, row_sum, other_sum, z_t, sum_wz, sum_w = running
+            for c in cutlass.range(cfg.num_chunks, unroll=STREAM_UNROLL):
+                # one method call per iteration (see NormBackward.kernel)
+                row_max, row_sum, other_sum, z_t, sum_wz, sum_w = self._streamed_chunk_stats(
+                    tiles, c, target_col, inv_softcap, softcap,
+                    (row_max, row_sum, other_sum, z_t, sum_wz, sum_w))
+            running = (row_max, row_sum, other_sum, z_t, sum_wz, sum_w)
+        else:
+            for c in cutlass.range_constexpr(cfg.num_chunks):
+                tiles.wait_chunk(c, prefetched=prefetch)
+                z = self._cap(tiles.values(0, c), inv_softcap, softcap)
+                running, w = self._chunk_stats(z, tiles, c, tiles.coords[c], target_col, running)
+                if cutlass.const_expr(cfg.staging == "registers" and self.write_grad):
+                    kept.append((z, w))
+        stats = running[:3]
+        z_target, sum_wz, sum_w = running[3], running[4], running[5]
 
         partials = (*stats, z_target)
         identity = (Float32(-math.inf), Float32(0.0), Float32(0.0), Float32(0.0))
@@ -289,6 +280,47 @@ class CrossEntropyForward(RowKernel):
                 g = self._gradient(p, z, w, tiles.coords[c], target_col, coef_p, coef_t, coef_w,
                                    one_minus_p_target, inv_softcap)
                 tiles.store(mdX, c, g)
+
+    @cute.jit
+    def _streamed_chunk_stats(self, tiles: RowTiles, chunk: Int32, target_col: Int32,
+                              inv_softcap: Float32, softcap: Float32, running: tuple) -> tuple:
+        """_chunk_stats of chunk ``chunk`` (a runtime index), read from global memory."""
+        z = self._cap(tiles.load(tiles.staged[0], chunk), inv_softcap, softcap)
+        return self._chunk_stats(z, tiles, chunk, tiles.chunk_coords(chunk), target_col, running)[0]
+
+    @cute.jit
+    def _chunk_stats(self, z: cute.TensorSSA, tiles: RowTiles, chunk, tXcX: cute.Tensor,
+                     target_col: Int32, running: tuple) -> tuple:
+        """(``running`` (max, sumexp, sumexp over the non-target classes, z_t, sum w z,
+        W) with chunk ``chunk``'s (capped) logits ``z`` added, the chunk's staged class
+        weights or None). The weights are read only after the logits' terms: loaded
+        earlier they stay live through them and spilled (151936 fp32 columns)."""
+        n_cols = self.cfg.n_cols
+        z_max_in = z
+        z_sum_in = z
+        if cutlass.const_expr(self.cfg.needs_col_predicate):
+            z_max_in = tiling.mask_out_of_row(z, tXcX, n_cols, -math.inf)
+            z_sum_in = tiling.mask_out_of_row(z, tXcX, n_cols, 0.0)
+        chunk_max = red.thread_reduce(z_max_in, cute.ReductionOp.MAX, -math.inf)
+        e = cute.math.exp2((z_max_in - red.finite_or_zero(chunk_max)) * red.LOG2_E, fastmath=True)
+        # z_t comes from the registers of the thread holding the target column, not
+        # from a global load that depends on the target
+        at_target = tiling.is_column(tXcX, target_col, self.loops or self.streams)
+        z_target = running[3] + red.thread_reduce(cute.where(at_target, z, 0.0), cute.ReductionOp.ADD, 0.0)
+        # the non-target sum keeps 1 - p_t = sumexp_other / sumexp exact for a
+        # confident row, where 1 - exp(z_t - lse) would be mostly rounding
+        e_other = cute.where(at_target, 0.0, e)
+        stats = _combine(running[:3], (chunk_max, red.thread_reduce(e, cute.ReductionOp.ADD, 0.0),
+                                       red.thread_reduce(e_other, cute.ReductionOp.ADD, 0.0)))
+        sum_wz, sum_w = running[4], running[5]
+        w = None
+        if cutlass.const_expr(self.stage_weight):
+            w = tiles.values(1, chunk, fill=0.0)
+            sum_wz = sum_wz + red.thread_reduce(w * z_sum_in, cute.ReductionOp.ADD, 0.0)
+            sum_w = sum_w + red.thread_reduce(w, cute.ReductionOp.ADD, 0.0)
+        elif cutlass.const_expr(self.smoothing):
+            sum_wz = sum_wz + red.thread_reduce(z_sum_in, cute.ReductionOp.ADD, 0.0)
+        return (*stats, z_target, sum_wz, sum_w), w
 
     @cute.jit
     def _gradient(self, p: cute.TensorSSA, z: cute.TensorSSA, w, tXcX: cute.Tensor,

@@ -44,6 +44,7 @@ from ..primitives.config import (
     loop_grid_rows,
     loops_over_row_blocks,
     row_config,
+    streamed_row_config,
     with_prefetch,
 )
 from .common import (
@@ -69,6 +70,12 @@ TARGET_DTYPES = (torch.int32, torch.int64)
 # 8 CTAs instead of 16, 57% vs 39% of the copy ceiling loss only, same sweep); the
 # cross-entropy epilogue per row is longer than softmax's, so fewer, fuller CTAs win.
 CE_CTA_ROW_BYTES = 32 * 1024
+# The loss alone of rows longer than 128 KiB (staged, they need 4+ CTA clusters)
+# streams shares of up to 256 KiB per CTA (a whole 128256-column bf16 row): 62% of the
+# copy ceiling at 4096x128256 bf16 vs 51% staged on 8-CTA clusters
+# (benchmarks/sweep_cross_entropy.py). Shorter rows were not measured streamed.
+CE_STREAM_MIN_ROW_BYTES = 128 * 1024
+CE_STREAM_CTA_ROW_BYTES = 256 * 1024
 
 @functools.lru_cache(maxsize=None)
 def forward_config(n_cols: int, dtype: torch.dtype, stage_weight: bool, write_grad: bool,
@@ -77,6 +84,8 @@ def forward_config(n_cols: int, dtype: torch.dtype, stage_weight: bool, write_gr
     weight row is staged beside them, so accesses are sized for fp32 (4 elements).
     Two staging buffers (prefetch of the next row block) where they fit."""
     elem = torch.finfo(dtype).bits // 8
+    if not write_grad and not stage_weight and n_cols * elem > CE_STREAM_MIN_ROW_BYTES:
+        return streamed_row_config(n_cols, elem, CE_STREAM_CTA_ROW_BYTES, max_vec)
     if stage_weight:
         cfg = row_config(n_cols, 4, staged_tensors=2, bytes_per_col=elem + 4, max_vec=max_vec,
                          cta_row_bytes=CE_CTA_ROW_BYTES)

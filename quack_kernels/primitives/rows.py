@@ -246,23 +246,42 @@ class RowTiles:
             x = tiling.mask_out_of_row(x, self.coords[chunk], cfg.n_cols, fill)
         return x
 
+    def chunk_coords(self, chunk):
+        """Coordinates of this thread's values in ``chunk``: precomputed for a
+        compile-time chunk, computed for a runtime index (a dynamic loop streaming a
+        long share chunk by chunk)."""
+        if isinstance(chunk, int):
+            return self.coords[chunk]
+        tile = cute.local_tile(cute.make_identity_tensor(self.staged[0].shape),
+                               tiling.chunk_tiler(self.cfg), (self.block_row, self.chunk_index(chunk)))
+        return self.copy_vec[0].get_slice(self.tidx).partition_S(tile)
+
+    def chunk_predicate(self, chunk):
+        """Per-vector in-row flags of ``chunk`` (see chunk_coords)."""
+        if isinstance(chunk, int):
+            return self.preds[chunk]
+        return tiling.vector_predicate(self.chunk_coords(chunk), self.cfg.n_cols)
+
     @cute.jit
-    def load(self, mX: cute.Tensor, chunk: cutlass.Constexpr[int], fill: cutlass.Constexpr = 0.0,
+    def load(self, mX: cute.Tensor, chunk, fill: cutlass.Constexpr = 0.0,
              guard_rows: cutlass.Constexpr[bool] = True) -> cute.TensorSSA:
         """fp32 values of an unstaged (M, N) tensor (or a ``broadcast_rows`` vector, with
-        ``guard_rows=False``) in ``chunk``, read straight from global memory; vectors
-        past the row end (and rows past M when guarded) read as ``fill``."""
+        ``guard_rows=False``) in ``chunk`` (an int, or a runtime index), read straight
+        from global memory; vectors past the row end (and rows past M when guarded)
+        read as ``fill``."""
         atom = tiling.vector_copy_atom(mX.element_type, self.cfg)
         tiled = tiling.tiled_copy(atom, self.cfg)
         thr = tiled.get_slice(self.tidx)
         tXgX = thr.partition_S(self._gmem_tile(mX, chunk))
         tXrX = cute.make_fragment_like(tXgX)
         tXrX.fill(fill)
+        # (the predicate is built where it is used: a register tensor cannot enter a
+        # runtime branch from outside it)
         if cutlass.const_expr(guard_rows):
             if self.row_in_bounds:
-                cute.copy(tiled, tXgX, tXrX, pred=self.preds[chunk])
+                cute.copy(tiled, tXgX, tXrX, pred=self.chunk_predicate(chunk))
         else:
-            cute.copy(tiled, tXgX, tXrX, pred=self.preds[chunk])
+            cute.copy(tiled, tXgX, tXrX, pred=self.chunk_predicate(chunk))
         return tXrX.load().to(Float32)
 
     def accumulator(self, smem, chunk: int) -> cute.Tensor:
