@@ -150,13 +150,7 @@ class CrossEntropyForward(RowKernel):
         the loop count of a looping grid (None: one row block per CTA)."""
         cfg = self.cfg
         n_cols = cfg.n_cols
-        prefetch = cfg.stages == 2
-        if cutlass.const_expr(prefetch):
-            tiles = home.at_block(block_row, iteration % 2)
-            home.at_block(block_row + grid_rows, (iteration + 1) % 2).issue_loads()
-        else:
-            tiles = home.at_block(block_row)
-            tiles.issue_loads()
+        tiles = home.begin_block(block_row, grid_rows, iteration)
         row = tiles.row
         lead = tiles.leads_row
 
@@ -191,7 +185,7 @@ class CrossEntropyForward(RowKernel):
             running = (row_max, row_sum, other_sum, z_t, sum_wz, sum_w)
         else:
             for c in cutlass.range_constexpr(cfg.num_chunks):
-                tiles.wait_chunk(c, prefetched=prefetch)
+                tiles.wait_chunk(c)
                 z = self._cap(tiles.values(0, c), inv_softcap, softcap)
                 running, w = self._chunk_stats(z, tiles, c, tiles.coords[c], target_col, running)
                 if cutlass.const_expr(cfg.staging == "registers" and self.write_grad):

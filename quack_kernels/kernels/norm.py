@@ -196,14 +196,8 @@ class NormBackward(RowKernel):
                    mW, mMean, mRstd, mdResOut, mdX, mdRes, weight_offset, acc_w, acc_b):
         """dx / dresidual of row block ``block_row``, and its dw / db terms."""
         cfg = self.cfg
-        prefetch = cfg.stages == 2
         inv_n = Float32(1.0 / cfg.n_cols)
-        if cutlass.const_expr(prefetch):
-            tiles = home.at_block(block_row, iteration % 2)
-            home.at_block(block_row + grid_rows, (iteration + 1) % 2).issue_loads()
-        else:
-            tiles = home.at_block(block_row)
-            tiles.issue_loads()
+        tiles = home.begin_block(block_row, grid_rows, iteration)
         row = cutlass.select_(tiles.row_in_bounds, tiles.row, 0)
         rstd = Float32(cutlass.select_(tiles.row_in_bounds, mRstd[row], Float32(0.0)))
         mean = Float32(0.0)
@@ -214,7 +208,7 @@ class NormBackward(RowKernel):
         dot = Float32(0.0)  # sum(g * xhat)
         g_sum = Float32(0.0)  # sum(g), LayerNorm
         for c in range(cfg.num_chunks):
-            tiles.wait_chunk(c, prefetched=prefetch)
+            tiles.wait_chunk(c)
             xhat, g = self._xhat_g(tiles, c, mW, mean, rstd, weight_offset, acc_w, acc_b)
             dot = dot + red.thread_reduce(g * xhat, cute.ReductionOp.ADD, 0.0)
             if cutlass.const_expr(not self.rms):

@@ -162,6 +162,19 @@ class RowTiles:
         view.row_in_bounds = cute.elem_less(view.row, self.num_rows)
         return view
 
+    def begin_block(self, block_row, grid_rows, iteration):
+        """The view of row block ``block_row``, iteration ``iteration`` of a looping grid
+        of ``grid_rows`` blocks, with its loads under way: with two staging buffers they
+        were issued an iteration earlier (the first block's before the loop) and the
+        next block's are issued here; with one buffer they are issued now."""
+        if self.cfg.stages == 2:
+            tiles = self.at_block(block_row, iteration % 2)
+            self.at_block(block_row + grid_rows, (iteration + 1) % 2).issue_loads()
+            return tiles
+        tiles = self.at_block(block_row)
+        tiles.issue_loads()
+        return tiles
+
     @property
     def leads_row(self):
         """One thread per row (the first of the row, in the cluster's first CTA): the one
@@ -213,12 +226,13 @@ class RowTiles:
                         cute.copy(self.copy_g2s[i], tXgX, tXsX, pred=self.preds[c])
                 cute.arch.cp_async_commit_group()
 
-    def wait_chunk(self, chunk: int, prefetched: bool = False):
-        """Wait until this thread's copies of ``chunk`` have landed. ``prefetched``: the
-        next row block's loads were issued after this block's and may stay in flight."""
+    def wait_chunk(self, chunk: int):
+        """Wait until this thread's copies of ``chunk`` have landed; with two staging
+        buffers the next row block's loads (issued after this block's, see begin_block)
+        may stay in flight."""
         if cutlass.const_expr(self.cfg.staging != "global"):
-            later = self.load_groups - 1 - chunk + (self.load_groups if prefetched else 0)
-            cute.arch.cp_async_wait_group(later)
+            prefetched = self.load_groups if self.cfg.stages == 2 else 0
+            cute.arch.cp_async_wait_group(self.load_groups - 1 - chunk + prefetched)
 
     @cute.jit
     def values(self, i: cutlass.Constexpr[int], chunk: cutlass.Constexpr[int], fill: cutlass.Constexpr = None,
