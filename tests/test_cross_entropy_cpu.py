@@ -250,6 +250,25 @@ def test_torch_compile_fullgraph():
     assert_close(a.grad, ar.grad, torch.float32)
 
 
+def test_forward_configs():
+    """Rows one CTA holds loop over row blocks with prefetch; rows split over a
+    cluster do not loop; the loss alone of rows over 128 KiB is streamed from global
+    memory (never with the gradient, which needs the row on chip)."""
+    from quack_kernels.primitives.config import loops_over_row_blocks
+
+    bf16 = torch.bfloat16
+    small = ops.forward_config(4096, bf16, False, True)
+    assert small.cluster_size == 1 and loops_over_row_blocks(small) and small.stages == 2
+    clustered = ops.forward_config(65536, bf16, False, True)
+    assert clustered.cluster_size > 1 and not loops_over_row_blocks(clustered)
+    assert clustered.stages == 1
+    streamed = ops.forward_config(128256, bf16, False, False)
+    assert streamed.staging == "global" and not loops_over_row_blocks(streamed)
+    assert streamed.cols_per_cta * 2 <= ops.CE_STREAM_CTA_ROW_BYTES
+    assert ops.forward_config(128256, bf16, False, True).staging != "global"
+    assert ops.forward_config(65536, bf16, False, False).staging != "global"  # 128 KiB
+
+
 # ------------------------------------------------------------- sm_90a compile, no spills
 SPILL_CASES = [
     (n, dtype, dict(weighted=w, smoothing=s, zloss=z, softcap=c, write_grad=g))

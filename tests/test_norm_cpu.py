@@ -260,6 +260,18 @@ def test_every_staging_and_cluster_path():
     assert any(c.cluster_size == 16 for c in cfgs) and any(c.cluster_size == 1 for c in cfgs)
 
 
+def test_backward_prefetches_only_without_shared_memory_sums():
+    """Two staging buffers where the dweight sums live in registers (one chunk per
+    CTA) or there are none; single-buffered with the sums in shared memory."""
+    bf16 = torch.bfloat16
+    assert ops.backward_config(4096, bf16, bf16, (bf16,), bf16, 1).stages == 2
+    many_chunks = ops.backward_config(262144, bf16, bf16, (bf16,), bf16, 1)
+    assert many_chunks.num_chunks > 1 and many_chunks.stages == 1
+    for n in (4096, 65536, 262144):
+        cfg = ops.backward_config(n, bf16, bf16, (bf16,), bf16, 1)
+        assert cfg.stages == 1 or cfg.num_chunks == 1
+
+
 def test_return_stats_gives_fp32_statistics_without_gradient():
     x = torch.randn(3, 5, 16, requires_grad=True)
     w = torch.randn(16, requires_grad=True)
