@@ -82,7 +82,8 @@ def forward_config(n_cols: int, dtype: torch.dtype, stage_weight: bool, write_gr
                    max_vec: int | None = None) -> RowConfig:
     """Logits are the one staged row tensor; with weighted label smoothing the fp32
     weight row is staged beside them, so accesses are sized for fp32 (4 elements).
-    Two staging buffers (prefetch of the next row block) where they fit."""
+    Rows one CTA holds loop with two staging buffers where they fit (prefetch of the
+    next row block); the loss alone of long rows is streamed, not staged."""
     elem = torch.finfo(dtype).bits // 8
     if not write_grad and not stage_weight and n_cols * elem > CE_STREAM_MIN_ROW_BYTES:
         return streamed_row_config(n_cols, elem, CE_STREAM_CTA_ROW_BYTES, max_vec)

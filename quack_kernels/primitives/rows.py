@@ -5,11 +5,15 @@ A kernel subclasses :class:`RowKernel`, lists the row tensors it stages, and wri
 math between ``RowTiles.values`` (fp32 registers of one chunk) and ``RowTiles.store``.
 Grid: x = blocks of rows_per_block rows, y = the cluster's CTAs along the row.
 
-Kernels that reduce over rows as well (the dweight of a norm backward) launch a fixed
-number of row blocks instead and loop: CTA x handles row blocks x, x + grid_x, ...
-(``RowTiles.at_block``), reducing each row through a double-buffered
-``ReductionSlot(..., buffers=2)`` and keeping per-column sums in an ``accumulator``
-until it writes them once as a row of partial sums.
+Kernels that reduce over rows as well (the dweight of a norm backward), or whose CTAs
+would otherwise be too short-lived (the cross-entropy forward of short rows), launch a
+fixed number of row blocks instead and loop: CTA x handles row blocks x, x + grid_x, ...
+(``RowTiles.begin_block``), reducing each row through a double-buffered
+``ReductionSlot(..., buffers=2)``; with two staging buffers (``cfg.stages``) the next
+block's loads are in flight while the current block is reduced and stored. A norm
+backward keeps per-column sums in an ``accumulator`` until it writes them once as a row
+of partial sums. Long shares that need each value once can instead be streamed chunk by
+chunk through a dynamic loop (``RowTiles.load`` with a runtime chunk index).
 """
 
 from __future__ import annotations
@@ -210,8 +214,8 @@ class RowTiles:
     @cute.jit
     def issue_loads(self):
         """Start the cp.async copies of every staged chunk into this view's staging
-        buffer (one commit group per chunk, committed even when this block is past the last
-        row, so the number of groups in flight is known at compile time); in "global"
+        buffer: one commit group per chunk, committed even for a block past the last
+        row, so the number of groups in flight is known at compile time. In "global"
         staging nothing is staged and values() loads directly. Each thread later reads
         back only what it copied, so a buffer is free again for this thread's next copy
         once it has read it: no block barrier."""
