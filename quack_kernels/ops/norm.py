@@ -129,7 +129,7 @@ def backward_kernel(cfg: RowConfig, rms: bool, h_dtype, dy_dtype, weight_dtype,
     import cutlass.cute as cute
 
     vec, n, dt = cfg.vec, cfg.n_cols, cutlass_dtype
-    kernel = NormBackward(cfg, rms, dt(h_dtype), dt(dy_dtype), need_dweight, need_dbias)
+    kernel = _backward_kernel_object(cfg, rms, h_dtype, dy_dtype, need_dweight, need_dbias)
     rows = cute.sym_int()
     return (
         kernel,
@@ -156,7 +156,6 @@ def compile_backward(cfg: RowConfig, rms: bool, h_dtype, dy_dtype, weight_dtype,
     return compiled(kernel_key("norm_bwd", *args), lambda: compile_kernel(*backward_kernel(*args)))
 
 
-@functools.lru_cache(maxsize=None)  # on every call
 @functools.lru_cache(maxsize=None)  # on every call
 def _backward_kernel_object(cfg: RowConfig, rms: bool, h_dtype, dy_dtype, need_dweight: bool,
                             need_dbias: bool) -> NormBackward:
@@ -399,24 +398,38 @@ def _norm_backward_checked(dy, h, weight, mean, rstd, dresidual_out, weight_offs
                               dres_rows.dtype if dres_rows is not None else None,
                               dx_dtype, dresidual_dtype, need_dweight, need_dbias)
         kernel = _backward_kernel_object(cfg, rms, h.dtype, dy.dtype, need_dweight, need_dbias)
+        plan = (fn, cfg, kernel.ctas_per_sm(), num_sms(device))
         if plan_key is not None:
-            _backward_plans[plan_key] = (fn, cfg, kernel.ctas_per_sm(), num_sms(device))
-        grid_rows = loop_grid_rows(cfg, num_rows, num_sms(device), kernel.ctas_per_sm())
-        partial_rows = grid_rows * cfg.rows_per_block
-        dw_part = torch.empty((partial_rows, n_cols), dtype=torch.float32, device=device) \
-            if need_dweight else None
-        db_part = torch.empty((partial_rows, n_cols), dtype=torch.float32, device=device) \
-            if need_dbias else None
-        fn(h_rows, dy_rows, weight_c, mean.reshape(-1) if not rms else None, rstd.reshape(-1),
-           dres_rows, dx if dx_dtype else None, dres if dresidual_dtype else None,
-           dw_part, db_part, weight_offset, grid_rows)
-        # fixed-shape fp32 column sums over the partial rows: bitwise reproducible
-        if need_dweight:
-            dweight = dw_part.sum(0).to(weight.dtype)
-        if need_dbias:
-            dbias = db_part.sum(0).to(dbias_dtype)
+            _backward_plans[plan_key] = plan
+        dw, db = _launch_backward(
+            plan, h_rows, dy_rows, weight_c, mean.reshape(-1) if not rms else None,
+            rstd.reshape(-1), dres_rows, dx if dx_dtype else None,
+            dres if dresidual_dtype else None, weight_offset,
+            weight.dtype if need_dweight else None, dbias_dtype)
+        dweight = dw if need_dweight else dweight
+        dbias = db if need_dbias else dbias
     return (dx.view(dy.shape) if dx_dtype else dx, dres.view(dy.shape) if dresidual_dtype else dres,
             dweight, dbias)
+
+
+def _launch_backward(plan, h_rows, dy_rows, weight, mean, rstd, dresidual_out_rows, dx_rows,
+                     dresidual_rows, weight_offset, dweight_dtype, dbias_dtype):
+    """Run the backward kernel of ``plan`` (compiled function, config, CTAs per SM, SMs)
+    on (M, N) rows and (M,) statistics, outputs None when not asked for. Returns
+    (dweight, dbias), None where their dtype is None: fixed-shape fp32 column sums over
+    the per-CTA partial rows, bitwise reproducible."""
+    fn, cfg, ctas_per_sm, sms = plan
+    num_rows, n_cols = h_rows.shape
+    grid_rows = loop_grid_rows(cfg, num_rows, sms, ctas_per_sm)
+    partial_shape = (grid_rows * cfg.rows_per_block, n_cols)
+    dw_part = torch.empty(partial_shape, dtype=torch.float32, device=h_rows.device) \
+        if dweight_dtype else None
+    db_part = torch.empty(partial_shape, dtype=torch.float32, device=h_rows.device) \
+        if dbias_dtype else None
+    fn(h_rows, dy_rows, weight, mean, rstd, dresidual_out_rows, dx_rows, dresidual_rows,
+       dw_part, db_part, weight_offset, grid_rows)
+    return (dw_part.sum(0).to(dweight_dtype) if dweight_dtype else None,
+            db_part.sum(0).to(dbias_dtype) if dbias_dtype else None)
 
 
 @norm_backward.register_fake
@@ -531,27 +544,16 @@ def _norm_backward_eager(dy, h, weight, mean, rstd, dresidual_out, weight_offset
         return (dx if dx_dtype else None, dres if dresidual_dtype else None,
                 dweight if need_dweight and weight is not None else None,
                 dbias if dbias_dtype else None)
-    fn, cfg, ctas_per_sm, sms = plan
     n_cols = dy.shape[-1]
-    num_rows = dy.numel() // n_cols
     dx = torch.empty_like(dy, dtype=dx_dtype) if dx_dtype else None
     dres = torch.empty_like(dy, dtype=dresidual_dtype) if dresidual_dtype else None
-    grid_rows = loop_grid_rows(cfg, num_rows, sms, ctas_per_sm)
-    partial_shape = (grid_rows * cfg.rows_per_block, n_cols)
-    need_dweight = need_dweight and weight is not None
-    dw_part = torch.empty(partial_shape, dtype=torch.float32, device=dy.device) \
-        if need_dweight else None
-    db_part = torch.empty(partial_shape, dtype=torch.float32, device=dy.device) \
-        if dbias_dtype else None
-    fn(rows_view(h, n_cols), rows_view(dy, n_cols), weight,
-       None if mean is None else flat(mean), flat(rstd),
-       None if dresidual_out is None else rows_view(dresidual_out, n_cols),
-       None if dx is None else rows_view(dx, n_cols),
-       None if dres is None else rows_view(dres, n_cols), dw_part, db_part, weight_offset,
-       grid_rows)
-    # fixed-shape fp32 column sums over the partial rows: bitwise reproducible
-    dweight = dw_part.sum(0).to(weight.dtype) if need_dweight else None
-    dbias = db_part.sum(0).to(dbias_dtype) if dbias_dtype else None
+    dweight, dbias = _launch_backward(
+        plan, rows_view(h, n_cols), rows_view(dy, n_cols), weight,
+        None if mean is None else flat(mean), flat(rstd),
+        None if dresidual_out is None else rows_view(dresidual_out, n_cols),
+        None if dx is None else rows_view(dx, n_cols),
+        None if dres is None else rows_view(dres, n_cols), weight_offset,
+        weight.dtype if need_dweight and weight is not None else None, dbias_dtype)
     return dx, dres, dweight, dbias
 
 
