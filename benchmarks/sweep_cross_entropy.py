@@ -10,7 +10,7 @@ import torch
 import triton
 
 from quack_kernels.ops import cross_entropy as ops
-from quack_kernels.ops.common import num_sms
+from quack_kernels.ops.common import resident_row_blocks
 from quack_kernels.primitives.config import loop_grid_rows, loops_over_row_blocks, row_config
 
 from sweep_softmax import copy_ceiling_gbps
@@ -46,7 +46,7 @@ def main(argv):
             try:
                 fn = ops.compile_forward(cfg, dtype, torch.int64, write_grad=write_grad, **FLAGS)
                 kernel = ops.forward_kernel_object(cfg, dtype, write_grad=write_grad, **FLAGS)
-                grid = loop_grid_rows(cfg, m, num_sms(x.device), kernel.ctas_per_sm())
+                grid = loop_grid_rows(cfg, m, resident_row_blocks(kernel, x.device))
                 call = lambda: fn(x, target, loss, loss, lse, grad, scale, -100, 0.0, 0.0, 1.0, grid)
                 call()
                 ms = triton.testing.do_bench(call, return_mode="median")

@@ -9,7 +9,7 @@ import torch
 import triton
 
 from quack_kernels.ops import norm as ops
-from quack_kernels.ops.common import num_sms
+from quack_kernels.ops.common import resident_row_blocks
 from quack_kernels.primitives.config import loop_grid_rows
 
 from sweep_softmax import copy_ceiling_gbps
@@ -36,7 +36,7 @@ def main(argv):
                     continue
                 fn = ops.compile_backward(cfg, True, dtype, dtype, dtype, False, None, dtype,
                                           None, True, False)
-                grid = loop_grid_rows(cfg, m, num_sms(h.device), kernel.ctas_per_sm())
+                grid = loop_grid_rows(cfg, m, resident_row_blocks(kernel, h.device))
                 dw_part = torch.empty(grid * cfg.rows_per_block, n, device="cuda")
                 call = lambda: fn(h, dy, weight, None, rstd, None, dx, None, dw_part, None, 0.0, grid)
                 call()

@@ -64,9 +64,8 @@ def test_loop_grid_fills_the_gpu_once():
     assert ctas > 2
     assert config.loop_ctas_per_sm(small, 150 * 1024) == 1
     assert config.loop_ctas_per_sm(small, 8 * 1024, regs_per_thread=255) == 1
-    rows = config.loop_grid_rows(small, 1 << 20, 132, ctas)
-    assert rows * small.cluster_size <= ctas * 132
-    assert config.loop_grid_rows(small, 3, 132, ctas) == 3  # never more blocks than rows
+    assert config.loop_grid_rows(small, 1 << 20, 100) == 100  # never more than resident
+    assert config.loop_grid_rows(small, 3, 100) == 3  # never more blocks than rows
 
 
 class _StagingOnlyKernel:
@@ -98,3 +97,32 @@ def test_prefetch_only_when_it_keeps_more_blocks_in_flight(
         cfg, lambda c: _StagingOnlyKernel(c, bytes_per_col, accumulators))
     assert chosen.stages == stages
     assert dataclasses.replace(chosen, stages=1) == cfg
+
+
+def test_resident_row_blocks_takes_the_drivers_cluster_bound(monkeypatch):
+    """A looping grid of clusters is sized by what the driver places at once (GPCs bound
+    16-CTA clusters below SMs / 16), of single CTAs by the SM count alone."""
+    import torch
+
+    from quack_kernels.ops import common
+
+    monkeypatch.setattr(common, "num_sms", lambda device: 132)
+    monkeypatch.setattr(common, "resident_clusters", lambda index, cluster, threads, smem: 7)
+
+    class Looping:
+        def __init__(self, cfg):
+            self.cfg = cfg
+
+        def ctas_per_sm(self):
+            return 1
+
+        def smem_bytes(self):
+            return 130 * 1024
+
+    cuda = torch.device("cuda", 0)
+    clustered = config.row_config(262144, 2, staged_tensors=2)
+    assert clustered.cluster_size == 16
+    assert common.resident_row_blocks(Looping(clustered), cuda) == 7  # not 132 // 16 = 8
+    single = config.row_config(1024, 2)
+    assert single.cluster_size == 1
+    assert common.resident_row_blocks(Looping(single), cuda) == 132

@@ -8,6 +8,7 @@ import math
 import torch
 
 from ..primitives.compile_cache import SUPPORTED_DTYPES, compiled, cutlass_dtype, target_arch
+from ..primitives.occupancy import resident_clusters
 
 MIN_CAPABILITY = (9, 0)  # cluster launch, DSMEM and st.async are sm_90 features
 
@@ -52,6 +53,20 @@ def _sms_of(device_index: int) -> int:
 def num_sms(device: torch.device) -> int:
     """SMs of ``device`` (sizes the grid of kernels looping over row blocks)."""
     return _sms_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def resident_row_blocks(kernel, device: torch.device) -> int:
+    """Row blocks (clusters of kernel.cfg.cluster_size CTAs) of a looping ``kernel``
+    resident on ``device`` at once: ``kernel.ctas_per_sm()`` per SM, and for clusters
+    no more than the driver places together (GPCs bound them, see
+    primitives.occupancy)."""
+    cfg = kernel.cfg
+    by_sms = kernel.ctas_per_sm() * num_sms(device) // cfg.cluster_size
+    if cfg.cluster_size == 1:
+        return by_sms
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return max(1, min(by_sms, resident_clusters(index, cfg.cluster_size, cfg.threads_per_block,
+                                                kernel.smem_bytes())))
 
 
 def eager_cuda(*tensors) -> bool:
@@ -109,6 +124,7 @@ __all__ = [
     "check_gpu",
     "eager_cuda",
     "num_sms",
+    "resident_row_blocks",
     "as_rows",
     "flat",
     "rows_view",

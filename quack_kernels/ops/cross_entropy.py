@@ -54,7 +54,7 @@ from .common import (
     cutlass_dtype,
     eager_cuda,
     kernel_key,
-    num_sms,
+    resident_row_blocks,
     vector_limit,
 )
 
@@ -337,7 +337,7 @@ def _launch(rows: Tensor, target: Tensor, weight: Optional[Tensor], loss: Tensor
                  write_grad=grad is not None)
     fn = compile_forward(cfg, rows.dtype, target.dtype, **flags)
     kernel = forward_kernel_object(cfg, rows.dtype, **flags)
-    grid_rows = loop_grid_rows(cfg, rows.shape[0], num_sms(rows.device), kernel.ctas_per_sm()) \
+    grid_rows = loop_grid_rows(cfg, rows.shape[0], resident_row_blocks(kernel, rows.device)) \
         if kernel.loops else rows.shape[0]  # (unused without the loop)
     # fp32 vectors the variant does not read (no weights, no gradient) are filled by loss
     fn(rows, target, loss if weight is None else weight, loss, lse, grad_out,

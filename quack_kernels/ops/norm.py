@@ -35,7 +35,7 @@ from .common import (
     eager_cuda,
     flat,
     kernel_key,
-    num_sms,
+    resident_row_blocks,
     rows_view,
     vector_limit,
 )
@@ -398,7 +398,7 @@ def _norm_backward_checked(dy, h, weight, mean, rstd, dresidual_out, weight_offs
                               dres_rows.dtype if dres_rows is not None else None,
                               dx_dtype, dresidual_dtype, need_dweight, need_dbias)
         kernel = _backward_kernel_object(cfg, rms, h.dtype, dy.dtype, need_dweight, need_dbias)
-        plan = (fn, cfg, kernel.ctas_per_sm(), num_sms(device))
+        plan = (fn, cfg, resident_row_blocks(kernel, device))
         if plan_key is not None:
             _backward_plans[plan_key] = plan
         dw, db = _launch_backward(
@@ -414,13 +414,13 @@ def _norm_backward_checked(dy, h, weight, mean, rstd, dresidual_out, weight_offs
 
 def _launch_backward(plan, h_rows, dy_rows, weight, mean, rstd, dresidual_out_rows, dx_rows,
                      dresidual_rows, weight_offset, dweight_dtype, dbias_dtype):
-    """Run the backward kernel of ``plan`` (compiled function, config, CTAs per SM, SMs)
+    """Run the backward kernel of ``plan`` (compiled function, config, resident row blocks)
     on (M, N) rows and (M,) statistics, outputs None when not asked for. Returns
     (dweight, dbias), None where their dtype is None: fixed-shape fp32 column sums over
     the per-CTA partial rows, bitwise reproducible."""
-    fn, cfg, ctas_per_sm, sms = plan
+    fn, cfg, resident_blocks = plan
     num_rows, n_cols = h_rows.shape
-    grid_rows = loop_grid_rows(cfg, num_rows, sms, ctas_per_sm)
+    grid_rows = loop_grid_rows(cfg, num_rows, resident_blocks)
     partial_shape = (grid_rows * cfg.rows_per_block, n_cols)
     dw_part = torch.empty(partial_shape, dtype=torch.float32, device=h_rows.device) \
         if dweight_dtype else None

@@ -228,11 +228,11 @@ def loop_ctas_per_sm(cfg: RowConfig, smem_bytes: int,
                       SMEM_BYTES_PER_SM // (smem_bytes + SMEM_RESERVED_PER_CTA)))
 
 
-def loop_grid_rows(cfg: RowConfig, num_rows: int, num_sms: int, ctas_per_sm: int) -> int:
+def loop_grid_rows(cfg: RowConfig, num_rows: int, resident_blocks: int) -> int:
     """Row blocks launched by a kernel looping over row blocks (grid x; each of them
-    is a cluster of cfg.cluster_size CTAs), for ``ctas_per_sm`` resident CTAs."""
-    blocks = math.ceil(num_rows / cfg.rows_per_block)
-    return max(1, min(blocks, ctas_per_sm * num_sms // cfg.cluster_size))
+    is a cluster of cfg.cluster_size CTAs): no more than ``resident_blocks``, the row
+    blocks (clusters) the GPU holds at once, see ops.common.resident_row_blocks."""
+    return max(1, min(math.ceil(num_rows / cfg.rows_per_block), resident_blocks))
 
 
 def loops_over_row_blocks(cfg: RowConfig) -> bool:
