@@ -257,9 +257,11 @@ def with_prefetch(cfg: RowConfig, kernel_for) -> RowConfig:
     per-column sums in shared memory (several chunks per share). H200 sweep of the
     RMSNorm backward with dweight (benchmarks/sweep_norm_backward.py): one-chunk shares
     (sums in registers) gained (32768x4096 bf16 67% -> 90% of the copy ceiling,
-    8192x16384 58% -> 72%), shares with sums in shared memory lost (2048x65536 bf16
-    57% -> 50%, 512x262144 30% -> 22%); the cross-entropy forward (no sums) gained
-    with several chunks too (8192x16384 bf16 with the gradient 72% -> 75%)."""
+    8192x16384 58% -> 72%), shares with sums in shared memory lost in bf16
+    (2048x65536 57% -> 50%, 512x262144 41% -> 35%; results/norm_backward_resident_grid_
+    sweep_H200_20261129.txt) although fp32 2048x65536 gained (64% -> 83%), not
+    understood yet; the cross-entropy forward (no sums) gained with several chunks too
+    (8192x16384 bf16 with the gradient 72% -> 75%)."""
     if cfg.staging == "global":
         return cfg
     double = dataclasses.replace(cfg, stages=2)
