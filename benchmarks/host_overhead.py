@@ -9,6 +9,23 @@ from quack_kernels.ops import softmax as ops
 from profile_ops import wall_us
 
 
+class _TorchSoftmaxInPython(torch.autograd.Function):
+    """torch's own softmax kernels behind a Python autograd node: fwd+bwd of this minus
+    torch's native fwd+bwd is what any Python autograd.Function costs on this host (the
+    engine's CUDA worker thread runs the backward under the GIL)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.softmax(x, -1)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return torch._softmax_backward_data(grad, y, -1, grad.dtype)
+
+
 def main():
     x = torch.randn(8, 128, device="cuda", dtype=torch.bfloat16)
     xg = x.clone().requires_grad_()
@@ -25,6 +42,8 @@ def main():
         ("fwd+bwd qk.softmax", lambda: qk.softmax(xg).backward(dy)),
         ("torch.softmax", lambda: torch.softmax(x, -1)),
         ("fwd+bwd torch.softmax", lambda: torch.softmax(xg, -1).backward(dy)),
+        ("fwd+bwd torch.softmax in a Python Function",
+         lambda: _TorchSoftmaxInPython.apply(xg).backward(dy)),
     ]
     for name, fn in rows:
         print(f"{name:45s} {wall_us(fn, calls=2000, warmup=50):7.1f} us/call")
