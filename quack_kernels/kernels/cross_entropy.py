@@ -127,22 +127,16 @@ class CrossEntropyForward(RowKernel):
         if cutlass.const_expr(cfg.cluster_size > 1):
             cute.arch.cluster_wait()
 
-        first_block = cute.arch.block_idx()[0]
-        options = (mTarget, mWeight, mLoss, mLse, mdX, mGradScale, ignore_index, smoothing,
-                   lse_square_scale, softcap, inv_softcap)
+        options = (home, grid_rows, slot, mTarget, mWeight, mLoss, mLse, mdX, mGradScale,
+                   ignore_index, smoothing, lse_square_scale, softcap, inv_softcap)
         if cutlass.const_expr(self.loops):
-            num_blocks = (mX.shape[0] + cfg.rows_per_block - 1) // cfg.rows_per_block
-            iterations = (num_blocks - first_block + grid_rows - 1) // grid_rows
-            for iteration in cutlass.range(iterations, unroll=1):
-                # one method call per iteration, counted as in NormBackward.kernel
-                self._row_block(home, first_block + iteration * grid_rows, grid_rows, slot,
-                                iteration, *options)
+            self.for_each_row_block(mX.shape[0], grid_rows, self._row_block, *options)
         else:
-            self._row_block(home, first_block, grid_rows, slot, None, *options)
+            self._row_block(cute.arch.block_idx()[0], None, *options)
 
     @cute.jit
-    def _row_block(self, home: RowTiles, block_row: Int32, grid_rows: Int32, slot: ReductionSlot,
-                   iteration, mTarget: cute.Tensor, mWeight: cute.Tensor,
+    def _row_block(self, block_row: Int32, iteration, home: RowTiles, grid_rows: Int32,
+                   slot: ReductionSlot, mTarget: cute.Tensor, mWeight: cute.Tensor,
                    mLoss: cute.Tensor, mLse: cute.Tensor, mdX: cute.Tensor,
                    mGradScale: cute.Tensor, ignore_index: Int64, smoothing: Float32,
                    lse_square_scale: Float32, softcap: Float32, inv_softcap: Float32):
@@ -178,7 +172,7 @@ class CrossEntropyForward(RowKernel):
             # a dynamic loop, a few chunks unrolled so that their loads overlap
             row_max, row_sum, other_sum, z_t, sum_wz, sum_w = running
             for c in cutlass.range(cfg.num_chunks, unroll=STREAM_UNROLL):
-                # one method call per iteration (see NormBackward.kernel)
+                # one method call per iteration (see RowKernel.for_each_row_block)
                 row_max, row_sum, other_sum, z_t, sum_wz, sum_w = self._streamed_chunk_stats(
                     tiles, c, target_col, inv_softcap, softcap,
                     (row_max, row_sum, other_sum, z_t, sum_wz, sum_w))

@@ -172,19 +172,10 @@ class NormBackward(RowKernel):
             if self.need_dbias else []
         if cutlass.const_expr(cfg.cluster_size > 1):
             cute.arch.cluster_wait()
-        num_rows = mH.shape[0]
-        num_blocks = (num_rows + cfg.rows_per_block - 1) // cfg.rows_per_block
-        first_block = cute.arch.block_idx()[0]
         if cutlass.const_expr(cfg.stages == 2):
             home.issue_loads()  # the first block; each iteration prefetches the next
-
-        # counting iterations (not row blocks) keeps a division out of the loop
-        iterations = (num_blocks - first_block + grid_rows - 1) // grid_rows
-        for iteration in cutlass.range(iterations, unroll=1):
-            # one method call per iteration: names bound (or objects whose methods are
-            # called) directly in a dynamic loop body become loop-carried values
-            self._row_block(home, first_block + iteration * grid_rows, grid_rows, slot, iteration,
-                            mW, mMean, mRstd, mdResOut, mdX, mdRes, weight_offset, acc_w, acc_b)
+        self.for_each_row_block(mH.shape[0], grid_rows, self._row_block, home, grid_rows, slot,
+                                mW, mMean, mRstd, mdResOut, mdX, mdRes, weight_offset, acc_w, acc_b)
 
         for c in cutlass.range_constexpr(cfg.num_chunks):
             if cutlass.const_expr(self.need_dweight):
@@ -192,7 +183,7 @@ class NormBackward(RowKernel):
             if cutlass.const_expr(self.need_dbias):
                 home.store(mdB, c, acc_b[c].load(), guard_rows=False)
 
-    def _row_block(self, home: RowTiles, block_row, grid_rows, slot: ReductionSlot, iteration,
+    def _row_block(self, block_row, iteration, home: RowTiles, grid_rows, slot: ReductionSlot,
                    mW, mMean, mRstd, mdResOut, mdX, mdRes, weight_offset, acc_w, acc_b):
         """dx / dresidual of row block ``block_row``, and its dw / db terms."""
         cfg = self.cfg
