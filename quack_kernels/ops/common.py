@@ -28,15 +28,19 @@ def check_same_device(**tensors: torch.Tensor) -> None:
         raise ValueError(f"quack_kernels: tensors must be on one device, got {listing}")
 
 
+def device_index(device: torch.device) -> int:
+    """The CUDA device index of ``device`` ("cuda" alone means the current device)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 @functools.lru_cache(maxsize=None)
-def _capability(device_index: int) -> tuple:
-    return torch.cuda.get_device_capability(device_index)
+def _capability(index: int) -> tuple:
+    return torch.cuda.get_device_capability(index)
 
 
 def check_gpu(tensor: torch.Tensor) -> None:
     """Our CUDA kernels need Hopper (sm_90) or newer (cached: this is on every call)."""
-    capability = _capability(tensor.device.index if tensor.device.index is not None
-                             else torch.cuda.current_device())
+    capability = _capability(device_index(tensor.device))
     if capability < MIN_CAPABILITY:
         name = torch.cuda.get_device_name(tensor.device)
         raise RuntimeError(
@@ -46,13 +50,13 @@ def check_gpu(tensor: torch.Tensor) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _sms_of(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _sms_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def num_sms(device: torch.device) -> int:
     """SMs of ``device`` (sizes the grid of kernels looping over row blocks)."""
-    return _sms_of(device.index if device.index is not None else torch.cuda.current_device())
+    return _sms_of(device_index(device))
 
 
 def resident_row_blocks(kernel, device: torch.device) -> int:
@@ -64,9 +68,8 @@ def resident_row_blocks(kernel, device: torch.device) -> int:
     by_sms = kernel.ctas_per_sm() * num_sms(device) // cfg.cluster_size
     if cfg.cluster_size == 1:
         return by_sms
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return max(1, min(by_sms, resident_clusters(index, cfg.cluster_size, cfg.threads_per_block,
-                                                kernel.smem_bytes())))
+    return max(1, min(by_sms, resident_clusters(device_index(device), cfg.cluster_size,
+                                                cfg.threads_per_block, kernel.smem_bytes())))
 
 
 def eager_cuda(*tensors) -> bool:
