@@ -13,7 +13,7 @@ from quack_kernels.ops import cross_entropy as ops
 from quack_kernels.ops.common import resident_row_blocks
 from quack_kernels.primitives.config import loop_grid_rows, loops_over_row_blocks, row_config
 
-from sweep_softmax import copy_ceiling_gbps
+from quack_kernels.bench import measure_copy_ceiling_gbps as copy_ceiling_gbps
 
 SHAPES = [(dtype, m, n) for dtype in (torch.bfloat16, torch.float32)
           for m, n in ((32768, 4096), (8192, 16384), (4096, 128256))]
@@ -21,12 +21,14 @@ FLAGS = dict(weighted=False, smoothing=False, zloss=False, softcap=False)
 
 
 def main(argv):
-    """argv: dtypes to sweep (bfloat16, float32; default both)."""
-    dtypes = [getattr(torch, name) for name in argv] or [torch.bfloat16, torch.float32]
+    """argv: dtypes to sweep (bfloat16, float32; default both) and row lengths N of
+    SHAPES (default all)."""
+    dtypes = [getattr(torch, a) for a in argv if not a.isdigit()] or [torch.bfloat16, torch.float32]
+    lengths = [int(a) for a in argv if a.isdigit()]
     ceiling = copy_ceiling_gbps()
     print(f"copy ceiling {ceiling:.0f} GB/s")
     for dtype, m, n in SHAPES:
-        if dtype not in dtypes:
+        if dtype not in dtypes or (lengths and n not in lengths):
             continue
         x = torch.randn(m, n, device="cuda", dtype=dtype)
         target = torch.randint(0, n, (m,), device="cuda")

@@ -12,7 +12,7 @@ from quack_kernels.ops import norm as ops
 from quack_kernels.ops.common import resident_row_blocks
 from quack_kernels.primitives.config import loop_grid_rows
 
-from sweep_softmax import copy_ceiling_gbps
+from quack_kernels.bench import measure_copy_ceiling_gbps as copy_ceiling_gbps
 
 SHAPES = [(m, n) for m, n in ((32768, 4096), (8192, 16384), (2048, 65536), (512, 262144))]
 

@@ -1,57 +1,84 @@
-"""Config sweep for softmax on the GPU: time heuristic variants on the shapes where the
-default config is furthest from the copy ceiling. Prints one line per variant."""
+"""Config sweep for softmax on the GPU: time heuristic variants on chosen shapes, one
+line per variant, with the runner's timing (quack_kernels.bench.time_device_ms: an L2
+flush before each call) and its copy ceiling.
 
+    python benchmarks/sweep_softmax.py                     # the 2^27 grid, vpt x kib
+    python benchmarks/sweep_softmax.py --shapes bf16:128x1048576 --tpr 256,512,1024
+"""
+
+import argparse
 import itertools
 import sys
 
 import torch
-import triton
 
+from quack_kernels.bench import measure_copy_ceiling_gbps, time_device_ms
 from quack_kernels.ops import softmax as ops
 from quack_kernels.primitives.config import SMEM_BYTES_PER_CTA, row_config
 
-SHAPES = [(dtype, n) for dtype in (torch.bfloat16, torch.float32)
-          for n in (1024, 4096, 16384, 65536, 262144)]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DEFAULT_SHAPES = ",".join(f"{d}:{2**27 // n}x{n}" for d in ("bf16", "fp32")
+                          for n in (1024, 4096, 16384, 65536, 262144))
 
 
-def copy_ceiling_gbps():
-    src = torch.empty(2**31, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
-    return 2 * src.numel() / ms / 1e6
+def ints(text):
+    return [int(v) for v in text.split(",")]
 
 
-def main():
-    ceiling = copy_ceiling_gbps()
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default=DEFAULT_SHAPES, help="dtype:MxN,...")
+    p.add_argument("--direction", default="fwd,bwd")
+    p.add_argument("--vpt", type=ints, default=[16, 32, 64], help="values per thread")
+    p.add_argument("--kib", type=ints, default=[16, 32, 64], help="row KiB per CTA")
+    p.add_argument("--tpr", type=ints, default=[256], help="max threads per row")
+    return p.parse_args(argv)
+
+
+def variants(n, elem_bytes, staged, args):
+    seen = set()
+    for vpt, kib, tpr in itertools.product(args.vpt, args.kib, args.tpr):
+        cfg = row_config(n, elem_bytes, staged, values_per_thread=vpt,
+                         cta_row_bytes=kib * 1024, max_threads_per_row=tpr)
+        if cfg in seen or cfg.staging_smem_bytes(elem_bytes * staged) > SMEM_BYTES_PER_CTA - 4096:
+            continue
+        seen.add(cfg)
+        yield vpt, kib, tpr, cfg
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    ceiling = measure_copy_ceiling_gbps()
     print(f"copy ceiling {ceiling:.0f} GB/s")
-    for dtype, n in SHAPES:
-        m = max(2**27 // n, 128)
+    for shape in args.shapes.split(","):
+        name, mn = shape.split(":")
+        m, n = (int(v) for v in mn.split("x"))
+        dtype = DTYPES[name]
         x = torch.randn(m, n, device="cuda", dtype=dtype)
-        dy = torch.randn_like(x)
-        y = torch.empty_like(x)
-        dx = torch.empty_like(x)
+        dy, y, dx = torch.randn_like(x), torch.empty_like(x), torch.empty_like(x)
         eb = x.element_size()
-        for backward, vpt, kib in itertools.product((False, True), (16, 32, 64), (16, 32, 64)):
-            cfg = row_config(n, eb, 2 if backward else 1, values_per_thread=vpt, cta_row_bytes=kib * 1024)
-            if cfg.staging_smem_bytes(eb * (2 if backward else 1)) > SMEM_BYTES_PER_CTA - 4096:
-                continue
-            try:
-                if backward:
-                    fn = ops.compile_backward(cfg, dtype, False)
-                    call = lambda: fn(y, dy, dx)
-                    nbytes = 3 * x.numel() * eb
-                else:
-                    fn = ops.compile_forward(cfg, dtype, False)
-                    call = lambda: fn(x, y)
-                    nbytes = 2 * x.numel() * eb
-                call()
-                ms = triton.testing.do_bench(call, return_mode="median")
-                pct = 100 * nbytes / ms / 1e6 / ceiling
-                print(f"{str(dtype)[6:]:9s} N={n:8d} {'bwd' if backward else 'fwd'} vpt={vpt:3d} kib={kib:3d} "
-                      f"cl={cfg.cluster_size:2d} tpr={cfg.threads_per_row:3d} vecs={cfg.vecs_per_thread:2d} "
-                      f"ch={cfg.num_chunks} {cfg.staging:9s} {ms*1e3:8.1f}us {pct:5.1f}%", flush=True)
-            except Exception as e:  # a variant that does not compile or launch
-                print(f"{dtype} {n} bwd={backward} vpt={vpt} kib={kib}: {type(e).__name__}")
+        for direction in args.direction.split(","):
+            backward = direction == "bwd"
+            staged = 2 if backward else 1
+            for vpt, kib, tpr, cfg in variants(n, eb, staged, args):
+                try:
+                    if backward:
+                        fn = ops.compile_backward(cfg, dtype, False)
+                        call = lambda: fn(y, dy, dx)  # noqa: E731
+                    else:
+                        fn = ops.compile_forward(cfg, dtype, False)
+                        call = lambda: fn(x, y)  # noqa: E731
+                    call()
+                    ms = time_device_ms(call)
+                except Exception as e:  # a variant that does not compile or launch
+                    print(f"{name} {mn} {direction} vpt={vpt} kib={kib} tpr={tpr}: "
+                          f"{type(e).__name__}: {str(e)[:80]}", flush=True)
+                    continue
+                pct = 100 * (staged + 1) * x.numel() * eb / ms / 1e6 / ceiling
+                print(f"{name:5s} {mn:>12s} {direction} vpt={vpt:3d} kib={kib:3d} tpr={tpr:4d} "
+                      f"cl={cfg.cluster_size:2d} thr={cfg.threads_per_row:4d} "
+                      f"vecs={cfg.vecs_per_thread:2d} ch={cfg.num_chunks} {cfg.staging:9s} "
+                      f"{ms * 1e3:8.1f}us {pct:5.1f}%", flush=True)
         del x, dy, y, dx
         torch.cuda.empty_cache()
 

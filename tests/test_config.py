@@ -45,6 +45,14 @@ def test_cluster_grows_with_n_and_only_when_needed():
     assert sizes == sorted(sizes) and sizes[0] == 1 and sizes[-1] == 16
 
 
+def test_wide_cluster_shares_move_to_eight_ctas_unless_looping():
+    assert row_config(262144, 4).cluster_size == 8  # 16 x 64 KiB -> 8 x 128 KiB
+    assert row_config(262144, 4, looping=True).cluster_size == 16
+    assert row_config(262144, 2).cluster_size == 16  # 32-KiB shares stay on 16
+    assert row_config(262144, 4, 2).cluster_size == 16  # 8 x 256 KiB would not fit
+    assert row_config(1 << 20, 2).cluster_size == 16
+
+
 def test_staging_paths_for_large_rows():
     assert row_config(4096, 2).staging == "registers"
     assert row_config(1 << 20, 2).staging == "smem"  # 128 KiB per CTA of 16
@@ -120,7 +128,7 @@ def test_resident_row_blocks_takes_the_drivers_cluster_bound(monkeypatch):
             return 130 * 1024
 
     cuda = torch.device("cuda", 0)
-    clustered = config.row_config(262144, 2, staged_tensors=2)
+    clustered = config.row_config(262144, 2, staged_tensors=2, looping=True)
     assert clustered.cluster_size == 16
     assert common.resident_row_blocks(Looping(clustered), cuda) == 7  # not 132 // 16 = 8
     single = config.row_config(1024, 2)

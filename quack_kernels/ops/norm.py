@@ -76,7 +76,7 @@ def backward_config(n_cols: int, h_dtype, dy_dtype, out_dtypes: tuple, weight_dt
     widest = max(_bytes(h_dtype, dy_dtype, weight_dtype, *out_dtypes))
     cfg = row_config(n_cols, widest, staged_tensors=2 + accumulators,
                      bytes_per_col=sum(_bytes(h_dtype, dy_dtype)) + 4 * accumulators,
-                     max_vec=max_vec)
+                     max_vec=max_vec, looping=True)
     # sized for the largest variant (LayerNorm: two values per reduction)
     return with_prefetch(cfg, lambda c: _backward_kernel_object(
         c, False, h_dtype, dy_dtype, accumulators >= 1, accumulators >= 2))

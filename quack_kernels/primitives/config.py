@@ -41,6 +41,16 @@ VALUES_PER_THREAD = {2: 16, 4: 32}
 # share fits. Small shares keep several CTAs resident per SM and balance the tail
 # (16 KiB was at least as good as 32/64 KiB on every swept shape, same file).
 CTA_ROW_BYTES = 16 * 1024
+# 16-CTA clusters whose CTAs own more than 32 KiB run fewer CTAs than the SMs could
+# hold: the CTAs of a cluster must share one GPC, and the driver keeps only 21 such
+# clusters of 66 KiB resident on H200 (336 CTAs on 132 SMs) against 42 of 34 KiB
+# (benchmarks/NOTES.md, resident clusters). Halving the cluster to 8 CTAs of one
+# share of up to 128 KiB each did better on H200 (benchmarks/sweep_softmax.py,
+# results/softmax_threads_cluster_sweep_H200_20261129.txt): fp32 512x262144 softmax forward
+# 82% -> 90% of the copy ceiling, bf16 backward 85% -> 90%; a 64-KiB share on 8 CTAs
+# lost to a 32-KiB share on 16 (bf16 forward 80% vs 93%), hence the 32-KiB bound.
+WIDE_CLUSTER_SHARE_BYTES = 32 * 1024
+NARROW_CLUSTER_SHARE_BYTES = 128 * 1024
 # Threads per row grow before the cluster does: a 256-thread row needs 8 warps in the
 # block reduction, beyond that the smem round trip and barrier stall start to cost more
 # than a DSMEM exchange.
@@ -127,10 +137,18 @@ def threads_per_row_for(vectors: int, max_vecs_per_thread: int, max_threads: int
     return min(max_threads, max(wanted, needed, 1))
 
 
-def cluster_size_for(row_bytes: int, cta_row_bytes: int) -> int:
+def cluster_size_for(row_bytes: int, cta_row_bytes: int, looping: bool = False) -> int:
     """Smallest power-of-two cluster whose CTAs each own at most ``cta_row_bytes`` of
-    the row; capped at 16 (beyond that a CTA's share grows instead)."""
-    return min(MAX_CLUSTER_SIZE, _next_pow2(math.ceil(row_bytes / cta_row_bytes)))
+    the row; capped at 16 (beyond that a CTA's share grows instead). A one-block-per-CTA
+    kernel whose 16-CTA shares would pass WIDE_CLUSTER_SHARE_BYTES takes 8 CTAs of up to
+    NARROW_CLUSTER_SHARE_BYTES instead (see there); looping kernels were not measured
+    that way and keep 16."""
+    cluster = min(MAX_CLUSTER_SIZE, _next_pow2(math.ceil(row_bytes / cta_row_bytes)))
+    if (not looping and cluster == MAX_CLUSTER_SIZE
+            and WIDE_CLUSTER_SHARE_BYTES < row_bytes / cluster
+            and row_bytes / (cluster // 2) <= NARROW_CLUSTER_SHARE_BYTES):
+        return cluster // 2
+    return cluster
 
 
 def staging_for(chunks: int, chunk_bytes: int) -> str:
@@ -149,12 +167,13 @@ def row_config(n_cols: int, elem_bytes: int, staged_tensors: int = 1,
                values_per_thread: int | None = None,
                max_threads_per_row: int = MAX_THREADS_PER_ROW,
                min_threads_per_block: int = MIN_THREADS_PER_BLOCK,
-               cta_row_bytes: int = CTA_ROW_BYTES) -> RowConfig:
+               cta_row_bytes: int = CTA_ROW_BYTES, looping: bool = False) -> RowConfig:
     """Configuration for rows of ``n_cols`` elements of ``elem_bytes`` each (the widest
     staged dtype), with ``staged_tensors`` row tensors kept on chip together (e.g. y and
     dy in a backward). ``bytes_per_col`` is the staged bytes per column over all of
-    them (defaults to staged_tensors * elem_bytes). The keyword limits default to the
-    tuned constants above; tests and sweeps override them to force other paths."""
+    them (defaults to staged_tensors * elem_bytes). ``looping``: the kernel loops over row
+    blocks (see cluster_size_for). The keyword limits default to the tuned constants
+    above; tests and sweeps override them to force other paths."""
     if n_cols < 1:
         raise ValueError(f"row length must be >= 1, got {n_cols}")
     if bytes_per_col is None:
@@ -164,7 +183,7 @@ def row_config(n_cols: int, elem_bytes: int, staged_tensors: int = 1,
         values_per_thread = VALUES_PER_THREAD.get(elem_bytes, 32)
     max_vecs_per_thread = max(1, values_per_thread // (vec * staged_tensors))
     vectors = math.ceil(n_cols / vec)
-    cluster = cluster_size_for(n_cols * bytes_per_col, cta_row_bytes)
+    cluster = cluster_size_for(n_cols * bytes_per_col, cta_row_bytes, looping)
     vectors_per_cta = math.ceil(vectors / cluster)
     threads_per_row = threads_per_row_for(vectors_per_cta, max_vecs_per_thread, max_threads_per_row)
     vecs_needed = math.ceil(vectors_per_cta / threads_per_row)
