@@ -87,6 +87,12 @@ class CrossEntropyForward(RowKernel):
         # the loss alone of a share re-read from global memory: one streaming pass
         self.streams = cfg.staging == "global" and not write_grad and not self.stage_weight
         assert self.loops or cfg.stages == 1, "prefetching needs the looping grid"
+        # Target column found by offsets from the thread's first value (see
+        # tiling.is_column): the per-value coordinates held the one-block gradient
+        # kernel at 80 registers (3 CTAs of 256 threads per SM) where offsets need 58 (4)
+        # at 128256 bf16 columns. With the weight row staged as well, offsets spilled
+        # 8 bytes at 262145 bf16 columns, so that variant keeps coordinates.
+        self.column_offsets = self.loops or self.streams or not self.stage_weight
         self.scratch_buffers = 2 if self.loops else 1  # alternate per row block
 
     @cute.jit
@@ -293,7 +299,7 @@ class CrossEntropyForward(RowKernel):
         e = cute.math.exp2((z_max_in - red.finite_or_zero(chunk_max)) * red.LOG2_E, fastmath=True)
         # z_t comes from the registers of the thread holding the target column, not
         # from a global load that depends on the target
-        at_target = tiling.is_column(tXcX, target_col, self.loops or self.streams)
+        at_target = tiling.is_column(tXcX, target_col, self.column_offsets)
         z_target = running[3] + red.thread_reduce(cute.where(at_target, z, 0.0), cute.ReductionOp.ADD, 0.0)
         # the non-target sum keeps 1 - p_t = sumexp_other / sumexp exact for a
         # confident row, where 1 - exp(z_t - lse) would be mostly rounding
@@ -317,7 +323,7 @@ class CrossEntropyForward(RowKernel):
         """(A p - B onehot(t) - (eps/C) w) times the softcap chain, for one chunk. At the
         target, A p_t - B is formed as (A - B) p_t - B (1 - p_t) so that a confident
         row's tiny true-class gradient keeps its relative precision."""
-        is_target = tiling.is_column(tXcX, target_col, self.loops)
+        is_target = tiling.is_column(tXcX, target_col, self.column_offsets)
         g = cute.where(is_target, p * (coef_p - coef_t) - coef_t * one_minus_p_target,
                        p * coef_p)
         if cutlass.const_expr(self.stage_weight):

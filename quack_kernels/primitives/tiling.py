@@ -96,9 +96,9 @@ def mask_out_of_row(values: cute.TensorSSA, tXcX: cute.Tensor, n_cols: Int32,
 def is_column(tXcX: cute.Tensor, col: Int32, relative: cutlass.Constexpr[bool]) -> cute.TensorSSA:
     """Per value of this thread's chunk: is it in column ``col``? ``relative``: compare
     offsets from the thread's first value (column_offset) instead of every value's
-    coordinate. Kernels looping over row blocks need it; for one-block CTAs the compiler
-    does better with coordinates (with offsets it spilled 8 bytes in the cross-entropy
-    forward at 262145 bf16 columns, every option on)."""
+    coordinate: one live register per chunk instead of a column per value (fewer
+    registers, more resident CTAs), but it spilled 8 bytes in the one-block
+    cross-entropy forward at 262145 bf16 columns with every option on."""
     flags = cute.make_rmem_tensor(cute.make_layout(tXcX.shape), Boolean)
     offset = col - tXcX[0][1]
     for i in cutlass.range_constexpr(cute.size(flags)):
