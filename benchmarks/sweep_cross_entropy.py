@@ -16,15 +16,18 @@ from quack_kernels.primitives.config import loop_grid_rows, loops_over_row_block
 from quack_kernels.bench import measure_copy_ceiling_gbps as copy_ceiling_gbps
 
 SHAPES = [(dtype, m, n) for dtype in (torch.bfloat16, torch.float32)
-          for m, n in ((32768, 4096), (8192, 16384), (4096, 128256))]
+          for m, n in ((32768, 4096), (8192, 16384), (4096, 128256), (8192, 151936))]
 FLAGS = dict(weighted=False, smoothing=False, zloss=False, softcap=False)
 
 
 def main(argv):
-    """argv: dtypes to sweep (bfloat16, float32; default both) and row lengths N of
-    SHAPES (default all)."""
+    """argv: dtypes to sweep (bfloat16, float32; default both), row lengths N of
+    SHAPES (default all), tpr=T,T (threads per row at most; default 256)."""
+    options = [a for a in argv if a.startswith("tpr=")]
+    argv = [a for a in argv if a not in options]
     dtypes = [getattr(torch, a) for a in argv if not a.isdigit()] or [torch.bfloat16, torch.float32]
     lengths = [int(a) for a in argv if a.isdigit()]
+    thread_limits = [int(t) for o in options for t in o[4:].split(",")] or [256]
     ceiling = copy_ceiling_gbps()
     print(f"copy ceiling {ceiling:.0f} GB/s")
     for dtype, m, n in SHAPES:
@@ -37,10 +40,11 @@ def main(argv):
         eb = x.element_size()
         # 128 KiB and more per CTA (loss only: no second pass over the row): shares of
         # long rows staged whole in shared memory or re-read from global memory
-        for write_grad, vpt, kib, stages in itertools.product((False, True), (16, 32),
-                                                               (16, 32, 128, 256, 1024), (1, 2)):
+        for write_grad, vpt, kib, stages, tpr in itertools.product(
+                (False, True), (16, 32), (16, 32, 128, 256, 1024), (1, 2), thread_limits):
             cfg = dataclasses.replace(
-                row_config(n, eb, values_per_thread=vpt, cta_row_bytes=kib * 1024), stages=stages)
+                row_config(n, eb, values_per_thread=vpt, cta_row_bytes=kib * 1024,
+                           max_threads_per_row=tpr), stages=stages)
             if stages == 2 and (not loops_over_row_blocks(cfg) or cfg.staging == "global"):
                 continue
             if kib > 32 and (write_grad or n * eb <= kib * 1024 // 2):
