@@ -1,6 +1,8 @@
 """Host overhead per call: wall-clock time of many back-to-back calls on a tiny tensor
 (the GPU finishes each kernel long before the next launch), per code path."""
 
+import threading
+
 import torch
 
 import quack_kernels as qk
@@ -26,6 +28,21 @@ class _TorchSoftmaxInPython(torch.autograd.Function):
         return torch._softmax_backward_data(grad, y, -1, grad.dtype)
 
 
+def in_worker_thread(fn):
+    """``fn`` called on a fresh thread, as the autograd engine calls a backward: the
+    fwd+bwd rows cost more than their forward and backward launches timed on the main
+    thread, so a per-thread cost (stream or context lookup) is a suspect."""
+
+    def call():
+        done = []
+        worker = threading.Thread(target=lambda: done.append(wall_us(fn, calls=2000, warmup=50)))
+        worker.start()
+        worker.join()
+        return done[0]
+
+    return call
+
+
 def main():
     x = torch.randn(8, 128, device="cuda", dtype=torch.bfloat16)
     xg = x.clone().requires_grad_()
@@ -49,8 +66,16 @@ def main():
         ("fwd+bwd torch.softmax in a Python Function",
          lambda: _TorchSoftmaxInPython.apply(xg).backward(dy)),
     ]
+    threaded = [
+        ("backward launch on a worker thread",
+         in_worker_thread(lambda: ops._softmax_backward_cuda(y, dy, False))),
+        ("torch._softmax_backward_data on a worker thread",
+         in_worker_thread(lambda: torch._softmax_backward_data(dy, y, -1, dy.dtype))),
+    ]
     for name, fn in rows:
         print(f"{name:45s} {wall_us(fn, calls=2000, warmup=50):7.1f} us/call")
+    for name, per_call in threaded:
+        print(f"{name:45s} {per_call():7.1f} us/call")
 
 
 if __name__ == "__main__":
