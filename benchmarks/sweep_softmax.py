@@ -14,6 +14,7 @@ import torch
 
 from quack_kernels.bench import measure_copy_ceiling_gbps, time_device_ms
 from quack_kernels.ops import softmax as ops
+from quack_kernels.primitives import config
 from quack_kernels.primitives.config import SMEM_BYTES_PER_CTA, row_config
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -32,7 +33,19 @@ def parse_args(argv):
     p.add_argument("--vpt", type=ints, default=[16, 32, 64], help="values per thread")
     p.add_argument("--kib", type=ints, default=[16, 32, 64], help="row KiB per CTA")
     p.add_argument("--tpr", type=ints, default=[256], help="max threads per row")
+    add_wide_cluster_option(p)
     return p.parse_args(argv)
+
+
+def add_wide_cluster_option(parser):
+    parser.add_argument("--wide16", action="store_true",
+                        help="keep 16-CTA clusters whose shares pass "
+                             "config.WIDE_CLUSTER_SHARE_BYTES (the default halves them)")
+
+
+def apply_wide_cluster_option(args):
+    if args.wide16:
+        config.WIDE_CLUSTER_SHARE_BYTES = float("inf")
 
 
 def variants(n, elem_bytes, staged, args):
@@ -48,6 +61,7 @@ def variants(n, elem_bytes, staged, args):
 
 def main(argv=None):
     args = parse_args(argv)
+    apply_wide_cluster_option(args)
     ceiling = measure_copy_ceiling_gbps()
     print(f"copy ceiling {ceiling:.0f} GB/s")
     for shape in args.shapes.split(","):

@@ -1,0 +1,94 @@
+"""Config sweep for the RMSNorm forward on the GPU (with and without a residual): time
+launch configurations on chosen shapes, one line per variant, with the runner's timing
+(an L2 flush before each call) and its copy ceiling.
+
+    python benchmarks/sweep_norm_forward.py --shapes bf16:512x262144 --residual 0,1
+    python benchmarks/sweep_norm_forward.py --dry-run   # compile only (no GPU needed)
+"""
+
+import argparse
+import itertools
+import os
+import sys
+
+import torch
+
+from sweep_softmax import DTYPES, add_wide_cluster_option, apply_wide_cluster_option, ints
+
+from quack_kernels.ops import norm as ops
+from quack_kernels.primitives.config import SMEM_BYTES_PER_CTA, row_config
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="bf16:512x262144,fp32:512x262144,bf16:2048x65536",
+                   help="dtype:MxN,...")
+    p.add_argument("--residual", type=ints, default=[0, 1], help="0: x only; 1: x + residual")
+    p.add_argument("--vpt", type=ints, default=[16, 32, 64], help="values per thread")
+    p.add_argument("--kib", type=ints, default=[16, 32, 64, 128], help="row KiB per CTA")
+    p.add_argument("--tpr", type=ints, default=[256], help="max threads per row")
+    p.add_argument("--dry-run", action="store_true", help="compile the variants, time nothing")
+    add_wide_cluster_option(p)
+    return p.parse_args(argv)
+
+
+def variants(n, elem_bytes, staged, args):
+    seen = set()
+    for vpt, kib, tpr in itertools.product(args.vpt, args.kib, args.tpr):
+        cfg = row_config(n, elem_bytes, staged, values_per_thread=vpt,
+                         cta_row_bytes=kib * 1024, max_threads_per_row=tpr)
+        if cfg in seen or cfg.staging_smem_bytes(elem_bytes * staged) > SMEM_BYTES_PER_CTA - 4096:
+            continue
+        seen.add(cfg)
+        yield vpt, kib, tpr, cfg
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    apply_wide_cluster_option(args)
+    if args.dry_run:
+        os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    else:
+        from quack_kernels.bench import measure_copy_ceiling_gbps, time_device_ms
+
+        ceiling = measure_copy_ceiling_gbps()
+        print(f"copy ceiling {ceiling:.0f} GB/s")
+    for shape, residual in itertools.product(args.shapes.split(","), args.residual):
+        name, mn = shape.split(":")
+        m, n = (int(v) for v in mn.split("x"))
+        dtype = DTYPES[name]
+        eb = torch.finfo(dtype).bits // 8
+        staged = 1 + residual
+        if not args.dry_run:
+            x = torch.randn(m, n, device="cuda", dtype=dtype)
+            res = torch.randn_like(x) if residual else None
+            weight = torch.randn(n, device="cuda", dtype=dtype)
+            y = torch.empty_like(x)
+            h = torch.empty_like(x) if residual else None
+            rstd = torch.empty(m, device="cuda")
+        for vpt, kib, tpr, cfg in variants(n, eb, staged, args):
+            label = (f"{name:5s} {mn:>12s} res={residual} vpt={vpt:3d} kib={kib:3d} tpr={tpr:4d} "
+                     f"cl={cfg.cluster_size:2d} thr={cfg.threads_per_row:4d} "
+                     f"vecs={cfg.vecs_per_thread:2d} ch={cfg.num_chunks:2d} {cfg.staging:9s}")
+            try:
+                fn = ops.compile_forward(cfg, True, dtype, dtype, bool(residual), bool(residual),
+                                         dtype, None, dtype)
+                if args.dry_run:
+                    print(label, "compiled", flush=True)
+                    continue
+                call = lambda: fn(x, res, weight, None, y, h, None, rstd, 1e-6, 0.0)  # noqa: E731
+                call()
+                ms = time_device_ms(call)
+            except Exception as e:  # a variant that does not compile or launch
+                print(f"{label} {type(e).__name__}: {str(e)[:80]}", flush=True)
+                continue
+            # read x [+ residual], write y [+ the residual stream]
+            pct = 100 * 2 * staged * m * n * eb / ms / 1e6 / ceiling
+            print(f"{label} {ms * 1e3:8.1f}us {pct:5.1f}%", flush=True)
+        if not args.dry_run:
+            del x, res, y, h
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
