@@ -41,15 +41,16 @@ VALUES_PER_THREAD = {2: 16, 4: 32}
 # share fits. Small shares keep several CTAs resident per SM and balance the tail
 # (16 KiB was at least as good as 32/64 KiB on every swept shape, same file).
 CTA_ROW_BYTES = 16 * 1024
-# 16-CTA clusters whose CTAs own more than 32 KiB run fewer CTAs than the SMs could
-# hold: the CTAs of a cluster must share one GPC, and the driver keeps only 21 such
-# clusters of 66 KiB resident on H200 (336 CTAs on 132 SMs) against 42 of 34 KiB
-# (benchmarks/NOTES.md, resident clusters). Halving the cluster to 8 CTAs of one
-# share of up to 128 KiB each did better on H200 (benchmarks/sweep_softmax.py,
-# results/softmax_threads_cluster_sweep_H200_20261129.txt): fp32 512x262144 softmax forward
-# 82% -> 90% of the copy ceiling, bf16 backward 85% -> 90%; a 64-KiB share on 8 CTAs
-# lost to a 32-KiB share on 16 (bf16 forward 80% vs 93%), hence the 32-KiB bound.
-WIDE_CLUSTER_SHARE_BYTES = 32 * 1024
+# A row that 16 CTAs split into shares of 64 KiB or more runs faster on 8 CTAs of twice
+# the share (up to 128 KiB each) on H200 (benchmarks/sweep_softmax.py,
+# results/softmax_threads_cluster_sweep_H200_20261129.txt): fp32 512x262144 softmax
+# forward 82% -> 90% of the copy ceiling, bf16 backward 85% -> 90%. Not at 32-KiB shares
+# (bf16 forward: 93% on 16 CTAs, 80% on 8 of 64 KiB); shares in between were not
+# measured and stay on 16. Why is open: by the driver's table (benchmarks/NOTES.md) the
+# 8-CTA clusters of 128 KiB have fewer CTAs resident (15 x 8) than 16-CTA ones of 64 KiB
+# (21 x 16); the per-row cost of a 16-CTA cluster (its barrier, 16 DSMEM exchanges) is
+# the suspect.
+WIDE_CLUSTER_SHARE_BYTES = 64 * 1024
 NARROW_CLUSTER_SHARE_BYTES = 128 * 1024
 # Threads per row grow before the cluster does: a 256-thread row needs 8 warps in the
 # block reduction, beyond that the smem round trip and barrier stall start to cost more
@@ -140,12 +141,12 @@ def threads_per_row_for(vectors: int, max_vecs_per_thread: int, max_threads: int
 def cluster_size_for(row_bytes: int, cta_row_bytes: int, looping: bool = False) -> int:
     """Smallest power-of-two cluster whose CTAs each own at most ``cta_row_bytes`` of
     the row; capped at 16 (beyond that a CTA's share grows instead). A one-block-per-CTA
-    kernel whose 16-CTA shares would pass WIDE_CLUSTER_SHARE_BYTES takes 8 CTAs of up to
-    NARROW_CLUSTER_SHARE_BYTES instead (see there); looping kernels were not measured
-    that way and keep 16."""
+    kernel whose 16-CTA shares would be WIDE_CLUSTER_SHARE_BYTES or more takes 8 CTAs of
+    up to NARROW_CLUSTER_SHARE_BYTES instead (see there); looping kernels were not
+    measured that way and keep 16."""
     cluster = min(MAX_CLUSTER_SIZE, _next_pow2(math.ceil(row_bytes / cta_row_bytes)))
     if (not looping and cluster == MAX_CLUSTER_SIZE
-            and WIDE_CLUSTER_SHARE_BYTES < row_bytes / cluster
+            and WIDE_CLUSTER_SHARE_BYTES <= row_bytes / cluster
             and row_bytes / (cluster // 2) <= NARROW_CLUSTER_SHARE_BYTES):
         return cluster // 2
     return cluster
