@@ -4,10 +4,14 @@ Public functions are differentiable and backed by ``torch.ops.quack_kernels.*`` 
 ops (CPU reference implementations, CUDA kernels for sm_90+).
 """
 
-from . import nn
-from .ops.cross_entropy import cross_entropy
-from .ops.norm import layer_norm, rms_norm
-from .ops.softmax import log_softmax, softmax
+from .primitives.compile_cache import compile_for_hopper_without_gpu
+
+compile_for_hopper_without_gpu()  # before the kernels import the DSL
+
+from . import nn  # noqa: E402
+from .ops.cross_entropy import cross_entropy  # noqa: E402
+from .ops.norm import layer_norm, rms_norm  # noqa: E402
+from .ops.softmax import log_softmax, softmax  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["softmax", "log_softmax", "rms_norm", "layer_norm", "cross_entropy", "nn", "__version__"]

@@ -2,7 +2,8 @@
 
     python -m quack_kernels.report [--quick] [--family softmax ...]
 
-Works without a GPU: ``CUTE_DSL_ARCH=sm_90a`` (set here when no GPU is visible) lets
+Works without a GPU: ``CUTE_DSL_ARCH=sm_90a`` (set by the package on import when no GPU
+is visible, see compile_cache.compile_for_hopper_without_gpu) lets
 ``cute.compile`` produce the cubin, and ``cuobjdump -res-usage`` (PyPI package
 ``nvidia-cuda-cuobjdump``) reads registers, stack and local memory from it. Our
 kernels call no functions, so a stack frame (STACK > 0) holds spilled registers
@@ -75,6 +76,15 @@ def resource_usage(cubin: str, cuobjdump: str) -> dict:
     return dict(regs=reg, stack=stack, static_smem=shared, local=local)
 
 
+def cubin_arch(cubin: str, cuobjdump: str) -> str:
+    """The SM architecture a cubin holds code for (``cuobjdump -lelf`` names it)."""
+    out = subprocess.run([cuobjdump, "-lelf", cubin], capture_output=True, text=True, check=True).stdout
+    match = re.search(r"\.(sm_\d+[a-z]?)\.cubin\s*$", out.strip())
+    if not match:
+        raise RuntimeError(f"cuobjdump -lelf named no architecture for {cubin}:\n{out}")
+    return match.group(1)
+
+
 def spills(res: dict) -> int:
     """Bytes per thread of spilled registers (stack frame and local memory)."""
     return res["stack"] + res["local"]
@@ -83,12 +93,22 @@ def spills(res: dict) -> int:
 def measure(variants, dump_dir: str, cuobjdump: str):
     """Compile each (name, n, dtype, cfg, build) variant and read its resources; yields
     (name, n, dtype, cfg, kernel object, resource dict)."""
-    from .primitives.compile_cache import compile_kernel
+    from .primitives.compile_cache import compile_kernel, target_arch
 
     for name, n, dtype, cfg, build in variants:
         kernel, *fakes = build()
-        fn = compile_kernel(kernel, *fakes, keep_cubin_in=dump_dir)
-        yield name, n, dtype, cfg, kernel, resource_usage(_cubin_file(fn.__cubin__, dump_dir), cuobjdump)
+        # a folder per variant: the DSL names a cubin after its kernel's signature,
+        # truncated, so variants differing only in their config share a file name
+        variant_dir = tempfile.mkdtemp(dir=dump_dir)
+        fn = compile_kernel(kernel, *fakes, keep_cubin_in=variant_dir)
+        cubin = _cubin_file(fn.__cubin__, variant_dir)
+        # another arch than the target: the DSL was set up before CUTE_DSL_ARCH was (see
+        # compile_cache.compile_for_hopper_without_gpu) and compiled for its default
+        arch = cubin_arch(cubin, cuobjdump)
+        if arch != target_arch():
+            raise RuntimeError(f"{name}: compiled for another arch ({arch}) than the "
+                               f"target {target_arch()}")
+        yield name, n, dtype, cfg, kernel, resource_usage(cubin, cuobjdump)
 
 
 def main(argv=None) -> int:
@@ -99,8 +119,6 @@ def main(argv=None) -> int:
 
     import torch
 
-    if not torch.cuda.is_available():
-        os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     from .primitives.compile_cache import target_arch
 
     cuobjdump = find_cuobjdump()

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from quack_kernels.report import _RES, find_cuobjdump, resource_usage
 
@@ -12,11 +13,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_report_quick_has_no_spills():
+    """Run as a user runs it: nothing set, so without a GPU the package must make the
+    DSL compile for sm_90a (set after the DSL's import, the variable came too late and
+    the report showed sm_100a code; the report refuses another arch than the target)."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    env.pop("CUTE_DSL_ARCH", None)
     proc = subprocess.run([sys.executable, "-m", "quack_kernels.report", "--quick"],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    if not torch.cuda.is_available():
+        assert "resource report for sm_90a" in proc.stdout
     rows = [line.split() for line in proc.stdout.splitlines()
             if line.split() and line.split()[0].startswith(("softmax", "log_softmax", "rms_norm", "layer_norm", "xent"))]
     families = {row[0].split("_")[0] for row in rows}
@@ -35,3 +41,18 @@ def test_resource_parser_reads_cuobjdump(tmp_path):
         pytest.skip("cuobjdump not installed")
     with pytest.raises(subprocess.CalledProcessError):
         resource_usage(str(tmp_path / "missing.cubin"), find_cuobjdump())
+
+
+def test_report_refuses_cubins_of_another_arch(monkeypatch, tmp_path):
+    """The report checks the arch in the cubin's name against the target, so a DSL
+    that compiled for its own default is caught instead of reported."""
+    if find_cuobjdump() is None:
+        pytest.skip("cuobjdump not installed")
+    from quack_kernels import report
+    from quack_kernels.ops import softmax
+    from quack_kernels.primitives import compile_cache
+
+    variant = next(softmax.report_variants([1024], [torch.float32]))
+    monkeypatch.setattr(compile_cache, "target_arch", lambda: "sm_80")
+    with pytest.raises(RuntimeError, match="another arch"):
+        next(report.measure([variant], str(tmp_path), find_cuobjdump()))

@@ -36,6 +36,15 @@ def cutlass_dtype(dtype: torch.dtype):
     }[dtype]
 
 
+def compile_for_hopper_without_gpu() -> None:
+    """On a machine without a CUDA GPU, compile for sm_90a (what these kernels target)
+    unless CUTE_DSL_ARCH says otherwise. The DSL reads the variable when it is imported
+    and otherwise picks its own default (sm_100a), so this runs before anything imports
+    it: on import of the package."""
+    if "CUTE_DSL_ARCH" not in os.environ and not torch.cuda.is_available():
+        os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+
+
 @functools.lru_cache(maxsize=None)
 def target_arch() -> str:
     """The arch kernels are compiled for: CUTE_DSL_ARCH if set, else the current GPU's
