@@ -5,6 +5,7 @@ import torch
 
 import quack_kernels as qk
 from quack_kernels.ops import softmax as ops
+from quack_kernels.primitives.config import row_config
 
 from helpers import assert_close, poison_allocator
 
@@ -47,6 +48,28 @@ def test_million_columns(n, dtype):
     dy = fresh((3, n), dtype)
     assert_close(ops.softmax_backward(y, dy, False),
                  ops.softmax_backward_reference(y.double(), dy.double(), False), dtype, scale=4.0)
+
+
+@pytest.mark.parametrize("threads", [512, 1024])
+@pytest.mark.parametrize("n, dtype", [(4097, torch.bfloat16), (262144, torch.float32),
+                                      (1 << 20, torch.float32), (1 << 20, torch.bfloat16)])
+def test_rows_of_16_and_32_warps(n, dtype, threads):
+    """Rows of more than 8 warps (the defaults stop at 256 threads; the sweeps measured
+    512 and 1024 faster for rows re-read from global memory): the block reduction over
+    16 and 32 warps, registers, shared-memory and global staging."""
+    eb = torch.finfo(dtype).bits // 8
+    x = fresh((5, n), dtype)
+    dy = fresh((5, n), dtype)
+    for log in (False, True):
+        fwd_cfg = row_config(n, eb, 1, max_threads_per_row=threads)
+        y = torch.full_like(x, float("nan"))
+        ops.compile_forward(fwd_cfg, dtype, log)(x, y)
+        assert_close(y, reference(x, log), dtype)
+        bwd_cfg = row_config(n, eb, 2, max_threads_per_row=threads)
+        dx = torch.full_like(x, float("nan"))
+        ops.compile_backward(bwd_cfg, dtype, log)(y, dy, dx)
+        dx_ref = ops.softmax_backward_reference(y.double(), dy.double(), log)
+        assert_close(dx, dx_ref, dtype, scale=4.0, name="dx")
 
 
 @pytest.mark.parametrize("n", [3000, 65536, 1 << 20])
