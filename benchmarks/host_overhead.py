@@ -29,16 +29,26 @@ class _TorchSoftmaxInPython(torch.autograd.Function):
 
 
 def in_worker_thread(fn):
-    """``fn`` called on a fresh thread, as the autograd engine calls a backward: the
-    fwd+bwd rows cost more than their forward and backward launches timed on the main
-    thread, so a per-thread cost (stream or context lookup) is a suspect."""
+    """``fn`` timed on a thread other than the main one, as the autograd engine runs a
+    backward on its own device thread: the fwd+bwd rows cost more than their forward
+    and backward launches timed on the main thread, so a per-thread cost (stream or
+    context lookup) is a suspect."""
 
     def call():
-        done = []
-        worker = threading.Thread(target=lambda: done.append(wall_us(fn, calls=2000, warmup=50)))
+        result = {}
+
+        def work():
+            try:
+                result["us"] = wall_us(fn, calls=2000, warmup=50)
+            except BaseException as error:  # handed to the caller below
+                result["error"] = error
+
+        worker = threading.Thread(target=work)
         worker.start()
         worker.join()
-        return done[0]
+        if "error" in result:
+            raise result["error"]
+        return result["us"]
 
     return call
 

@@ -40,11 +40,15 @@ def main(argv):
         eb = x.element_size()
         # 128 KiB and more per CTA (loss only: no second pass over the row): shares of
         # long rows staged whole in shared memory or re-read from global memory
+        seen = set()
         for write_grad, vpt, kib, stages, tpr in itertools.product(
                 (False, True), (16, 32), (16, 32, 128, 256, 1024), (1, 2), thread_limits):
             cfg = dataclasses.replace(
                 row_config(n, eb, values_per_thread=vpt, cta_row_bytes=kib * 1024,
                            max_threads_per_row=tpr), stages=stages)
+            if (write_grad, cfg) in seen:  # thread limits above the row's need
+                continue
+            seen.add((write_grad, cfg))
             if stages == 2 and (not loops_over_row_blocks(cfg) or cfg.staging == "global"):
                 continue
             if kib > 32 and (write_grad or n * eb <= kib * 1024 // 2):
@@ -64,7 +68,7 @@ def main(argv):
                       f"{cfg.staging:9s} st={stages} ctas/SM={kernel.ctas_per_sm()} "
                       f"{ms*1e3:8.1f}us {pct:5.1f}%", flush=True)
             except Exception as e:  # a variant that does not compile or launch
-                print(f"{dtype} {n} grad={write_grad} vpt={vpt} kib={kib} st={stages}: "
+                print(f"{dtype} {n} grad={write_grad} vpt={vpt} kib={kib} st={stages} tpr={tpr}: "
                       f"{type(e).__name__} {e}"[:200])
         del x, grad
         torch.cuda.empty_cache()

@@ -8,15 +8,14 @@ launch configurations on chosen shapes, one line per variant, with the runner's 
 
 import argparse
 import itertools
-import os
 import sys
 
 import torch
 
-from sweep_softmax import DTYPES, add_wide_cluster_option, apply_wide_cluster_option, ints
+from sweep_softmax import (DTYPES, add_wide_cluster_option, apply_wide_cluster_option, ints,
+                           variants)
 
 from quack_kernels.ops import norm as ops
-from quack_kernels.primitives.config import SMEM_BYTES_PER_CTA, row_config
 
 
 def parse_args(argv):
@@ -32,23 +31,10 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def variants(n, elem_bytes, staged, args):
-    seen = set()
-    for vpt, kib, tpr in itertools.product(args.vpt, args.kib, args.tpr):
-        cfg = row_config(n, elem_bytes, staged, values_per_thread=vpt,
-                         cta_row_bytes=kib * 1024, max_threads_per_row=tpr)
-        if cfg in seen or cfg.staging_smem_bytes(elem_bytes * staged) > SMEM_BYTES_PER_CTA - 4096:
-            continue
-        seen.add(cfg)
-        yield vpt, kib, tpr, cfg
-
-
 def main(argv=None):
     args = parse_args(argv)
     apply_wide_cluster_option(args)
-    if args.dry_run:
-        os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-    else:
+    if not args.dry_run:  # (without a GPU the package compiles for sm_90a)
         from quack_kernels.bench import measure_copy_ceiling_gbps, time_device_ms
 
         ceiling = measure_copy_ceiling_gbps()

@@ -26,10 +26,17 @@ def ints(text):
     return [int(v) for v in text.split(",")]
 
 
+def directions(text):
+    chosen = text.split(",")
+    if not set(chosen) <= {"fwd", "bwd"}:
+        raise argparse.ArgumentTypeError(f"directions are fwd and bwd, got {text}")
+    return chosen
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help="dtype:MxN,...")
-    p.add_argument("--direction", default="fwd,bwd")
+    p.add_argument("--direction", default="fwd,bwd", type=directions)
     p.add_argument("--vpt", type=ints, default=[16, 32, 64], help="values per thread")
     p.add_argument("--kib", type=ints, default=[16, 32, 64], help="row KiB per CTA")
     p.add_argument("--tpr", type=ints, default=[256], help="max threads per row")
@@ -71,7 +78,7 @@ def main(argv=None):
         x = torch.randn(m, n, device="cuda", dtype=dtype)
         dy, y, dx = torch.randn_like(x), torch.empty_like(x), torch.empty_like(x)
         eb = x.element_size()
-        for direction in args.direction.split(","):
+        for direction in args.direction:
             backward = direction == "bwd"
             staged = 2 if backward else 1
             for vpt, kib, tpr, cfg in variants(n, eb, staged, args):

@@ -48,6 +48,7 @@ def test_cluster_grows_with_n_and_only_when_needed():
 def test_wide_cluster_shares_move_to_eight_ctas_unless_looping():
     assert row_config(131072 + 1024, 4).cluster_size == 16  # 16 x 32.25 KiB: not measured
     assert row_config(262144, 4).cluster_size == 8  # 16 x 64 KiB -> 8 x 128 KiB
+    assert row_config(262145, 4).cluster_size == 16  # 8 x (128 KiB + 4 B): not measured
     assert row_config(262144, 4, looping=True).cluster_size == 16
     assert row_config(262144, 2).cluster_size == 16  # 32-KiB shares stay on 16
     assert row_config(262144, 4, 2).cluster_size == 16  # 8 x 256 KiB would not fit

@@ -92,7 +92,7 @@ class CrossEntropyForward(RowKernel):
         # kernel at 80 registers (3 CTAs of 256 threads per SM) where offsets need 58 (4)
         # at 128256 bf16 columns. With the weight row staged as well, offsets spilled
         # 8 bytes at 262145 bf16 columns, so that variant keeps coordinates.
-        self.column_offsets = self.loops or self.streams or not self.stage_weight
+        self.column_offsets = self.loops or not self.stage_weight
         self.scratch_buffers = 2 if self.loops else 1  # alternate per row block
 
     @cute.jit

@@ -41,15 +41,17 @@ VALUES_PER_THREAD = {2: 16, 4: 32}
 # share fits. Small shares keep several CTAs resident per SM and balance the tail
 # (16 KiB was at least as good as 32/64 KiB on every swept shape, same file).
 CTA_ROW_BYTES = 16 * 1024
-# A row that 16 CTAs split into shares of 64 KiB or more runs faster on 8 CTAs of twice
-# the share (up to 128 KiB each) on H200 (benchmarks/sweep_softmax.py,
-# results/softmax_threads_cluster_sweep_H200_20261129.txt): fp32 512x262144 softmax
-# forward 82% -> 90% of the copy ceiling, bf16 backward 85% -> 90%. Not at 32-KiB shares
-# (bf16 forward: 93% on 16 CTAs, 80% on 8 of 64 KiB); shares in between were not
-# measured and stay on 16. Why is open: by the driver's table (benchmarks/NOTES.md) the
-# 8-CTA clusters of 128 KiB have fewer CTAs resident (15 x 8) than 16-CTA ones of 64 KiB
-# (21 x 16); the per-row cost of a 16-CTA cluster (its barrier, 16 DSMEM exchanges) is
-# the suspect.
+# A row of 1 MiB (16 CTA shares of 64 KiB) runs faster on 8 CTAs of 128 KiB each on
+# H200 (benchmarks/sweep_softmax.py, results/softmax_threads_cluster_sweep_H200_20261129
+# .txt): fp32 512x262144 softmax forward 82% -> 90% of the copy ceiling, bf16 backward
+# 85% -> 87% (90% with 32 values per thread). Not at 512 KiB (32-KiB shares: bf16
+# forward 93% on 16 CTAs, 80% on 8 of 64 KiB, results/softmax_config_sweep_H200_
+# 20261129.txt). With these two bounds the rule applies to rows of exactly 1 MiB (e.g.
+# 262144 fp32 columns); rows in between, and ragged rows just above (262145 fp32,
+# whose 8-CTA shares would pass 128 KiB), were not measured and keep 16 CTAs. Why 8
+# wins is open: by the driver's table (benchmarks/NOTES.md) 8-CTA clusters of 128 KiB
+# have fewer CTAs resident (15 x 8) than 16-CTA ones of 64 KiB (21 x 16); the per-row
+# cost of a 16-CTA cluster (its barrier, 16 DSMEM exchanges) is the suspect.
 WIDE_CLUSTER_SHARE_BYTES = 64 * 1024
 NARROW_CLUSTER_SHARE_BYTES = 128 * 1024
 # Threads per row grow before the cluster does: a 256-thread row needs 8 warps in the
