@@ -916,7 +916,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--dtype", default="bf16,fp32", help=f"comma list of {', '.join(DTYPES)} (default: both)"
     )
-    parser.add_argument("--quick", action="store_true", help="a couple of shapes per op")
+    parser.add_argument("--quick", action="store_true",
+                        help="a couple of shapes per op (without a GPU: the quick resource report)")
     parser.add_argument(
         "--out",
         type=pathlib.Path,
@@ -994,7 +995,7 @@ def main(argv: list[str] | None = None) -> int:
         print("No CUDA device: compiling every kernel for sm_90a and printing the resource report.")
         from quack_kernels import report
 
-        return report.main([])
+        return report.main(["--quick"] if args.quick else [])
     return run(args)
 
 

@@ -56,3 +56,16 @@ def test_report_refuses_cubins_of_another_arch(monkeypatch, tmp_path):
     monkeypatch.setattr(compile_cache, "target_arch", lambda: "sm_80")
     with pytest.raises(RuntimeError, match="another arch"):
         next(report.measure([variant], str(tmp_path), find_cuobjdump()))
+
+
+@pytest.mark.parametrize("argv, expected", [([], []), (["--quick"], ["--quick"])])
+def test_bench_without_gpu_runs_the_report(monkeypatch, argv, expected):
+    """The main job's CLI falls back to the resource report without a GPU (quick with
+    --quick)."""
+    from quack_kernels import bench, report
+
+    calls = []
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(report, "main", lambda args: calls.append(args) or 0)
+    assert bench.main(argv) == 0
+    assert calls == [expected]
