@@ -31,6 +31,30 @@ def test_report_quick_has_no_spills():
     assert all(int(row[-1]) == 0 for row in rows)  # spill column
 
 
+# Spills of the full grid on sm_90a, each a known miss of an issue's zero-spill target
+# (benchmarks/NOTES.md, fifth session): a new spill fails this test, and so does a fix
+# that leaves its entry here.
+KNOWN_SPILLS = {
+    ("log_softmax_bwd", "float32", 1048576),
+    ("xent_fwd_loss", "float16", 1024),
+    ("xent_fwd_loss", "bfloat16", 1024),
+}
+
+
+@pytest.mark.slow
+def test_report_full_grid_spills_only_the_known_variants():
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("CUTE_DSL_ARCH", None)
+    proc = subprocess.run([sys.executable, "-m", "quack_kernels.report"],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=3600)
+    rows = [line.split() for line in proc.stdout.splitlines()
+            if line.split() and line.split()[0].startswith(("softmax", "log_softmax", "rms_norm", "layer_norm", "xent"))]
+    assert len(rows) >= 500, proc.stdout[-4000:] + proc.stderr[-4000:]
+    spilled = {(row[0], row[1], int(row[2])) for row in rows if row[-1] == "SPILL"}
+    assert spilled == KNOWN_SPILLS
+    assert proc.returncode == (1 if KNOWN_SPILLS else 0)
+
+
 def test_resource_line_parser():
     line = "  REG:80 STACK:0 SHARED:1024 LOCAL:16 CONSTANT[0]:600 TEXTURE:0"
     assert _RES.search(line).groups() == ("80", "0", "1024", "16")
