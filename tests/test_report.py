@@ -12,19 +12,25 @@ from quack_kernels.report import _RES, find_cuobjdump, resource_usage
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_report_quick_has_no_spills():
-    """Run as a user runs it: nothing set, so without a GPU the package must make the
-    DSL compile for sm_90a (set after the DSL's import, the variable came too late and
-    the report showed sm_100a code; the report refuses another arch than the target)."""
+def _run_report(*args, timeout):
+    """``python -m quack_kernels.report *args`` run as a user runs it: nothing set, so
+    without a GPU the package must make the DSL compile for sm_90a (set after the DSL's
+    import, the variable came too late and the report showed sm_100a code; the report
+    refuses another arch than the target). Returns (process, split variant rows)."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("CUTE_DSL_ARCH", None)
-    proc = subprocess.run([sys.executable, "-m", "quack_kernels.report", "--quick"],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
+    proc = subprocess.run([sys.executable, "-m", "quack_kernels.report", *args],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
+    rows = [line.split() for line in proc.stdout.splitlines()
+            if line.split() and line.split()[0].startswith(("softmax", "log_softmax", "rms_norm", "layer_norm", "xent"))]
+    return proc, rows
+
+
+def test_report_quick_has_no_spills():
+    proc, rows = _run_report("--quick", timeout=1800)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     if not torch.cuda.is_available():
         assert "resource report for sm_90a" in proc.stdout
-    rows = [line.split() for line in proc.stdout.splitlines()
-            if line.split() and line.split()[0].startswith(("softmax", "log_softmax", "rms_norm", "layer_norm", "xent"))]
     families = {row[0].split("_")[0] for row in rows}
     assert families == {"softmax", "log", "rms", "layer", "xent"}
     assert len(rows) >= 150
@@ -43,12 +49,7 @@ KNOWN_SPILLS = {
 
 @pytest.mark.slow
 def test_report_full_grid_spills_only_the_known_variants():
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("CUTE_DSL_ARCH", None)
-    proc = subprocess.run([sys.executable, "-m", "quack_kernels.report"],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=3600)
-    rows = [line.split() for line in proc.stdout.splitlines()
-            if line.split() and line.split()[0].startswith(("softmax", "log_softmax", "rms_norm", "layer_norm", "xent"))]
+    proc, rows = _run_report(timeout=3600)
     assert len(rows) >= 500, proc.stdout[-4000:] + proc.stderr[-4000:]
     spilled = {(row[0], row[1], int(row[2])) for row in rows if row[-1] == "SPILL"}
     assert spilled == KNOWN_SPILLS

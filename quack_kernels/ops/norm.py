@@ -508,6 +508,7 @@ def _norm_forward_eager(x, weight, bias, residual, eps, weight_offset, rms, out_
     key = (rms, out_dtype, residual_dtype, store_residual, _plan_part(x), _plan_part(weight),
            _plan_part(bias), _plan_part(residual))
     fn = _forward_plans.get(key)
+    stored = store_residual and residual is not None
     if fn is None or x.numel() == 0 or (residual is not None and residual.shape != x.shape):
         planned = None if _UNPLANNED in key else key
         y, h, mean, rstd = _norm_forward_checked(x, weight, bias, residual, eps, weight_offset,
@@ -515,7 +516,6 @@ def _norm_forward_eager(x, weight, bias, residual, eps, weight_offset, rms, out_
                                                  planned)
     else:
         n_cols = x.shape[-1]
-        stored = store_residual and residual is not None
         y = torch.empty_like(x, dtype=out_dtype or x.dtype)
         h = torch.empty_like(x, dtype=residual_dtype or residual.dtype) if stored else None
         mean = None if rms else torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
@@ -524,7 +524,6 @@ def _norm_forward_eager(x, weight, bias, residual, eps, weight_offset, rms, out_
            weight, bias, rows_view(y, n_cols), None if h is None else rows_view(h, n_cols),
            None if mean is None else flat(mean), flat(rstd), eps, weight_offset)
         return y, h, mean, rstd
-    stored = store_residual and residual is not None
     return y, (h if stored else None), (None if rms else mean), rstd
 
 

@@ -87,7 +87,6 @@ class RowKernel:
             **occupancy,
         )
 
-
     @cute.jit
     def for_each_row_block(self, num_rows, grid_rows, body, *args):
         """The loop of a looping grid of ``grid_rows`` row blocks: this CTA calls
