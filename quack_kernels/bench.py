@@ -918,6 +918,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--quick", action="store_true",
                         help="a couple of shapes per op (without a GPU: the quick resource report)")
+    parser.add_argument("--shape", action="append", metavar="MxN[,MxN...]",
+                        help="shapes to run instead of each op's grid (e.g. 4096x128256)")
     parser.add_argument(
         "--out",
         type=pathlib.Path,
@@ -930,6 +932,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.op = _comma_list(args.op) or list(OPS)
     args.dtype = _comma_list([args.dtype])
+    shapes = _comma_list(args.shape)
+    if not all(re.fullmatch(r"\d+x\d+", shape) for shape in shapes):
+        parser.error(f"--shape takes MxN[,MxN...], got {', '.join(shapes)}")
+    args.shape = [tuple(int(v) for v in shape.split("x")) for shape in shapes]
     for kind, chosen, known in (("op", args.op, OPS), ("dtype", args.dtype, DTYPES)):
         unknown = [name for name in chosen if name not in known]
         if unknown:
@@ -947,9 +953,9 @@ def _available_ops(names: list[str]) -> list[OpBench]:
     return ops
 
 
-def _cases(op: OpBench, dtypes: list[str], quick: bool):
+def _cases(op: OpBench, dtypes: list[str], quick: bool, shapes: list[tuple[int, int]]):
     for dtype_name in (d for d in dtypes if d in op.dtypes):
-        for M, N in op.quick_shapes if quick else op.shapes:
+        for M, N in shapes or (op.quick_shapes if quick else op.shapes):
             yield dtype_name, M, N
 
 
@@ -971,7 +977,7 @@ def run(args: argparse.Namespace) -> int:
     cases = []
     try:
         for op in ops:
-            for dtype_name, M, N in _cases(op, args.dtype, args.quick):
+            for dtype_name, M, N in _cases(op, args.dtype, args.quick, args.shape):
                 estimate = _case_bytes(op, M, N, DTYPES[dtype_name])
                 if estimate > MAX_CASE_BYTES:
                     print(f"skipping {op.name} {dtype_name} {M}x{N}: ~{estimate / GiB:.0f} GiB")

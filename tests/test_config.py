@@ -61,6 +61,18 @@ def test_staging_paths_for_large_rows():
     assert row_config(1 << 20, 4).staging == "global"  # 256 KiB per CTA: re-read
 
 
+def test_rows_reread_from_global_memory_take_more_threads():
+    reread = row_config(1 << 20, 4)
+    assert reread.threads_per_row == config.GLOBAL_STAGED_THREADS_PER_ROW
+    assert reread.cols_covered == 1 << 20
+    staged = row_config(1 << 20, 2)  # 128 KiB per CTA fits shared memory
+    assert staged.threads_per_row == config.MAX_THREADS_PER_ROW
+    assert row_config(1 << 20, 4, looping=True).threads_per_row == config.MAX_THREADS_PER_ROW
+    assert row_config(1 << 20, 4, max_threads_per_row=128).threads_per_row == 128
+    # the streamed loss keeps the threads it was measured with
+    assert config.streamed_row_config(1 << 19, 2, 256 * 1024).threads_per_row == config.MAX_THREADS_PER_ROW
+
+
 def test_rejects_empty_rows():
     with pytest.raises(ValueError):
         row_config(0, 2)

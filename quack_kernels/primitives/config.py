@@ -58,6 +58,14 @@ NARROW_CLUSTER_SHARE_BYTES = 128 * 1024
 # block reduction, beyond that the smem round trip and barrier stall start to cost more
 # than a DSMEM exchange.
 MAX_THREADS_PER_ROW = 256
+# Except for shares re-read from global memory ("global" staging: 1M-column softmax
+# rows): there no shared memory bounds the CTA, and 512 threads per row (half the
+# chunks per thread) were faster in every case of the H200 sweep (results/softmax_
+# threads_cluster_sweep_H200_20261129.txt: 128x1048576 fp32 forward 60.9% -> 69.3% of
+# the copy ceiling, bf16 backward 45.5% -> 49.6%, fp32 backward 58.3% -> 59.4%). Fewer
+# chunks per thread also end the fp32 log_softmax backward's 16-byte spill. Looping
+# kernels were not measured that way and keep MAX_THREADS_PER_ROW.
+GLOBAL_STAGED_THREADS_PER_ROW = 512
 # Small rows pack several rows into a block so a block still has >= 4 warps in flight.
 MIN_THREADS_PER_BLOCK = 128
 # Vectors a thread loads per chunk when the row is short: 4 x 16 B in flight per thread
@@ -168,7 +176,7 @@ def staging_for(chunks: int, chunk_bytes: int) -> str:
 def row_config(n_cols: int, elem_bytes: int, staged_tensors: int = 1,
                bytes_per_col: int | None = None, max_vec: int | None = None,
                values_per_thread: int | None = None,
-               max_threads_per_row: int = MAX_THREADS_PER_ROW,
+               max_threads_per_row: int | None = None,
                min_threads_per_block: int = MIN_THREADS_PER_BLOCK,
                cta_row_bytes: int = CTA_ROW_BYTES, looping: bool = False) -> RowConfig:
     """Configuration for rows of ``n_cols`` elements of ``elem_bytes`` each (the widest
@@ -176,7 +184,9 @@ def row_config(n_cols: int, elem_bytes: int, staged_tensors: int = 1,
     dy in a backward). ``bytes_per_col`` is the staged bytes per column over all of
     them (defaults to staged_tensors * elem_bytes). ``looping``: the kernel loops over row
     blocks (see cluster_size_for). The keyword limits default to the tuned constants
-    above; tests and sweeps override them to force other paths."""
+    above (``max_threads_per_row``: MAX_THREADS_PER_ROW, or GLOBAL_STAGED_THREADS_PER_ROW
+    for rows that end up re-read from global memory); tests and sweeps override them to
+    force other paths."""
     if n_cols < 1:
         raise ValueError(f"row length must be >= 1, got {n_cols}")
     if bytes_per_col is None:
@@ -188,6 +198,19 @@ def row_config(n_cols: int, elem_bytes: int, staged_tensors: int = 1,
     vectors = math.ceil(n_cols / vec)
     cluster = cluster_size_for(n_cols * bytes_per_col, cta_row_bytes, looping)
     vectors_per_cta = math.ceil(vectors / cluster)
+    cfg = _split_share(n_cols, vec, cluster, vectors_per_cta, max_vecs_per_thread, bytes_per_col,
+                       max_threads_per_row or MAX_THREADS_PER_ROW, min_threads_per_block)
+    if max_threads_per_row is None and cfg.staging == "global" and not looping:
+        cfg = _split_share(n_cols, vec, cluster, vectors_per_cta, max_vecs_per_thread,
+                           bytes_per_col, GLOBAL_STAGED_THREADS_PER_ROW, min_threads_per_block)
+    return cfg
+
+
+def _split_share(n_cols: int, vec: int, cluster: int, vectors_per_cta: int,
+                 max_vecs_per_thread: int, bytes_per_col: int, max_threads_per_row: int,
+                 min_threads_per_block: int) -> RowConfig:
+    """A CTA's share of ``vectors_per_cta`` vectors split into threads, chunks and rows
+    per block, and where it is staged."""
     threads_per_row = threads_per_row_for(vectors_per_cta, max_vecs_per_thread, max_threads_per_row)
     vecs_needed = math.ceil(vectors_per_cta / threads_per_row)
     vecs_per_thread = min(vecs_needed, max_vecs_per_thread)
@@ -210,10 +233,11 @@ def streamed_row_config(n_cols: int, elem_bytes: int, cta_row_bytes: int,
                         max_vec: int | None = None) -> RowConfig:
     """Rows reduced once and never written (a loss without its gradient): shares of up
     to ``cta_row_bytes`` per CTA, re-read chunk by chunk from global memory instead of
-    staged, since nothing comes back to them."""
+    staged, since nothing comes back to them. Their threads per row stay at the
+    MAX_THREADS_PER_ROW they were measured with."""
     return dataclasses.replace(
         row_config(n_cols, elem_bytes, max_vec=max_vec, values_per_thread=VALUES_PER_THREAD[2],
-                   cta_row_bytes=cta_row_bytes),
+                   cta_row_bytes=cta_row_bytes, max_threads_per_row=MAX_THREADS_PER_ROW),
         staging="global")
 
 
