@@ -39,10 +39,12 @@ def main(argv):
         grad = torch.empty_like(x)
         eb = x.element_size()
         # 128 KiB and more per CTA (loss only: no second pass over the row): shares of
-        # long rows staged whole in shared memory or re-read from global memory
+        # long rows staged whole in shared memory or re-read from global memory; 64 KiB
+        # gives rows just above a power of two of 32-KiB shares (151936 bf16) half the
+        # cluster
         seen = set()
         for write_grad, vpt, kib, stages, tpr in itertools.product(
-                (False, True), (16, 32), (16, 32, 128, 256, 1024), (1, 2), thread_limits):
+                (False, True), (16, 32), (16, 32, 64, 128, 256, 1024), (1, 2), thread_limits):
             cfg = dataclasses.replace(
                 row_config(n, eb, values_per_thread=vpt, cta_row_bytes=kib * 1024,
                            max_threads_per_row=tpr), stages=stages)
@@ -51,7 +53,7 @@ def main(argv):
             seen.add((write_grad, cfg))
             if stages == 2 and (not loops_over_row_blocks(cfg) or cfg.staging == "global"):
                 continue
-            if kib > 32 and (write_grad or n * eb <= kib * 1024 // 2):
+            if kib > 64 and (write_grad or n * eb <= kib * 1024 // 2):
                 continue
             try:
                 fn = ops.compile_forward(cfg, dtype, torch.int64, write_grad=write_grad, **FLAGS)

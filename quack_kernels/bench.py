@@ -443,23 +443,42 @@ def _norm_backward_builder(resolve: Callable[[], Callable], with_bias: bool) -> 
     return build
 
 
+def _norm_training_builder(resolve: Callable[[], Callable], with_bias: bool) -> Builder:
+    """Builder timing one training step ``f(x, w, b).backward(dy)`` through autograd,
+    the gradients of x, w (and b) dropped first so that none accumulates."""
+
+    def build(inputs):
+        f = resolve()
+        x = inputs["x"].detach().requires_grad_()
+        w = inputs["w"].detach().requires_grad_()
+        b = inputs["b"].detach().requires_grad_() if with_bias else None
+        dy = inputs["dy"]
+
+        def step():
+            x.grad = w.grad = None
+            if b is not None:
+                b.grad = None
+            f(x, w, b).backward(dy)
+
+        return step
+
+    return build
+
+
+# Issue 3's training-step shapes: host overhead dominates every implementation there
+NORM_TRAINING_SHAPES = ((1024, 8192), (4096, 4096))
+
+
 def _norm_benches(rms: bool) -> list[OpBench]:
     name = "rms_norm" if rms else "layer_norm"
     eager = _eager_norm(rms)
     with_bias = not rms
     weights = (1 if rms else 2)  # per-column vectors, negligible next to M * N
-    fwd_baselines = {
-        "torch": _norm_forward_builder(lambda: eager),
-        "torch_compile": _norm_forward_builder(lambda: _compiled(eager)),
-        "liger": _norm_forward_builder(lambda: _liger_norm(rms)),
-        "quack": _norm_forward_builder(lambda: _quack_norm(rms)),
-    }
-    bwd_baselines = {
-        "torch": _norm_backward_builder(lambda: eager, with_bias),
-        "torch_compile": _norm_backward_builder(lambda: _compiled(eager), with_bias),
-        "liger": _norm_backward_builder(lambda: _liger_norm(rms), with_bias),
-        "quack": _norm_backward_builder(lambda: _quack_norm(rms), with_bias),
-    }
+    resolvers = {"torch": lambda: eager, "torch_compile": lambda: _compiled(eager),
+                 "liger": lambda: _liger_norm(rms), "quack": lambda: _quack_norm(rms)}
+    fwd_baselines = {impl: _norm_forward_builder(r) for impl, r in resolvers.items()}
+    bwd_baselines = {impl: _norm_backward_builder(r, with_bias) for impl, r in resolvers.items()}
+    training_baselines = {impl: _norm_training_builder(r, with_bias) for impl, r in resolvers.items()}
     available = lambda: _has_api(name)  # noqa: E731
     return [
         OpBench(
@@ -485,6 +504,15 @@ def _norm_benches(rms: bool) -> list[OpBench]:
             # the fp32 per-CTA partials of dw/db stay O(#SMs * N))
             model_bytes=lambda M, N, dtype: (3 * M * N + 2 * weights * N) * _elem(dtype),
             shapes=NORM_SHAPES, quick_shapes=NORM_QUICK_SHAPES),
+        OpBench(
+            name=f"{name}_fwdbwd", group="norm", available=available,
+            make_inputs=_norm_inputs(residual=False, backward=True),
+            ours=_norm_training_builder(lambda: _ours_norm(rms), with_bias),
+            baselines=training_baselines,
+            # forward reads x, writes y; backward reads x, dy, writes dx: 5 * M * N
+            model_bytes=lambda M, N, dtype: (5 * M * N + 3 * weights * N) * _elem(dtype),
+            shapes=NORM_TRAINING_SHAPES, quick_shapes=NORM_TRAINING_SHAPES, dtypes=("bf16",),
+            host_inclusive=True),
     ]
 
 

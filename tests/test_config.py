@@ -34,9 +34,13 @@ def test_config_invariants(n, elem_bytes, staged):
     assert cfg.threads_per_row & (cfg.threads_per_row - 1) == 0
     assert 1 <= cfg.cluster_size <= MAX_CLUSTER_SIZE
     assert cfg.threads_per_block <= 1024
-    assert cfg.vec * cfg.vecs_per_thread * staged <= max(VALUES_PER_THREAD[elem_bytes], cfg.vec * staged)
     if cfg.staging == "smem":
         assert cfg.staging_smem_bytes(elem_bytes * staged) <= STAGING_SMEM_BYTES
+        assert cfg.num_chunks <= config.MAX_CHUNKS_PER_SHARE
+    # more values per thread than tuned only where they keep a share within its chunks
+    values = cfg.vec * cfg.vecs_per_thread * staged
+    assert values <= max(VALUES_PER_THREAD[elem_bytes], cfg.vec * staged) or (
+        cfg.staging == "smem" and cfg.num_chunks > config.MAX_CHUNKS_PER_SHARE // 2)
     assert (cfg.num_chunks == 1) == (cfg.staging == "registers")
 
 
@@ -59,6 +63,28 @@ def test_staging_paths_for_large_rows():
     assert row_config(4096, 2).staging == "registers"
     assert row_config(1 << 20, 2).staging == "smem"  # 128 KiB per CTA of 16
     assert row_config(1 << 20, 4).staging == "global"  # 256 KiB per CTA: re-read
+
+
+def test_long_shares_take_more_values_not_more_chunks():
+    # 262144 bf16 y and dy on 8 CTAs: 16 chunks of one vector per tensor -> 8 of two
+    share = row_config(262144, 2, 2)
+    assert (share.cluster_size, share.num_chunks, share.vecs_per_thread) == (8, 8, 2)
+    assert share.cols_covered == 262144
+    assert row_config(1 << 20, 2).num_chunks == config.MAX_CHUNKS_PER_SHARE
+    # explicit values per thread and looping kernels keep their shares as asked
+    assert row_config(262144, 2, 2, values_per_thread=16).num_chunks == 16
+    assert row_config(262144, 2, 2, looping=True).vecs_per_thread == 1
+    assert row_config(65536, 2, 2).vecs_per_thread == 1  # 2 chunks: unchanged
+
+
+def test_narrow_share_bound_halves_sixteen_cta_clusters():
+    row = 151936 * 2  # 16 shares of 18.5 KiB
+    assert config.cluster_size_for(row, 32 * 1024) == 16
+    assert config.cluster_size_for(row, 32 * 1024, narrow_share_bytes=40 * 1024) == 8
+    assert config.cluster_size_for(row, 32 * 1024, looping=True, narrow_share_bytes=40 * 1024) == 16
+    # the wide-share rule still applies next to it
+    assert config.cluster_size_for(1 << 20, 16 * 1024, narrow_share_bytes=40 * 1024) == 8
+    assert config.cluster_size_for(2 << 20, 16 * 1024, narrow_share_bytes=40 * 1024) == 16
 
 
 def test_rows_reread_from_global_memory_take_more_threads():

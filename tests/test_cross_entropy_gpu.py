@@ -14,7 +14,7 @@ from helpers import (assert_close, check_cross_entropy_backward_paths, poison_al
 
 pytestmark = pytest.mark.gpu
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-VOCABS = [2, 7, 1000, 4096, 32000, 50257, 128256, 151936, 262145, 524288]
+VOCABS = [2, 7, 1000, 4096, 32000, 50257, 128256, 131073, 151936, 262145, 524288]
 # The loss is fp32 whatever the logits; its error grows with the row's sums.
 LOSS_TOL = torch.float32
 LOSS_SCALE = 8.0
@@ -135,12 +135,12 @@ def test_backward_fast_and_rescaled_paths(reduction, inplace, dtype):
                                        tol_scale=2.0, loss_scale=0.3, reuse_scale=3.0)
 
 
-def test_rescale_kernel_matches_cpu_op():
+@pytest.mark.parametrize("v", [1001, 524288])
+def test_rescale_kernel_matches_cpu_op(v):
     """The CUDA rescale against the CPU op: matching, differing, ignored, bad-target
-    and held-0 rows; ragged V."""
-    v = 1001
+    and held-0 rows; a ragged V and one of several chunks per CTA."""
     grad = torch.randn(8, v, device="cuda", dtype=torch.bfloat16)
-    target = torch.tensor([1, -100, 3, 4, 2000, 0, 5, 6], device="cuda")
+    target = torch.tensor([1, -100, 3, 4, v + 999, 0, 5, 6], device="cuda")
     held = torch.tensor([0.5, 0.5, 0.5, 0.0, 0.5, 0.5, 2.0, 1.0], device="cuda")
     dloss = torch.tensor([0.5, 2.0, 1.5, 1.0, 3.0, 0.0, 2.0, -1.0], device="cuda")
     ours = grad.clone()

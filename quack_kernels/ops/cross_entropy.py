@@ -70,6 +70,12 @@ TARGET_DTYPES = (torch.int32, torch.int64)
 # 8 CTAs instead of 16, 57% vs 39% of the copy ceiling loss only, same sweep); the
 # cross-entropy epilogue per row is longer than softmax's, so fewer, fuller CTAs win.
 CE_CTA_ROW_BYTES = 32 * 1024
+# ... and rows that would still take 16 CTAs run on 8 when each CTA's share stays within
+# 40 KiB: 8192x151936 bf16 loss + gradient 48.9% -> 72.9% of the copy ceiling (16 x 18.5
+# KiB -> 8 x 37 KiB; sweep_cross_entropy.py, results/cross_entropy_cluster_sweep_H200_
+# 20261130.txt), as 4096x128256 bf16 (16 x 16 KiB 49.7%, 8 x 32 KiB 75.1%). Longer
+# 8-CTA shares were not measured.
+CE_NARROW_SHARE_BYTES = 40 * 1024
 # The loss alone of rows longer than 128 KiB (staged, they need 4+ CTA clusters)
 # streams shares of up to 256 KiB per CTA (a whole 128256-column bf16 row): 62% of the
 # copy ceiling at 4096x128256 bf16 vs 51% staged on 8-CTA clusters
@@ -89,7 +95,7 @@ def forward_config(n_cols: int, dtype: torch.dtype, stage_weight: bool, write_gr
         return streamed_row_config(n_cols, elem, CE_STREAM_CTA_ROW_BYTES, max_vec)
     if stage_weight:
         cfg = row_config(n_cols, 4, staged_tensors=2, bytes_per_col=elem + 4, max_vec=max_vec,
-                         cta_row_bytes=CE_CTA_ROW_BYTES)
+                         cta_row_bytes=CE_CTA_ROW_BYTES, narrow_share_bytes=CE_NARROW_SHARE_BYTES)
     else:
         # H200 sweeps (benchmarks/sweep_cross_entropy.py): 16 values per thread, in more
         # and smaller shared-memory chunks for rows split over a cluster (fp32 131072:
@@ -98,10 +104,10 @@ def forward_config(n_cols: int, dtype: torch.dtype, stage_weight: bool, write_gr
         # thread) or, with the gradient, one looping CTA (8192x16384 bf16: 78% vs 67%;
         # loss only the same within 2%, and 32 values spilled there)
         cfg = row_config(n_cols, elem, max_vec=max_vec, values_per_thread=16,
-                         cta_row_bytes=CE_CTA_ROW_BYTES)
+                         cta_row_bytes=CE_CTA_ROW_BYTES, narrow_share_bytes=CE_NARROW_SHARE_BYTES)
         if elem < 4:
             roomy = row_config(n_cols, elem, max_vec=max_vec, values_per_thread=32,
-                               cta_row_bytes=CE_CTA_ROW_BYTES)
+                               cta_row_bytes=CE_CTA_ROW_BYTES, narrow_share_bytes=CE_NARROW_SHARE_BYTES)
             if roomy.staging == "registers" or (write_grad and loops_over_row_blocks(roomy)):
                 cfg = roomy
     if not loops_over_row_blocks(cfg):

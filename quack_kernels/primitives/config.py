@@ -21,6 +21,7 @@ Vocabulary:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 # Hopper limits (sm_90): 16 CTAs per cluster with the non-portable attribute,
@@ -54,6 +55,14 @@ CTA_ROW_BYTES = 16 * 1024
 # cost of a 16-CTA cluster (its barrier, 16 DSMEM exchanges) is the suspect.
 WIDE_CLUSTER_SHARE_BYTES = 64 * 1024
 NARROW_CLUSTER_SHARE_BYTES = 128 * 1024
+# A share staged in shared memory takes at most this many chunks; longer shares take
+# more values per thread instead. Every 16-chunk default measured on H200 ran faster
+# with 8 chunks of twice the values (sweep_softmax.py / sweep_norm_forward.py, results/
+# softmax_chunks_sweep_H200_20261130.txt): bf16 softmax backward 512x262144 86.9% ->
+# 89.9% of the copy ceiling, RMSNorm forward with residual 512x262144 69.5% -> 75.8%,
+# bf16 softmax forward 128x1048576 67.7% -> 69.6%. Shares of 8 chunks or fewer did not
+# gain from more values (bf16 softmax backward 2048x65536: 98.5% -> 88.0%).
+MAX_CHUNKS_PER_SHARE = 8
 # Threads per row grow before the cluster does: a 256-thread row needs 8 warps in the
 # block reduction, beyond that the smem round trip and barrier stall start to cost more
 # than a DSMEM exchange.
@@ -148,16 +157,22 @@ def threads_per_row_for(vectors: int, max_vecs_per_thread: int, max_threads: int
     return min(max_threads, max(wanted, needed, 1))
 
 
-def cluster_size_for(row_bytes: int, cta_row_bytes: int, looping: bool = False) -> int:
+def cluster_size_for(row_bytes: int, cta_row_bytes: int, looping: bool = False,
+                     narrow_share_bytes: int = 0) -> int:
     """Smallest power-of-two cluster whose CTAs each own at most ``cta_row_bytes`` of
     the row; capped at 16 (beyond that a CTA's share grows instead). A one-block-per-CTA
-    kernel whose 16-CTA shares would be WIDE_CLUSTER_SHARE_BYTES or more takes 8 CTAs of
-    up to NARROW_CLUSTER_SHARE_BYTES instead (see there); looping kernels were not
-    measured that way and keep 16."""
+    kernel takes 8 CTAs instead of 16 when their shares stay within
+    ``narrow_share_bytes`` (a kernel family's measured bound), or when the 16-CTA shares
+    would be WIDE_CLUSTER_SHARE_BYTES or more and the 8-CTA ones stay within
+    NARROW_CLUSTER_SHARE_BYTES (see there). Looping kernels were not measured that way
+    and keep 16."""
     cluster = min(MAX_CLUSTER_SIZE, _next_pow2(math.ceil(row_bytes / cta_row_bytes)))
-    if (not looping and cluster == MAX_CLUSTER_SIZE
-            and WIDE_CLUSTER_SHARE_BYTES <= row_bytes / cluster
-            and row_bytes / (cluster // 2) <= NARROW_CLUSTER_SHARE_BYTES):
+    if looping or cluster < MAX_CLUSTER_SIZE:
+        return cluster
+    narrow_share = row_bytes / (cluster // 2)
+    if narrow_share <= narrow_share_bytes or (
+            WIDE_CLUSTER_SHARE_BYTES <= row_bytes / cluster
+            and narrow_share <= NARROW_CLUSTER_SHARE_BYTES):
         return cluster // 2
     return cluster
 
@@ -178,36 +193,49 @@ def row_config(n_cols: int, elem_bytes: int, staged_tensors: int = 1,
                values_per_thread: int | None = None,
                max_threads_per_row: int | None = None,
                min_threads_per_block: int = MIN_THREADS_PER_BLOCK,
-               cta_row_bytes: int = CTA_ROW_BYTES, looping: bool = False) -> RowConfig:
+               cta_row_bytes: int = CTA_ROW_BYTES, looping: bool = False,
+               narrow_share_bytes: int = 0) -> RowConfig:
     """Configuration for rows of ``n_cols`` elements of ``elem_bytes`` each (the widest
     staged dtype), with ``staged_tensors`` row tensors kept on chip together (e.g. y and
     dy in a backward). ``bytes_per_col`` is the staged bytes per column over all of
     them (defaults to staged_tensors * elem_bytes). ``looping``: the kernel loops over row
-    blocks (see cluster_size_for). The keyword limits default to the tuned constants
-    above (``max_threads_per_row``: MAX_THREADS_PER_ROW, or GLOBAL_STAGED_THREADS_PER_ROW
-    for rows that end up re-read from global memory); tests and sweeps override them to
-    force other paths."""
+    blocks; ``narrow_share_bytes``: see cluster_size_for.
+    The keyword limits default to the tuned constants above (``max_threads_per_row``:
+    MAX_THREADS_PER_ROW, or GLOBAL_STAGED_THREADS_PER_ROW for rows that end up re-read
+    from global memory; ``values_per_thread``: VALUES_PER_THREAD, more for shares of
+    more than MAX_CHUNKS_PER_SHARE chunks); tests and sweeps override them to force
+    other paths."""
     if n_cols < 1:
         raise ValueError(f"row length must be >= 1, got {n_cols}")
     if bytes_per_col is None:
         bytes_per_col = staged_tensors * elem_bytes
     vec = vector_width(n_cols, elem_bytes, max_vec)
-    if values_per_thread is None:
+    tuned_values = values_per_thread is None
+    if tuned_values:
         values_per_thread = VALUES_PER_THREAD.get(elem_bytes, 32)
     max_vecs_per_thread = max(1, values_per_thread // (vec * staged_tensors))
     vectors = math.ceil(n_cols / vec)
-    cluster = cluster_size_for(n_cols * bytes_per_col, cta_row_bytes, looping)
+    cluster = cluster_size_for(n_cols * bytes_per_col, cta_row_bytes, looping,
+                               narrow_share_bytes)
     vectors_per_cta = math.ceil(vectors / cluster)
-    cfg = _split_share(n_cols, vec, cluster, vectors_per_cta, max_vecs_per_thread, bytes_per_col,
-                       max_threads_per_row or MAX_THREADS_PER_ROW, min_threads_per_block)
-    if max_threads_per_row is None and cfg.staging == "global" and not looping:
-        cfg = _split_share(n_cols, vec, cluster, vectors_per_cta, max_vecs_per_thread,
-                           bytes_per_col, GLOBAL_STAGED_THREADS_PER_ROW, min_threads_per_block)
+    split = functools.partial(_split_share, n_cols, vec, cluster, vectors_per_cta,
+                              bytes_per_col=bytes_per_col,
+                              min_threads_per_block=min_threads_per_block)
+    threads = max_threads_per_row or MAX_THREADS_PER_ROW
+    cfg = split(max_vecs_per_thread, threads)
+    if looping:  # the looping kernels' shares were tuned as they are
+        return cfg
+    if max_threads_per_row is None and cfg.staging == "global":
+        threads = GLOBAL_STAGED_THREADS_PER_ROW
+        cfg = split(max_vecs_per_thread, threads)
+    while tuned_values and cfg.staging == "smem" and cfg.num_chunks > MAX_CHUNKS_PER_SHARE:
+        max_vecs_per_thread *= 2
+        cfg = split(max_vecs_per_thread, threads)
     return cfg
 
 
 def _split_share(n_cols: int, vec: int, cluster: int, vectors_per_cta: int,
-                 max_vecs_per_thread: int, bytes_per_col: int, max_threads_per_row: int,
+                 max_vecs_per_thread: int, max_threads_per_row: int, *, bytes_per_col: int,
                  min_threads_per_block: int) -> RowConfig:
     """A CTA's share of ``vectors_per_cta`` vectors split into threads, chunks and rows
     per block, and where it is staged."""
