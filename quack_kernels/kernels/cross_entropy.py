@@ -47,7 +47,7 @@ from cutlass.memory import SmemAllocator
 from ..primitives import reduce as red
 from ..primitives import tiling
 from ..primitives.config import STREAM_UNROLL, RowConfig, loops_over_row_blocks
-from ..primitives.rows import ReductionSlot, RowKernel, RowTiles
+from ..primitives.rows import ReductionSlot, RowKernel, RowTiles, broadcast_rows
 
 
 def _combine(a, b):
@@ -120,9 +120,7 @@ class CrossEntropyForward(RowKernel):
         smem = SmemAllocator()
         staged = [mX]
         if cutlass.const_expr(self.stage_weight):
-            # the weight vector seen as an (M, C) tensor whose rows all alias it
-            staged.append(cute.make_tensor(
-                mWeight.iterator, cute.make_layout((mX.shape[0], cfg.n_cols), stride=(0, 1))))
+            staged.append(broadcast_rows(mWeight, mX.shape[0], cfg.n_cols))
         home = RowTiles(cfg, staged, smem)
         slot = ReductionSlot(smem, cfg, self.values_per_reduction, buffers=self.scratch_buffers)
         if cutlass.const_expr(cfg.stages == 2):

@@ -29,6 +29,12 @@ from . import tiling
 from .config import LOOP_REGS_PER_THREAD, RowConfig, loop_ctas_per_sm
 
 
+def broadcast_rows(mV: cute.Tensor, num_rows, n_cols: int) -> cute.Tensor:
+    """A per-column vector (N,) seen as an (M, N) tensor with row stride 0, so it tiles,
+    partitions and stages exactly like the row tensors."""
+    return cute.make_tensor(mV.iterator, cute.make_layout((num_rows, n_cols), stride=(0, 1)))
+
+
 class RowKernel:
     """Base for kernels over rows of ``cfg.n_cols`` elements. Subclasses set
     ``self.cfg`` and ``self.staged_dtypes`` (dtypes of the row tensors kept on chip,
@@ -202,10 +208,8 @@ class RowTiles:
         return first & self.row_in_bounds
 
     def broadcast_rows(self, mV: cute.Tensor) -> cute.Tensor:
-        """A per-column vector (N,) seen as an (M, N) tensor with row stride 0, so it
-        tiles and partitions exactly like the row tensors."""
-        return cute.make_tensor(
-            mV.iterator, cute.make_layout((self.num_rows, self.cfg.n_cols), stride=(0, 1)))
+        """``mV`` (N,) as an (M, N) tensor of this block's geometry (see broadcast_rows)."""
+        return broadcast_rows(mV, self.num_rows, self.cfg.n_cols)
 
     def chunk_index(self, chunk: int):
         return self.cta_rank * self.cfg.num_chunks + chunk
