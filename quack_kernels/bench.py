@@ -409,6 +409,7 @@ def _quack_norm(rms: bool):
             return mod.rmsnorm(x, w, eps=1e-6)
         if r is not None:
             raise Unavailable("quack layernorm takes no residual")
+        # without the bias (QuACK's LayerNorm takes none): no db in its backward
         return _optional_module("quack.layernorm").layernorm(x, w, eps=1e-5)
 
     return fn
@@ -961,8 +962,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.op = _comma_list(args.op) or list(OPS)
     args.dtype = _comma_list([args.dtype])
     shapes = _comma_list(args.shape)
-    if not all(re.fullmatch(r"\d+x\d+", shape) for shape in shapes):
-        parser.error(f"--shape takes MxN[,MxN...], got {', '.join(shapes)}")
+    bad = [shape for shape in shapes if not re.fullmatch(r"[1-9]\d*x[1-9]\d*", shape)]
+    if bad:
+        parser.error(f"--shape takes MxN[,MxN...] with M, N >= 1, got {', '.join(bad)}")
     args.shape = [tuple(int(v) for v in shape.split("x")) for shape in shapes]
     for kind, chosen, known in (("op", args.op, OPS), ("dtype", args.dtype, DTYPES)):
         unknown = [name for name in chosen if name not in known]

@@ -14,7 +14,7 @@ from quack_kernels.primitives.config import (
 )
 
 NS = [1, 2, 3, 7, 8, 64, 100, 769, 1000, 1024, 4096, 4097, 32000, 50257, 65536, 131073, 262144,
-      524288, 1 << 20]
+      524287, 524288, 800000, 1 << 20]
 
 
 def test_vector_width_is_16_bytes_when_n_allows():
@@ -36,7 +36,9 @@ def test_config_invariants(n, elem_bytes, staged):
     assert cfg.threads_per_block <= 1024
     if cfg.staging == "smem":
         assert cfg.staging_smem_bytes(elem_bytes * staged) <= STAGING_SMEM_BYTES
-        assert cfg.num_chunks <= config.MAX_CHUNKS_PER_SHARE
+        if cfg.num_chunks > config.MAX_CHUNKS_PER_SHARE:  # fewer chunks would not fit
+            values = cfg.vec * cfg.vecs_per_thread * staged
+            assert row_config(n, elem_bytes, staged, values_per_thread=2 * values).staging != "smem"
     # more values per thread than tuned only where they keep a share within its chunks
     values = cfg.vec * cfg.vecs_per_thread * staged
     assert values <= max(VALUES_PER_THREAD[elem_bytes], cfg.vec * staged) or (

@@ -105,5 +105,6 @@ def test_bench_shape_option_replaces_the_grid():
         ("bf16", 128, 1048576), ("bf16", 4096, 4096)]
     assert list(bench._cases(op, ["bf16"], True, [])) == [
         ("bf16", M, N) for M, N in op.quick_shapes]
-    with pytest.raises(SystemExit):
-        bench.parse_args(["--shape", "4096"])
+    for bad in ("4096", "0x4096"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--shape", bad])

@@ -39,6 +39,7 @@ from ..primitives.compile_cache import (
     fake_vector,
 )
 from ..primitives.config import (
+    MAX_THREADS_PER_ROW,
     RowConfig,
     elementwise_row_config,
     loop_grid_rows,
@@ -76,6 +77,11 @@ CE_CTA_ROW_BYTES = 32 * 1024
 # 20261130.txt), as 4096x128256 bf16 (16 x 16 KiB 49.7%, 8 x 32 KiB 75.1%). Longer
 # 8-CTA shares were not measured.
 CE_NARROW_SHARE_BYTES = 40 * 1024
+# Row configs of the cross-entropy forward: the bounds above, and the threads per row
+# it was measured with (config.GLOBAL_STAGED_THREADS_PER_ROW was measured on softmax).
+_ce_row_config = functools.partial(row_config, cta_row_bytes=CE_CTA_ROW_BYTES,
+                                   narrow_share_bytes=CE_NARROW_SHARE_BYTES,
+                                   max_threads_per_row=MAX_THREADS_PER_ROW)
 # The loss alone of rows longer than 128 KiB (staged, they need 4+ CTA clusters)
 # streams shares of up to 256 KiB per CTA (a whole 128256-column bf16 row): 62% of the
 # copy ceiling at 4096x128256 bf16 vs 51% staged on 8-CTA clusters
@@ -94,8 +100,7 @@ def forward_config(n_cols: int, dtype: torch.dtype, stage_weight: bool, write_gr
     if not write_grad and not stage_weight and n_cols * elem > CE_STREAM_MIN_ROW_BYTES:
         return streamed_row_config(n_cols, elem, CE_STREAM_CTA_ROW_BYTES, max_vec)
     if stage_weight:
-        cfg = row_config(n_cols, 4, staged_tensors=2, bytes_per_col=elem + 4, max_vec=max_vec,
-                         cta_row_bytes=CE_CTA_ROW_BYTES, narrow_share_bytes=CE_NARROW_SHARE_BYTES)
+        cfg = _ce_row_config(n_cols, 4, staged_tensors=2, bytes_per_col=elem + 4, max_vec=max_vec)
     else:
         # H200 sweeps (benchmarks/sweep_cross_entropy.py): 16 values per thread, in more
         # and smaller shared-memory chunks for rows split over a cluster (fp32 131072:
@@ -103,11 +108,9 @@ def forward_config(n_cols: int, dtype: torch.dtype, stage_weight: bool, write_gr
         # of 32 values (4096 bf16 columns: 58% vs 41%: twice the bytes in flight per
         # thread) or, with the gradient, one looping CTA (8192x16384 bf16: 78% vs 67%;
         # loss only the same within 2%, and 32 values spilled there)
-        cfg = row_config(n_cols, elem, max_vec=max_vec, values_per_thread=16,
-                         cta_row_bytes=CE_CTA_ROW_BYTES, narrow_share_bytes=CE_NARROW_SHARE_BYTES)
+        cfg = _ce_row_config(n_cols, elem, max_vec=max_vec, values_per_thread=16)
         if elem < 4:
-            roomy = row_config(n_cols, elem, max_vec=max_vec, values_per_thread=32,
-                               cta_row_bytes=CE_CTA_ROW_BYTES, narrow_share_bytes=CE_NARROW_SHARE_BYTES)
+            roomy = _ce_row_config(n_cols, elem, max_vec=max_vec, values_per_thread=32)
             if roomy.staging == "registers" or (write_grad and loops_over_row_blocks(roomy)):
                 cfg = roomy
     if not loops_over_row_blocks(cfg):

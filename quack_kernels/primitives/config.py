@@ -221,7 +221,7 @@ def row_config(n_cols: int, elem_bytes: int, staged_tensors: int = 1,
     split = functools.partial(_split_share, n_cols, vec, cluster, vectors_per_cta,
                               bytes_per_col=bytes_per_col,
                               min_threads_per_block=min_threads_per_block)
-    threads = max_threads_per_row or MAX_THREADS_PER_ROW
+    threads = MAX_THREADS_PER_ROW if max_threads_per_row is None else max_threads_per_row
     cfg = split(max_vecs_per_thread, threads)
     if looping:  # the looping kernels' shares were tuned as they are
         return cfg
@@ -230,7 +230,11 @@ def row_config(n_cols: int, elem_bytes: int, staged_tensors: int = 1,
         cfg = split(max_vecs_per_thread, threads)
     while tuned_values and cfg.staging == "smem" and cfg.num_chunks > MAX_CHUNKS_PER_SHARE:
         max_vecs_per_thread *= 2
-        cfg = split(max_vecs_per_thread, threads)
+        fewer_chunks = split(max_vecs_per_thread, threads)
+        # whole chunks of more values can pad the share out of shared memory: keep it
+        if fewer_chunks.staging != "smem":
+            break
+        cfg = fewer_chunks
     return cfg
 
 
@@ -271,8 +275,14 @@ def streamed_row_config(n_cols: int, elem_bytes: int, cta_row_bytes: int,
 
 def elementwise_row_config(n_cols: int, elem_bytes: int, max_vec: int | None = None) -> RowConfig:
     """Rows rewritten element by element (no reduction, nothing kept between passes):
-    the usual tiling, each chunk read from and written back to global memory."""
-    return dataclasses.replace(row_config(n_cols, elem_bytes, max_vec=max_vec), staging="global")
+    the usual tiling, each chunk read from and written back to global memory. Nothing
+    is staged, so the rules for staged shares (GLOBAL_STAGED_THREADS_PER_ROW,
+    MAX_CHUNKS_PER_SHARE) do not apply."""
+    return dataclasses.replace(
+        row_config(n_cols, elem_bytes, max_vec=max_vec,
+                   values_per_thread=VALUES_PER_THREAD.get(elem_bytes, 32),
+                   max_threads_per_row=MAX_THREADS_PER_ROW),
+        staging="global")
 
 
 # Kernels that loop over row blocks (a norm backward reducing dweight over rows, the
