@@ -56,12 +56,14 @@ CTA_ROW_BYTES = 16 * 1024
 WIDE_CLUSTER_SHARE_BYTES = 64 * 1024
 NARROW_CLUSTER_SHARE_BYTES = 128 * 1024
 # A share staged in shared memory takes at most this many chunks; longer shares take
-# more values per thread instead. Every 16-chunk default measured on H200 ran faster
-# with 8 chunks of twice the values (sweep_softmax.py / sweep_norm_forward.py, results/
-# softmax_chunks_sweep_H200_20261130.txt): bf16 softmax backward 512x262144 86.9% ->
-# 89.9% of the copy ceiling, RMSNorm forward with residual 512x262144 69.5% -> 75.8%,
-# bf16 softmax forward 128x1048576 67.7% -> 69.6%. Shares of 8 chunks or fewer did not
-# gain from more values (bf16 softmax backward 2048x65536: 98.5% -> 88.0%).
+# more values per thread instead (as long as the share stays in shared memory). Every
+# 16-chunk default measured on H200 ran faster with 8 chunks of twice the values
+# (sweep_softmax.py / sweep_norm_forward.py, results/softmax_chunks_sweep_H200_20261130
+# .txt): bf16 softmax backward 512x262144 86.9% -> 89.9% of the copy ceiling, RMSNorm
+# forward with residual 512x262144 69.5% -> 75.8%; bf16 softmax forward 128x1048576
+# 67.7% -> 69.6% (results/softmax_threads_cluster_sweep_H200_20261129.txt). Shares of
+# 2 chunks did not gain from more values (bf16 softmax backward 2048x65536: 98.5% ->
+# 88.0%).
 MAX_CHUNKS_PER_SHARE = 8
 # Threads per row grow before the cluster does: a 256-thread row needs 8 warps in the
 # block reduction, beyond that the smem round trip and barrier stall start to cost more
