@@ -7,9 +7,10 @@ device (default: the CPU, where the engine runs the backward on the calling thre
 """
 
 import argparse
-import time
 
 import torch
+
+from profile_ops import wall_us
 
 
 class NormShapedNode(torch.autograd.Function):
@@ -68,16 +69,7 @@ def main():
             x.grad = w.grad = None
             forward_backward()
 
-        for _ in range(200):
-            step()
-        if args.device != "cpu":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            step()
-        if args.device != "cpu":
-            torch.cuda.synchronize()
-        print(f"{name:26s} {(time.perf_counter() - start) / args.steps * 1e6:7.1f} us/step")
+        print(f"{name:26s} {wall_us(step, calls=args.steps, warmup=200):7.1f} us/step")
 
 
 if __name__ == "__main__":
