@@ -51,7 +51,7 @@ def main(argv):
             if (write_grad, cfg) in seen:  # thread limits above the row's need
                 continue
             seen.add((write_grad, cfg))
-            if stages == 2 and (not loops_over_row_blocks(cfg) or cfg.staging == "global"):
+            if stages == 2 and not loops_over_row_blocks(cfg, write_grad):
                 continue
             if kib > 64 and (write_grad or n * eb <= kib * 1024 // 2):
                 continue

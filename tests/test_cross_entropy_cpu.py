@@ -251,19 +251,24 @@ def test_torch_compile_fullgraph():
 
 
 def test_forward_configs():
-    """Rows one CTA holds loop over row blocks with prefetch; rows split over a
+    """Rows one CTA holds loop over row blocks with prefetch when the gradient is
+    written, and run one CTA per row block for the loss alone; rows split over a
     cluster do not loop; the loss alone of rows over 128 KiB is streamed from global
     memory (never with the gradient, which needs the row on chip)."""
     from quack_kernels.primitives.config import loops_over_row_blocks
 
     bf16 = torch.bfloat16
     small = ops.forward_config(4096, bf16, False, True)
-    assert small.cluster_size == 1 and loops_over_row_blocks(small) and small.stages == 2
+    assert small.cluster_size == 1 and loops_over_row_blocks(small, True) and small.stages == 2
+    loss_only = ops.forward_config(4096, bf16, False, False)
+    assert not loops_over_row_blocks(loss_only, False) and loss_only.stages == 1
+    assert not ops.forward_kernel_object(loss_only, bf16, weighted=False, smoothing=False,
+                                         zloss=False, softcap=False, write_grad=False).loops
     clustered = ops.forward_config(65536, bf16, False, True)
-    assert clustered.cluster_size > 1 and not loops_over_row_blocks(clustered)
+    assert clustered.cluster_size > 1 and not loops_over_row_blocks(clustered, True)
     assert clustered.stages == 1
     streamed = ops.forward_config(128256, bf16, False, False)
-    assert streamed.staging == "global" and not loops_over_row_blocks(streamed)
+    assert streamed.staging == "global" and not loops_over_row_blocks(streamed, False)
     assert streamed.cols_per_cta * 2 <= ops.CE_STREAM_CTA_ROW_BYTES
     assert ops.forward_config(128256, bf16, False, True).staging != "global"
     assert ops.forward_config(65536, bf16, False, False).staging != "global"  # 128 KiB

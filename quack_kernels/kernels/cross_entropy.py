@@ -57,9 +57,10 @@ def _combine(a, b):
 
 
 class CrossEntropyForward(RowKernel):
-    """Rows a single CTA holds (config.loops_over_row_blocks) run on a fixed grid of
-    ``grid_rows`` row blocks that loops, loading the next block while it finishes the
-    current one (cfg.stages == 2); rows split over a cluster run one row block per CTA.
+    """With the gradient, rows a single CTA holds (config.loops_over_row_blocks) run on
+    a fixed grid of ``grid_rows`` row blocks that loops, loading the next block while it
+    finishes the current one (cfg.stages == 2); every other variant runs one row block
+    per CTA.
     Compile-time switches: ``weighted`` (class weights), ``smoothing`` (label
     smoothing > 0), ``zloss`` (lse_square_scale != 0), ``softcap``, ``write_grad``.
     The matching float values are runtime arguments, so changing them never
@@ -83,7 +84,7 @@ class CrossEntropyForward(RowKernel):
         self.staged_dtypes = (dtype, Float32) if self.stage_weight else (dtype,)
         # (max, sumexp, sumexp without the target, z_t, [w_t], [sum w z], [W])
         self.values_per_reduction = 4 + int(weighted) + int(smoothing) + int(self.stage_weight)
-        self.loops = loops_over_row_blocks(cfg)
+        self.loops = loops_over_row_blocks(cfg, write_grad)
         # the loss alone of a share re-read from global memory: one streaming pass
         self.streams = cfg.staging == "global" and not write_grad and not self.stage_weight
         assert self.loops or cfg.stages == 1, "prefetching needs the looping grid"

@@ -111,9 +111,9 @@ def forward_config(n_cols: int, dtype: torch.dtype, stage_weight: bool, write_gr
         cfg = _ce_row_config(n_cols, elem, max_vec=max_vec, values_per_thread=16)
         if elem < 4:
             roomy = _ce_row_config(n_cols, elem, max_vec=max_vec, values_per_thread=32)
-            if roomy.staging == "registers" or (write_grad and loops_over_row_blocks(roomy)):
+            if roomy.staging == "registers" or loops_over_row_blocks(roomy, write_grad):
                 cfg = roomy
-    if not loops_over_row_blocks(cfg):
+    if not loops_over_row_blocks(cfg, write_grad):
         return cfg
     # sized for the variant with the most reduced values (every option on)
     return with_prefetch(cfg, lambda c: forward_kernel_object(
