@@ -6,6 +6,7 @@ import threading
 import torch
 
 import quack_kernels as qk
+from quack_kernels.ops import norm as norm_ops
 from quack_kernels.ops import softmax as ops
 
 from profile_ops import wall_us
@@ -53,6 +54,36 @@ def in_worker_thread(fn):
     return call
 
 
+def norm_rows():
+    """RMSNorm's training step taken apart: forward with and without a graph, the
+    backward's launch alone, and the whole step, against torch's fused RMSNorm."""
+    F = torch.nn.functional
+    x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    dy = torch.randn_like(x)
+    _, _, _, rstd = norm_ops._norm_forward_eager(x, w, None, None, 1e-6, 0.0, True, None,
+                                                 x.dtype, False)
+
+    def step(norm):
+        def run():
+            xg.grad = wg.grad = None
+            norm(xg, wg).backward(dy)
+        return run
+
+    return [
+        ("qk.rms_norm (no grad)", lambda: qk.rms_norm(x, w)),
+        ("qk.rms_norm with grad (graph built)", lambda: qk.rms_norm(xg, wg)),
+        ("rms_norm backward launch (_norm_backward_eager)",
+         lambda: norm_ops._norm_backward_eager(dy, x, w, None, rstd, None, 0.0, True,
+                                               x.dtype, None, True, None)),
+        ("fwd+bwd qk.rms_norm", step(qk.rms_norm)),
+        ("F.rms_norm (no grad)", lambda: F.rms_norm(x, (4096,), w)),
+        ("F.rms_norm with grad (graph built)", lambda: F.rms_norm(xg, (4096,), wg)),
+        ("fwd+bwd F.rms_norm", step(lambda a, b: F.rms_norm(a, (4096,), b))),
+    ]
+
+
 def main():
     x = torch.randn(8, 128, device="cuda", dtype=torch.bfloat16)
     xg = x.clone().requires_grad_()
@@ -82,7 +113,7 @@ def main():
         ("torch._softmax_backward_data on a worker thread",
          in_worker_thread(lambda: torch._softmax_backward_data(dy, y, -1, dy.dtype))),
     ]
-    for name, fn in rows:
+    for name, fn in rows + norm_rows():
         print(f"{name:45s} {wall_us(fn, calls=2000, warmup=50):7.1f} us/call")
     for name, per_call in threaded:
         print(f"{name:45s} {per_call():7.1f} us/call")

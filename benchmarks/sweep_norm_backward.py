@@ -1,51 +1,92 @@
-"""Sweep for the RMSNorm backward kernel on the GPU (dx and dweight): one and two staging
-buffers (prefetch of the next row block), one line per variant, as % of the copy
-ceiling for the model bytes (read h and dy, write dx)."""
+"""Sweep for the norm backward kernels on the GPU (dx and dweight, plus dbias for
+LayerNorm): row bytes per CTA (cluster size) and one or two staging buffers (prefetch
+of the next row block), one line per variant, as % of the copy ceiling for the model
+bytes (read h and dy, write dx).
 
+    python benchmarks/sweep_norm_backward.py [--norm rms,layer] [--kib 16,32,64]
+        [--shapes bf16:8192x16384,...]
+"""
+
+import argparse
 import dataclasses
 import sys
 
 import torch
 import triton
 
+from quack_kernels.bench import measure_copy_ceiling_gbps as copy_ceiling_gbps
 from quack_kernels.ops import norm as ops
 from quack_kernels.ops.common import resident_row_blocks
-from quack_kernels.primitives.config import loop_grid_rows
+from quack_kernels.primitives.config import SMEM_BYTES_PER_CTA, loop_grid_rows
 
-from quack_kernels.bench import measure_copy_ceiling_gbps as copy_ceiling_gbps
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DEFAULT_SHAPES = ",".join(f"{d}:{m}x{n}" for d in DTYPES
+                          for m, n in ((32768, 4096), (8192, 16384), (2048, 65536), (512, 262144)))
 
-SHAPES = [(m, n) for m, n in ((32768, 4096), (8192, 16384), (2048, 65536), (512, 262144))]
+
+def _shapes(text):
+    for item in text.split(","):
+        dtype, shape = item.split(":")
+        m, n = shape.split("x")
+        yield DTYPES[dtype], int(m), int(n)
+
+
+def _ints(text):
+    return [int(v) for v in text.split(",")]
+
+
+def sweep_shape(dtype, m, n, rms, kibs, vecs_options, ceiling):
+    h, dy = (torch.randn(m, n, device="cuda", dtype=dtype) for _ in range(2))
+    weight = torch.randn(n, device="cuda", dtype=dtype)
+    rstd = torch.rand(m, device="cuda") + 0.5
+    mean = None if rms else torch.randn(m, device="cuda")
+    dx = torch.empty_like(h)
+    accumulators = 1 if rms else 2
+    vec = 16 // dtype.itemsize
+    for kib, vecs in ((k, v) for k in kibs for v in vecs_options):
+        # values per thread over every staged tensor and accumulator
+        default = ops.backward_config(n, dtype, dtype, (dtype,), dtype, accumulators,
+                                      cta_row_bytes=kib * 1024,
+                                      values_per_thread=vecs * vec * (2 + accumulators))
+        for stages in (1, 2):
+            cfg = dataclasses.replace(default, stages=stages)
+            kernel = ops._backward_kernel_object(cfg, rms, dtype, dtype, True, not rms)
+            if kernel.smem_bytes() > SMEM_BYTES_PER_CTA:
+                continue
+            fn = ops.compile_backward(cfg, rms, dtype, dtype, dtype, False, None, dtype,
+                                      None, True, not rms)
+            grid = loop_grid_rows(cfg, m, resident_row_blocks(kernel, h.device))
+            parts = [torch.empty(grid * cfg.rows_per_block, n, device="cuda")
+                     for _ in range(accumulators)]
+            db_part = parts[1] if not rms else None
+
+            def call():
+                fn(h, dy, weight, mean, rstd, None, dx, None, parts[0], db_part, 0.0, grid)
+
+            call()
+            ms = triton.testing.do_bench(call, return_mode="median")
+            pct = 100 * 3 * h.numel() * h.element_size() / ms / 1e6 / ceiling
+            default_mark = "*" if cfg == ops.backward_config(n, dtype, dtype, (dtype,), dtype,
+                                                             accumulators) else " "
+            print(f"{'rms' if rms else 'layer':5s} {str(dtype)[6:]:9s} {m}x{n} kib={kib:3d} "
+                  f"stages={stages} cl={cfg.cluster_size:2d} ch={cfg.num_chunks} "
+                  f"vpt={cfg.vec * cfg.vecs_per_thread:2d} thr={cfg.threads_per_block:4d} "
+                  f"{cfg.staging:9s} ctas/SM={kernel.ctas_per_sm()} {ms * 1e3:8.1f}us "
+                  f"{pct:5.1f}%{default_mark}", flush=True)
 
 
 def main(argv):
-    """argv: dtypes to sweep (bfloat16, float32; default both)."""
-    dtypes = [getattr(torch, name) for name in argv] or [torch.bfloat16, torch.float32]
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--norm", default="rms,layer")
+    p.add_argument("--kib", type=_ints, default=[16], help="row KiB per CTA (cluster size)")
+    p.add_argument("--vecs", type=_ints, default=[1], help="vectors per thread per tensor")
+    p.add_argument("--shapes", default=DEFAULT_SHAPES, help="dtype:MxN,...")
+    args = p.parse_args(argv)
     ceiling = copy_ceiling_gbps()
-    print(f"copy ceiling {ceiling:.0f} GB/s")
-    for dtype in dtypes:
-        for m, n in SHAPES:
-            h, dy = (torch.randn(m, n, device="cuda", dtype=dtype) for _ in range(2))
-            weight = torch.randn(n, device="cuda", dtype=dtype)
-            rstd = torch.rand(m, device="cuda") + 0.5
-            dx = torch.empty_like(h)
-            default = ops.backward_config(n, dtype, dtype, (dtype,), dtype, 1)
-            for stages in (1, 2):
-                cfg = dataclasses.replace(default, stages=stages)
-                kernel = ops._backward_kernel_object(cfg, True, dtype, dtype, True, False)
-                if kernel.smem_bytes() > 227 * 1024:
-                    continue
-                fn = ops.compile_backward(cfg, True, dtype, dtype, dtype, False, None, dtype,
-                                          None, True, False)
-                grid = loop_grid_rows(cfg, m, resident_row_blocks(kernel, h.device))
-                dw_part = torch.empty(grid * cfg.rows_per_block, n, device="cuda")
-                call = lambda: fn(h, dy, weight, None, rstd, None, dx, None, dw_part, None, 0.0, grid)
-                call()
-                ms = triton.testing.do_bench(call, return_mode="median")
-                pct = 100 * 3 * h.numel() * h.element_size() / ms / 1e6 / ceiling
-                print(f"{str(dtype)[6:]:9s} {m}x{n} stages={stages} cl={cfg.cluster_size:2d} "
-                      f"ch={cfg.num_chunks} {cfg.staging:9s} ctas/SM={kernel.ctas_per_sm()} "
-                      f"{ms * 1e3:8.1f}us {pct:5.1f}%", flush=True)
-            del h, dy, dx
+    print(f"copy ceiling {ceiling:.0f} GB/s; * marks the default config")
+    for dtype, m, n in _shapes(args.shapes):
+        for norm in args.norm.split(","):
+            sweep_shape(dtype, m, n, norm == "rms", args.kib, args.vecs, ceiling)
             torch.cuda.empty_cache()
 
 

@@ -136,7 +136,10 @@ class _StagingOnlyKernel:
     (8192, 8, 64, 0, 1),    # one chunk of 64 KiB: 3 CTAs x 1 buffer > 1 CTA x 2 buffers
     (8192, 16, 64, 0, 1),   # one chunk of 128 KiB: a second buffer does not fit
     (4096, 4, 16, 0, 2),    # two shared-memory chunks, no per-column sums
-    (4096, 4, 16, 1, 1),    # two chunks with per-column sums in shared memory: never
+    (4096, 4, 16, 1, 2),    # two chunks with per-column sums in shared memory, and
+                            # still many CTAs per SM with two buffers
+    (4096, 24, 16, 0, 2),   # 96 KiB: 2 CTAs x 1 buffer = 1 CTA x 2 buffers
+    (4096, 24, 16, 1, 1),   # the same with sums in shared memory: not at one CTA per SM
     (8192, 4, 64, 1, 2),    # one chunk: the sums live in registers
 ])
 def test_prefetch_only_when_it_keeps_more_blocks_in_flight(
@@ -176,3 +179,18 @@ def test_resident_row_blocks_takes_the_drivers_cluster_bound(monkeypatch):
     single = config.row_config(1024, 2)
     assert single.cluster_size == 1
     assert common.resident_row_blocks(Looping(single), cuda) == 132
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 1000, 4096, 4097, 65536, 262144])
+@pytest.mark.parametrize("segments", [1, 2])
+def test_column_sum_tiles(n, segments):
+    cfg = config.column_sum_config(n, segments)
+    # segments start 32 bytes apart at least (the backward's widest fp32 vector)
+    assert cfg.padded % config.PARTIAL_COLUMN_ALIGN == 0 and n <= cfg.padded < n + 8
+    assert cfg.width == cfg.padded * segments
+    assert cfg.cols_per_cta in config.COLUMN_SUM_TILES
+    ctas = -(-cfg.width // cfg.cols_per_cta)
+    # the widest tile that still gives ~2 CTAs per SM; the narrowest when none does
+    wider = [c for c in config.COLUMN_SUM_TILES if c > cfg.cols_per_cta]
+    assert all(cfg.width // c < config.COLUMN_SUM_TARGET_CTAS for c in wider)
+    assert ctas >= config.COLUMN_SUM_TARGET_CTAS or cfg.cols_per_cta == min(config.COLUMN_SUM_TILES)

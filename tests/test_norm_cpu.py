@@ -260,16 +260,33 @@ def test_every_staging_and_cluster_path():
     assert any(c.cluster_size == 16 for c in cfgs) and any(c.cluster_size == 1 for c in cfgs)
 
 
-def test_backward_prefetches_only_without_shared_memory_sums():
+def test_backward_prefetches_unless_it_leaves_one_cta_per_sm():
     """Two staging buffers where the dweight sums live in registers (one chunk per
-    CTA) or there are none; single-buffered with the sums in shared memory."""
-    bf16 = torch.bfloat16
+    CTA), or in shared memory while two double-buffered CTAs still fit an SM; a single
+    buffer where the second would leave one CTA per SM."""
+    bf16, fp32 = torch.bfloat16, torch.float32
     assert ops.backward_config(4096, bf16, bf16, (bf16,), bf16, 1).stages == 2
-    many_chunks = ops.backward_config(262144, bf16, bf16, (bf16,), bf16, 1)
-    assert many_chunks.num_chunks > 1 and many_chunks.stages == 1
-    for n in (4096, 65536, 262144):
-        cfg = ops.backward_config(n, bf16, bf16, (bf16,), bf16, 1)
-        assert cfg.stages == 1 or cfg.num_chunks == 1
+    for n, dtype in ((16384, bf16), (65536, bf16), (65536, fp32)):
+        cfg = ops.backward_config(n, dtype, dtype, (dtype,), dtype, 1)
+        assert cfg.num_chunks > 1 and cfg.stages == 2
+        kernel = ops._backward_kernel_object(cfg, True, dtype, dtype, True, False)
+        assert kernel.ctas_per_sm() >= 2
+    for dtype in (bf16, fp32):
+        cfg = ops.backward_config(262144, dtype, dtype, (dtype,), dtype, 1)
+        single = ops._backward_kernel_object(cfg, True, dtype, dtype, True, False)
+        assert cfg.num_chunks > 1 and cfg.stages == 1 and single.ctas_per_sm() == 1
+
+
+def test_backward_shares_by_dtype_and_sums():
+    """16-bit rows take two vectors per tensor and larger CTA shares than fp32 rows
+    (RMSNorm's one sum: 64 KiB, LayerNorm's two: 32 KiB), so fewer CTAs per cluster."""
+    bf16, fp32 = torch.bfloat16, torch.float32
+    rms = ops.backward_config(16384, bf16, bf16, (bf16,), bf16, 1)
+    layer = ops.backward_config(16384, bf16, bf16, (bf16,), bf16, 2)
+    wide = ops.backward_config(16384, fp32, fp32, (fp32,), fp32, 1)
+    assert rms.vecs_per_thread == layer.vecs_per_thread == wide.vecs_per_thread == 2
+    assert rms.cluster_size < layer.cluster_size < wide.cluster_size
+    assert rms.cols_per_cta * (2 + 2 + 4) <= 64 * 1024 < 2 * rms.cols_per_cta * (2 + 2 + 4)
 
 
 def test_return_stats_gives_fp32_statistics_without_gradient():

@@ -22,9 +22,19 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..kernels.column_sum import ColumnSum
 from ..kernels.norm import NormBackward, NormForward
 from ..primitives.compile_cache import compile_kernel, fake_rows, fake_vector
-from ..primitives.config import RowConfig, loop_grid_rows, row_config, with_prefetch
+from ..primitives.config import (
+    NORM_BACKWARD_VECTORS_PER_TENSOR,
+    ColumnSumConfig,
+    RowConfig,
+    column_sum_config,
+    loop_grid_rows,
+    norm_backward_cta_row_bytes,
+    row_config,
+    with_prefetch,
+)
 from .common import (
     as_rows,
     check_float_dtype,
@@ -70,13 +80,25 @@ def forward_config(n_cols: int, x_dtype, residual_dtype, has_residual: bool, out
 
 @functools.lru_cache(maxsize=None)  # on every call
 def backward_config(n_cols: int, h_dtype, dy_dtype, out_dtypes: tuple, weight_dtype,
-                    accumulators: int, max_vec: int | None = None) -> RowConfig:
+                    accumulators: int, max_vec: int | None = None,
+                    cta_row_bytes: int | None = None,
+                    values_per_thread: int | None = None) -> RowConfig:
     """Staged: h and dy; every fp32 dweight/dbias accumulator counts as one more
-    tensor kept per column (registers for one chunk, shared memory beyond)."""
+    tensor kept per column (registers for one chunk, shared memory beyond).
+    ``cta_row_bytes`` and ``values_per_thread`` default to the norm backward's tuning
+    (config.norm_backward_cta_row_bytes, NORM_BACKWARD_VECTORS_PER_TENSOR); sweeps
+    override them."""
     widest = max(_bytes(h_dtype, dy_dtype, weight_dtype, *out_dtypes))
+    staged = max(_bytes(h_dtype, dy_dtype))
+    if cta_row_bytes is None:
+        cta_row_bytes = norm_backward_cta_row_bytes(staged, accumulators)
+    if values_per_thread is None:
+        values_per_thread = (NORM_BACKWARD_VECTORS_PER_TENSOR * (16 // widest)
+                             * (2 + accumulators))
     cfg = row_config(n_cols, widest, staged_tensors=2 + accumulators,
                      bytes_per_col=sum(_bytes(h_dtype, dy_dtype)) + 4 * accumulators,
-                     max_vec=max_vec, looping=True)
+                     max_vec=max_vec, looping=True, cta_row_bytes=cta_row_bytes,
+                     values_per_thread=values_per_thread)
     # sized for the largest variant (LayerNorm: two values per reduction)
     return with_prefetch(cfg, lambda c: _backward_kernel_object(
         c, False, h_dtype, dy_dtype, accumulators >= 1, accumulators >= 2))
@@ -156,6 +178,21 @@ def compile_backward(cfg: RowConfig, rms: bool, h_dtype, dy_dtype, weight_dtype,
     return compiled(kernel_key("norm_bwd", *args), lambda: compile_kernel(*backward_kernel(*args)))
 
 
+def column_sum_kernel(cfg: ColumnSumConfig, out_dtypes: tuple):
+    """(kernel object, *fake arguments): the fixed-order sum of the backward's partial
+    rows into dweight / dbias (``out_dtypes``, one per segment)."""
+    from cutlass import Float32
+
+    outs = [fake_vector(cutlass_dtype(d), cfg.n_cols) for d in out_dtypes]
+    return (ColumnSum(cfg), fake_rows(Float32, cfg.width, 4), outs[0],
+            outs[1] if cfg.segments == 2 else None)
+
+
+def compile_column_sum(cfg: ColumnSumConfig, out_dtypes: tuple):
+    return compiled(kernel_key("column_sum", cfg, out_dtypes),
+                    lambda: compile_kernel(*column_sum_kernel(cfg, out_dtypes)))
+
+
 @functools.lru_cache(maxsize=None)  # on every call
 def _backward_kernel_object(cfg: RowConfig, rms: bool, h_dtype, dy_dtype, need_dweight: bool,
                             need_dbias: bool) -> NormBackward:
@@ -186,6 +223,10 @@ def report_variants(n_grid, dtypes):
                             dtype if dres else None, dres, accumulators == 2)
                     yield (f"{name}_bwd" + ("_dw" if dres else ""), n, dtype, cfg,
                            lambda args=args: backward_kernel(*args))
+            for segments in (1, 2):
+                cfg = column_sum_config(n, segments)
+                yield (f"column_sum_{segments}", n, dtype, cfg,
+                       lambda cfg=cfg, outs=(dtype,) * segments: column_sum_kernel(cfg, outs))
 
 
 def _pointer_vec_limit(*vectors: Optional[Tensor]) -> int:
@@ -398,7 +439,10 @@ def _norm_backward_checked(dy, h, weight, mean, rstd, dresidual_out, weight_offs
                               dres_rows.dtype if dres_rows is not None else None,
                               dx_dtype, dresidual_dtype, need_dweight, need_dbias)
         kernel = _backward_kernel_object(cfg, rms, h.dtype, dy.dtype, need_dweight, need_dbias)
-        plan = (fn, cfg, resident_row_blocks(kernel, device))
+        sum_dtypes = tuple(d for d in (weight.dtype if need_dweight else None, dbias_dtype) if d)
+        sum_cfg = column_sum_config(n_cols, len(sum_dtypes)) if sum_dtypes else None
+        column_sum = compile_column_sum(sum_cfg, sum_dtypes) if sum_dtypes else None
+        plan = (fn, cfg, resident_row_blocks(kernel, device), column_sum, sum_cfg)
         if plan_key is not None:
             _backward_plans[plan_key] = plan
         dw, db = _launch_backward(
@@ -414,22 +458,32 @@ def _norm_backward_checked(dy, h, weight, mean, rstd, dresidual_out, weight_offs
 
 def _launch_backward(plan, h_rows, dy_rows, weight, mean, rstd, dresidual_out_rows, dx_rows,
                      dresidual_rows, weight_offset, dweight_dtype, dbias_dtype):
-    """Run the backward kernel of ``plan`` (compiled function, config, resident row blocks)
-    on (M, N) rows and (M,) statistics, outputs None when not asked for. Returns
-    (dweight, dbias), None where their dtype is None: fixed-shape fp32 column sums over
-    the per-CTA partial rows, bitwise reproducible."""
-    fn, cfg, resident_blocks = plan
+    """Run the backward kernel of ``plan`` (compiled function, config, resident row
+    blocks, column-sum function and config) on (M, N) rows and (M,) statistics, outputs
+    None when not asked for. Returns (dweight, dbias), None where their dtype is None:
+    fp32 sums over the per-CTA partial rows (dweight | dbias side by side in one
+    buffer) in a fixed order, bitwise reproducible."""
+    fn, cfg, resident_blocks, column_sum, sum_cfg = plan
     num_rows, n_cols = h_rows.shape
     grid_rows = loop_grid_rows(cfg, num_rows, resident_blocks)
-    partial_shape = (grid_rows * cfg.rows_per_block, n_cols)
-    dw_part = torch.empty(partial_shape, dtype=torch.float32, device=h_rows.device) \
-        if dweight_dtype else None
-    db_part = torch.empty(partial_shape, dtype=torch.float32, device=h_rows.device) \
-        if dbias_dtype else None
+    device = h_rows.device
+    dw_part = db_part = dweight = dbias = None
+    if sum_cfg is not None:
+        partial = torch.empty((grid_rows * cfg.rows_per_block, sum_cfg.width),
+                              dtype=torch.float32, device=device)
+        if dweight_dtype:
+            dw_part = partial[:, :n_cols]
+            dweight = torch.empty(n_cols, dtype=dweight_dtype, device=device)
+        if dbias_dtype:
+            start = sum_cfg.width - sum_cfg.padded
+            db_part = partial[:, start:start + n_cols]
+            dbias = torch.empty(n_cols, dtype=dbias_dtype, device=device)
     fn(h_rows, dy_rows, weight, mean, rstd, dresidual_out_rows, dx_rows, dresidual_rows,
        dw_part, db_part, weight_offset, grid_rows)
-    return (dw_part.sum(0).to(dweight_dtype) if dweight_dtype else None,
-            db_part.sum(0).to(dbias_dtype) if dbias_dtype else None)
+    if sum_cfg is not None:
+        sums = [t for t in (dweight, dbias) if t is not None]
+        column_sum(partial, sums[0], sums[1] if len(sums) == 2 else None)
+    return dweight, dbias
 
 
 @norm_backward.register_fake

@@ -321,16 +321,47 @@ def loop_grid_rows(cfg: RowConfig, num_rows: int, resident_blocks: int) -> int:
     return max(1, min(math.ceil(num_rows / cfg.rows_per_block), resident_blocks))
 
 
-def loops_over_row_blocks(cfg: RowConfig) -> bool:
+def loops_over_row_blocks(cfg: RowConfig, writes_rows: bool) -> bool:
     """Whether a kernel free to choose (the cross-entropy forward) runs the looping grid
-    rather than one CTA per row block: only for rows one CTA holds. H200 sweep
-    (benchmarks/sweep_cross_entropy.py): 32768x4096 bf16 loss + gradient 61% -> 73% of
-    the copy ceiling, but rows split over a cluster fell (4096x128256 bf16 loss only
-    53% -> 34%): the looping grid keeps 2 CTAs of 256 threads per SM where one-block
-    CTAs reach 4, and a cluster's CTAs wait for each other at every row. Not for shares
+    rather than one CTA per row block: only for rows one CTA holds, and only when it
+    writes rows back (the gradient). H200 sweep (benchmarks/sweep_cross_entropy.py):
+    32768x4096 bf16 loss + gradient 61% -> 73% of the copy ceiling, but rows split over
+    a cluster fell (4096x128256 bf16 loss only 53% -> 34%): the looping grid keeps 2
+    CTAs of 256 threads per SM where one-block CTAs reach 4, and a cluster's CTAs wait
+    for each other at every row. The loss alone ran faster on one CTA per row block at
+    1024 and 4096 columns too (H200, same run: 32768x4096 bf16 208 -> 130 us, fp32 186
+    -> 168 us; 131072x1024 bf16 139 -> 129 us, fp32 190 -> 170 us). Not for shares
     streamed from global memory either: a long share is already plenty of work per CTA
     (and the looping grid's register budget made that variant spill)."""
-    return cfg.cluster_size == 1 and cfg.staging != "global"
+    return writes_rows and cfg.cluster_size == 1 and cfg.staging != "global"
+
+
+# Norm backward (h and dy staged; dweight / dbias sums kept per column, each counted as
+# one more fp32 tensor of the share). H200 sweep over N = 4K..256K, bf16 and fp32,
+# RMSNorm (1 sum) and LayerNorm (2 sums) (benchmarks/sweep_norm_backward.py,
+# results/norm_backward_config_sweep_H200_20261130.txt):
+# - two vectors per thread of each staged tensor (16-bit rows had one under
+#   VALUES_PER_THREAD, fp32 rows already two): bf16 512x262144 RMSNorm 44% -> 53%,
+#   LayerNorm 32% -> 40%;
+# - 16-bit rows take larger CTA shares than CTA_ROW_BYTES, fewer CTAs per cluster:
+#   RMSNorm 64 KiB (8192x16384 73% -> 78%, 2048x65536 57% -> 67%), LayerNorm 32 KiB
+#   (32768x4096 63% -> 86%, 8192x16384 44% -> 57%; 64 KiB lost at 4096 columns,
+#   59%). fp32 rows were best at CTA_ROW_BYTES (LayerNorm 8192x16384 with 32 KiB:
+#   79% -> 61% with prefetch).
+NORM_BACKWARD_VECTORS_PER_TENSOR = 2
+NORM_BACKWARD_16BIT_CTA_ROW_BYTES = {0: 64 * 1024, 1: 64 * 1024, 2: 32 * 1024}
+# Per-column sums in shared memory with a second staging buffer: prefetch paid where
+# two CTAs per SM stayed resident (fp32 2048x65536 RMSNorm 65% -> 83%, bf16 2048x65536
+# in 64-KiB shares 60% -> 67%) and lost at one (bf16 512x262144 53% -> 47%).
+MIN_PREFETCH_CTAS_WITH_SMEM_SUMS = 2
+
+
+def norm_backward_cta_row_bytes(elem_bytes: int, accumulators: int) -> int:
+    """Row bytes per CTA of a norm backward (staged rows of ``elem_bytes`` elements,
+    ``accumulators`` per-column sums)."""
+    if elem_bytes == 2:
+        return NORM_BACKWARD_16BIT_CTA_ROW_BYTES[accumulators]
+    return CTA_ROW_BYTES
 
 
 def with_prefetch(cfg: RowConfig, kernel_for) -> RowConfig:
@@ -340,22 +371,59 @@ def with_prefetch(cfg: RowConfig, kernel_for) -> RowConfig:
     ``kernel_for(config)`` builds the kernel (a RowKernel: shared memory, CTAs per SM).
 
     Not for rows re-read from global memory (nothing staged), nor for kernels keeping
-    per-column sums in shared memory (several chunks per share). H200 sweep of the
+    per-column sums in shared memory (several chunks per share) that would be left
+    with fewer than MIN_PREFETCH_CTAS_WITH_SMEM_SUMS CTAs per SM. H200 sweep of the
     RMSNorm backward with dweight (benchmarks/sweep_norm_backward.py): one-chunk shares
     (sums in registers) gained (32768x4096 bf16 67% -> 90% of the copy ceiling,
-    8192x16384 58% -> 72%), shares with sums in shared memory lost in bf16
-    (2048x65536 57% -> 50%, 512x262144 41% -> 35%; results/norm_backward_resident_grid_
-    sweep_H200_20261129.txt) although fp32 2048x65536 gained (64% -> 83%), not
-    understood yet; the cross-entropy forward (no sums) gained with several chunks too
-    (8192x16384 bf16 with the gradient 72% -> 75%)."""
+    8192x16384 58% -> 72%); the cross-entropy forward (no sums) gained with several
+    chunks too (8192x16384 bf16 with the gradient 72% -> 75%)."""
     if cfg.staging == "global":
         return cfg
     double = dataclasses.replace(cfg, stages=2)
     kernel = kernel_for(double)
-    if kernel.accumulators and cfg.num_chunks > 1:
+    if kernel.accumulators and cfg.num_chunks > 1 \
+            and kernel.ctas_per_sm() < MIN_PREFETCH_CTAS_WITH_SMEM_SUMS:
         return cfg
     if kernel.smem_bytes() > SMEM_BYTES_PER_CTA:
         return cfg
     if 2 * kernel.ctas_per_sm() >= kernel_for(cfg).ctas_per_sm():
         return double
     return cfg
+
+
+
+# The fixed-order column sum of per-CTA partial rows (the norm backward's dweight /
+# dbias, kernels/column_sum.py): 256 threads per CTA, each CTA owning a tile of
+# columns. A tile is 8..128 columns wide: the widest that still yields about two CTAs
+# per SM, so short rows get many row groups per column (loads in flight) and long rows
+# few CTAs. 8 fp32 columns (32 bytes) keep every load a whole memory sector.
+COLUMN_SUM_THREADS = 256
+COLUMN_SUM_TARGET_CTAS = 264
+COLUMN_SUM_TILES = (128, 64, 32, 16, 8)
+# Each segment of a partial row (dweight | dbias) is padded to a multiple of 8
+# columns: every segment then starts 32 bytes aligned, as the backward's widest fp32
+# vector (8 values, one per 16-bit element of a 16-byte access) needs.
+PARTIAL_COLUMN_ALIGN = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class ColumnSumConfig:
+    n_cols: int
+    segments: int  # sums per column (1: dweight or dbias, 2: both)
+    padded: int  # columns per segment in a partial row
+    cols_per_cta: int
+    threads_per_block: int = COLUMN_SUM_THREADS
+    cluster_size: int = 1
+    staging: str = "registers"
+
+    @property
+    def width(self) -> int:
+        return self.padded * self.segments
+
+
+def column_sum_config(n_cols: int, segments: int) -> ColumnSumConfig:
+    padded = -(-n_cols // PARTIAL_COLUMN_ALIGN) * PARTIAL_COLUMN_ALIGN
+    width = padded * segments
+    cols = next((c for c in COLUMN_SUM_TILES if width // c >= COLUMN_SUM_TARGET_CTAS),
+                COLUMN_SUM_TILES[-1])
+    return ColumnSumConfig(n_cols, segments, padded, cols)
