@@ -278,15 +278,29 @@ def test_backward_prefetches_unless_it_leaves_one_cta_per_sm():
 
 
 def test_backward_shares_by_dtype_and_sums():
-    """16-bit rows take two vectors per tensor and larger CTA shares than fp32 rows
-    (RMSNorm's one sum: 64 KiB, LayerNorm's two: 32 KiB), so fewer CTAs per cluster."""
-    bf16, fp32 = torch.bfloat16, torch.float32
-    rms = ops.backward_config(16384, bf16, bf16, (bf16,), bf16, 1)
-    layer = ops.backward_config(16384, bf16, bf16, (bf16,), bf16, 2)
-    wide = ops.backward_config(16384, fp32, fp32, (fp32,), fp32, 1)
-    assert rms.vecs_per_thread == layer.vecs_per_thread == wide.vecs_per_thread == 2
-    assert rms.cluster_size < layer.cluster_size < wide.cluster_size
-    assert rms.cols_per_cta * (2 + 2 + 4) <= 64 * 1024 < 2 * rms.cols_per_cta * (2 + 2 + 4)
+    """16-bit rows: RMSNorm keeps the default share up to 4096 columns and takes two
+    vectors in 64-KiB shares beyond; LayerNorm takes 32-KiB shares, two vectors except
+    between 4096 and 65536 columns. fp32 rows and backwards without sums keep the
+    defaults."""
+    from quack_kernels.primitives import config
+
+    share = config.norm_backward_share
+    assert share(2, 1, 4096) == (config.CTA_ROW_BYTES, 1)
+    assert share(2, 1, 4097) == share(2, 1, 262144) == (64 * 1024, 2)
+    assert share(2, 2, 4096) == share(2, 2, 65537) == (32 * 1024, 2)
+    assert share(2, 2, 4097) == share(2, 2, 65536) == (32 * 1024, 1)
+    assert share(4, 1, 16384) == share(4, 2, 1024) == share(2, 0, 16384) \
+        == (config.CTA_ROW_BYTES, None)
+    bf16 = torch.bfloat16
+    short = ops.backward_config(4096, bf16, bf16, (bf16,), bf16, 1)
+    long = ops.backward_config(16384, bf16, bf16, (bf16,), bf16, 1)
+    assert short.vecs_per_thread == 1 and long.vecs_per_thread == 2
+    # 64-KiB shares: two CTAs hold a 16384-column row (h, dy and the fp32 sum: 8 B/col)
+    assert long.cluster_size == 2
+    kernel = ops._backward_kernel_object(long, True, bf16, bf16, True, False)
+    assert kernel.loop_registers == kernel.WIDE_LOOP_REGISTERS
+    assert ops._backward_kernel_object(short, True, bf16, bf16, True, False).loop_registers \
+        == config.LOOP_REGS_PER_THREAD
 
 
 def test_return_stats_gives_fp32_statistics_without_gradient():

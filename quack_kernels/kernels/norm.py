@@ -139,16 +139,16 @@ class NormBackward(RowKernel):
     rows_per_block, N) fp32 partials)."""
 
     scratch_buffers = 2
-    # Registers per thread of threads holding more than 8 values per chunk of each
-    # tensor (16-bit rows, two vectors): at the default 80 the variants with sums
-    # spilled 8-120 bytes (sm_90a resource report), at 96 LayerNorm's rows of up to
-    # 1024 columns still did.
+    # Registers per thread of 16-bit rows with two vectors per thread of each tensor
+    # (config.norm_backward_share): at the default 80 the variants with sums spilled
+    # 8-120 bytes (sm_90a resource report), at 96 LayerNorm's rows of up to 1024
+    # columns still did.
     WIDE_LOOP_REGISTERS = 104
 
     def __init__(self, cfg: RowConfig, rms: bool, h_dtype, dy_dtype, need_dweight: bool,
                  need_dbias: bool):
         self.cfg = cfg
-        if cfg.vec * cfg.vecs_per_thread > 8:
+        if h_dtype.width == 16 and cfg.vecs_per_thread > 1:
             self.loop_registers = self.WIDE_LOOP_REGISTERS
         self.rms = rms
         self.staged_dtypes = (h_dtype, dy_dtype)

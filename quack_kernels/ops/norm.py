@@ -26,12 +26,11 @@ from ..kernels.column_sum import ColumnSum
 from ..kernels.norm import NormBackward, NormForward
 from ..primitives.compile_cache import compile_kernel, fake_rows, fake_vector
 from ..primitives.config import (
-    NORM_BACKWARD_VECTORS_PER_TENSOR,
     ColumnSumConfig,
     RowConfig,
     column_sum_config,
     loop_grid_rows,
-    norm_backward_cta_row_bytes,
+    norm_backward_share,
     row_config,
     with_prefetch,
 )
@@ -86,15 +85,14 @@ def backward_config(n_cols: int, h_dtype, dy_dtype, out_dtypes: tuple, weight_dt
     """Staged: h and dy; every fp32 dweight/dbias accumulator counts as one more
     tensor kept per column (registers for one chunk, shared memory beyond).
     ``cta_row_bytes`` and ``values_per_thread`` default to the norm backward's tuning
-    (config.norm_backward_cta_row_bytes, NORM_BACKWARD_VECTORS_PER_TENSOR); sweeps
-    override them."""
+    (config.norm_backward_share); sweeps override them."""
     widest = max(_bytes(h_dtype, dy_dtype, weight_dtype, *out_dtypes))
-    staged = max(_bytes(h_dtype, dy_dtype))
+    tuned_bytes, vectors = norm_backward_share(max(_bytes(h_dtype, dy_dtype)), accumulators,
+                                               n_cols)
     if cta_row_bytes is None:
-        cta_row_bytes = norm_backward_cta_row_bytes(staged, accumulators)
-    if values_per_thread is None:
-        values_per_thread = (NORM_BACKWARD_VECTORS_PER_TENSOR * (16 // widest)
-                             * (2 + accumulators))
+        cta_row_bytes = tuned_bytes
+    if values_per_thread is None and vectors is not None:
+        values_per_thread = vectors * (16 // widest) * (2 + accumulators)
     cfg = row_config(n_cols, widest, staged_tensors=2 + accumulators,
                      bytes_per_col=sum(_bytes(h_dtype, dy_dtype)) + 4 * accumulators,
                      max_vec=max_vec, looping=True, cta_row_bytes=cta_row_bytes,

@@ -336,32 +336,35 @@ def loops_over_row_blocks(cfg: RowConfig, writes_rows: bool) -> bool:
     return writes_rows and cfg.cluster_size == 1 and cfg.staging != "global"
 
 
-# Norm backward (h and dy staged; dweight / dbias sums kept per column, each counted as
-# one more fp32 tensor of the share). H200 sweep over N = 4K..256K, bf16 and fp32,
-# RMSNorm (1 sum) and LayerNorm (2 sums) (benchmarks/sweep_norm_backward.py,
-# results/norm_backward_config_sweep_H200_20261130.txt):
-# - two vectors per thread of each staged tensor (16-bit rows had one under
-#   VALUES_PER_THREAD, fp32 rows already two): bf16 512x262144 RMSNorm 44% -> 53%,
-#   LayerNorm 32% -> 40%;
-# - 16-bit rows take larger CTA shares than CTA_ROW_BYTES, fewer CTAs per cluster:
-#   RMSNorm 64 KiB (8192x16384 73% -> 78%, 2048x65536 57% -> 67%), LayerNorm 32 KiB
-#   (32768x4096 63% -> 86%, 8192x16384 44% -> 57%; 64 KiB lost at 4096 columns,
-#   59%). fp32 rows were best at CTA_ROW_BYTES (LayerNorm 8192x16384 with 32 KiB:
-#   79% -> 61% with prefetch).
-NORM_BACKWARD_VECTORS_PER_TENSOR = 2
-NORM_BACKWARD_16BIT_CTA_ROW_BYTES = {0: 64 * 1024, 1: 64 * 1024, 2: 32 * 1024}
+# Norm backward of 16-bit rows (h and dy staged; dweight / dbias sums kept per column,
+# each counted as one more fp32 tensor of the share): CTA row bytes and vectors per
+# thread of each staged tensor, from H200 sweeps over the issue's grid (N = 1K..256K at
+# M*N = 2^27; benchmarks/sweep_norm_backward.py, results/norm_backward_config_sweep_
+# H200_20261130.txt; % of the copy ceiling, kernel alone, no spills):
+# - RMSNorm (one sum): rows of up to 4096 columns stay at CTA_ROW_BYTES and one vector
+#   (1024: 96.8% vs 83.6% with two; 4096: 89.7% vs 79.6%); longer rows take 64-KiB
+#   shares of two vectors (16384: 73% -> 77%, 65536: 57% -> 65%, 262144: 44% -> 52%).
+# - LayerNorm (two sums): 32-KiB shares; two vectors for rows up to 4096 columns (1024:
+#   77.5% -> 81.6%, 4096: 63% -> 72%) and past 65536 (262144: 32% -> 39%), one in
+#   between (16384: 57% vs 45% with two, 65536 with prefetch 43% vs 34%).
+# The two-vector threads are compiled for more registers (kernels.norm.NormBackward),
+# which costs resident CTAs: that is why short RMSNorm rows keep one vector.
+# fp32 rows keep CTA_ROW_BYTES and VALUES_PER_THREAD (LayerNorm 8192x16384 with 32-KiB
+# shares: 79% -> 61%), as do backwards without sums (frozen weight, not swept).
+def norm_backward_share(elem_bytes: int, accumulators: int, n_cols: int):
+    """(CTA row bytes, vectors per thread of each staged tensor or None for the
+    VALUES_PER_THREAD default) of a norm backward."""
+    if elem_bytes != 2 or accumulators == 0:  # the latter not swept: the row defaults
+        return CTA_ROW_BYTES, None
+    if accumulators == 1:
+        return (CTA_ROW_BYTES, 1) if n_cols <= 4096 else (64 * 1024, 2)
+    return 32 * 1024, (2 if n_cols <= 4096 or n_cols > 65536 else 1)
+
+
 # Per-column sums in shared memory with a second staging buffer: prefetch paid where
 # two CTAs per SM stayed resident (fp32 2048x65536 RMSNorm 65% -> 83%, bf16 2048x65536
 # in 64-KiB shares 60% -> 67%) and lost at one (bf16 512x262144 53% -> 47%).
 MIN_PREFETCH_CTAS_WITH_SMEM_SUMS = 2
-
-
-def norm_backward_cta_row_bytes(elem_bytes: int, accumulators: int) -> int:
-    """Row bytes per CTA of a norm backward (staged rows of ``elem_bytes`` elements,
-    ``accumulators`` per-column sums)."""
-    if elem_bytes == 2:
-        return NORM_BACKWARD_16BIT_CTA_ROW_BYTES[accumulators]
-    return CTA_ROW_BYTES
 
 
 def with_prefetch(cfg: RowConfig, kernel_for) -> RowConfig:
