@@ -301,6 +301,18 @@ def test_backward_shares_by_dtype_and_sums():
     assert kernel.loop_registers == kernel.WIDE_LOOP_REGISTERS
     assert ops._backward_kernel_object(short, True, bf16, bf16, True, False).loop_registers \
         == config.LOOP_REGS_PER_THREAD
+    # an fp32 weight narrows the accesses to 4 elements, not the values per thread
+    for n in (4096, 16384, 262144):
+        for sums in (1, 2):
+            same = ops.backward_config(n, bf16, bf16, (bf16,), bf16, sums)
+            mixed = ops.backward_config(n, bf16, bf16, (bf16,), torch.float32, sums)
+            assert mixed.vec == 4 and same.vec == 8
+            assert mixed.vec * mixed.vecs_per_thread == same.vec * same.vecs_per_thread
+    # without sums the threads keep the default registers, even with 16 values
+    frozen = ops.backward_config(4096, bf16, bf16, (bf16,), torch.float32, 0)
+    assert frozen.vec * frozen.vecs_per_thread > 8
+    assert ops._backward_kernel_object(frozen, True, bf16, bf16, False, False).loop_registers \
+        == config.LOOP_REGS_PER_THREAD
 
 
 def test_return_stats_gives_fp32_statistics_without_gradient():

@@ -139,23 +139,24 @@ class NormBackward(RowKernel):
     rows_per_block, N) fp32 partials)."""
 
     scratch_buffers = 2
-    # Registers per thread of 16-bit rows with two vectors per thread of each tensor
-    # (config.norm_backward_share): at the default 80 the variants with sums spilled
-    # 8-120 bytes (sm_90a resource report), at 96 LayerNorm's rows of up to 1024
-    # columns still did.
+    # Registers per thread of 16-bit rows with per-column sums holding more than 8
+    # values per thread of each tensor (two 16-byte vectors, config.norm_backward_share):
+    # at the default 80 they spilled 8-120 bytes (sm_90a resource report), at 96
+    # LayerNorm's rows of up to 1024 columns still did. Without sums the same threads
+    # fit 80.
     WIDE_LOOP_REGISTERS = 104
 
     def __init__(self, cfg: RowConfig, rms: bool, h_dtype, dy_dtype, need_dweight: bool,
                  need_dbias: bool):
         self.cfg = cfg
-        if h_dtype.width == 16 and cfg.vecs_per_thread > 1:
-            self.loop_registers = self.WIDE_LOOP_REGISTERS
         self.rms = rms
         self.staged_dtypes = (h_dtype, dy_dtype)
         self.values_per_reduction = 1 if rms else 2
         self.need_dweight = need_dweight
         self.need_dbias = need_dbias
         self.accumulators = int(need_dweight) + int(need_dbias)
+        if self.accumulators and h_dtype.width == 16 and cfg.vec * cfg.vecs_per_thread > 8:
+            self.loop_registers = self.WIDE_LOOP_REGISTERS
 
     @cute.jit
     def __call__(self, mH: cute.Tensor, mdY: cute.Tensor, mW, mMean, mRstd: cute.Tensor,

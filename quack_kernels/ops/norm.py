@@ -87,12 +87,14 @@ def backward_config(n_cols: int, h_dtype, dy_dtype, out_dtypes: tuple, weight_dt
     ``cta_row_bytes`` and ``values_per_thread`` default to the norm backward's tuning
     (config.norm_backward_share); sweeps override them."""
     widest = max(_bytes(h_dtype, dy_dtype, weight_dtype, *out_dtypes))
-    tuned_bytes, vectors = norm_backward_share(max(_bytes(h_dtype, dy_dtype)), accumulators,
-                                               n_cols)
+    staged = max(_bytes(h_dtype, dy_dtype))
+    tuned_bytes, vectors = norm_backward_share(staged, accumulators, n_cols)
     if cta_row_bytes is None:
         cta_row_bytes = tuned_bytes
     if values_per_thread is None and vectors is not None:
-        values_per_thread = vectors * (16 // widest) * (2 + accumulators)
+        # 16-byte vectors of the staged dtype: a wider weight or output (fp32 with bf16
+        # rows) narrows the accesses, not the values a thread holds
+        values_per_thread = vectors * (16 // staged) * (2 + accumulators)
     cfg = row_config(n_cols, widest, staged_tensors=2 + accumulators,
                      bytes_per_col=sum(_bytes(h_dtype, dy_dtype)) + 4 * accumulators,
                      max_vec=max_vec, looping=True, cta_row_bytes=cta_row_bytes,
