@@ -14,13 +14,14 @@ import sys
 import torch
 import triton
 
+from sweep_softmax import DTYPES, ints
+
 from quack_kernels.bench import measure_copy_ceiling_gbps as copy_ceiling_gbps
 from quack_kernels.ops import norm as ops
 from quack_kernels.ops.common import resident_row_blocks
 from quack_kernels.primitives.config import SMEM_BYTES_PER_CTA, loop_grid_rows
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-DEFAULT_SHAPES = ",".join(f"{d}:{m}x{n}" for d in DTYPES
+DEFAULT_SHAPES = ",".join(f"{d}:{m}x{n}" for d in ("bf16", "fp32")
                           for m, n in ((32768, 4096), (8192, 16384), (2048, 65536), (512, 262144)))
 
 
@@ -29,10 +30,6 @@ def _shapes(text):
         dtype, shape = item.split(":")
         m, n = shape.split("x")
         yield DTYPES[dtype], int(m), int(n)
-
-
-def _ints(text):
-    return [int(v) for v in text.split(",")]
 
 
 def sweep_shape(dtype, m, n, rms, kibs, vecs_options, ceiling):
@@ -78,8 +75,8 @@ def sweep_shape(dtype, m, n, rms, kibs, vecs_options, ceiling):
 def main(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--norm", default="rms,layer")
-    p.add_argument("--kib", type=_ints, default=[16], help="row KiB per CTA (cluster size)")
-    p.add_argument("--vecs", type=_ints, default=[1], help="vectors per thread per tensor")
+    p.add_argument("--kib", type=ints, default=[16], help="row KiB per CTA (cluster size)")
+    p.add_argument("--vecs", type=ints, default=[1], help="vectors per thread per tensor")
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help="dtype:MxN,...")
     args = p.parse_args(argv)
     ceiling = copy_ceiling_gbps()

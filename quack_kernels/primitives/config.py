@@ -394,7 +394,6 @@ def with_prefetch(cfg: RowConfig, kernel_for) -> RowConfig:
     return cfg
 
 
-
 # The fixed-order column sum of per-CTA partial rows (the norm backward's dweight /
 # dbias, kernels/column_sum.py): 256 threads per CTA, each CTA owning a tile of
 # columns. A tile is 8..128 columns wide: the widest that still yields about two CTAs
