@@ -1,80 +1,114 @@
 """Config sweep for the cross-entropy forward kernel on the GPU (loss only and loss +
-gradient): values per thread, per-CTA row share and staging buffers (prefetch), one
-line per variant."""
+gradient): values per thread, per-CTA row share, threads per row, threads per block,
+staging and staging buffers (prefetch); one line per variant, timed like the runner
+(quack_kernels.bench.time_device_ms: an L2 flush before each call).
 
+    python benchmarks/sweep_cross_entropy.py                      # the default grid
+    python benchmarks/sweep_cross_entropy.py --shapes bf16:131072x1024 --mode loss \\
+        --vpt 32,64 --tpr 32,64,128 --tpb 128,256 --staging staged,direct
+"""
+
+import argparse
 import dataclasses
 import itertools
 import sys
 
 import torch
-import triton
 
+from quack_kernels.bench import measure_copy_ceiling_gbps, time_device_ms
 from quack_kernels.ops import cross_entropy as ops
 from quack_kernels.ops.common import resident_row_blocks
 from quack_kernels.primitives.config import loop_grid_rows, loops_over_row_blocks, row_config
 
-from quack_kernels.bench import measure_copy_ceiling_gbps as copy_ceiling_gbps
+from sweep_softmax import DTYPES, ints
 
-SHAPES = [(dtype, m, n) for dtype in (torch.bfloat16, torch.float32)
-          for m, n in ((32768, 4096), (8192, 16384), (4096, 128256), (8192, 151936))]
+DEFAULT_SHAPES = ",".join(f"{d}:{m}x{n}" for d in ("bf16", "fp32")
+                          for m, n in ((32768, 4096), (8192, 16384), (4096, 128256), (8192, 151936)))
 FLAGS = dict(weighted=False, smoothing=False, zloss=False, softcap=False)
 
 
-def main(argv):
-    """argv: dtypes to sweep (bfloat16, float32; default both), row lengths N of
-    SHAPES (default all), tpr=T,T (threads per row at most; default 256)."""
-    options = [a for a in argv if a.startswith("tpr=")]
-    argv = [a for a in argv if a not in options]
-    dtypes = [getattr(torch, a) for a in argv if not a.isdigit()] or [torch.bfloat16, torch.float32]
-    lengths = [int(a) for a in argv if a.isdigit()]
-    thread_limits = [int(t) for o in options for t in o[4:].split(",")] or [256]
-    ceiling = copy_ceiling_gbps()
-    print(f"copy ceiling {ceiling:.0f} GB/s")
-    for dtype, m, n in SHAPES:
-        if dtype not in dtypes or (lengths and n not in lengths):
+def words(allowed):
+    def parse(text):
+        chosen = text.split(",")
+        if not set(chosen) <= set(allowed):
+            raise argparse.ArgumentTypeError(f"choose from {','.join(allowed)}, got {text}")
+        return chosen
+    return parse
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default=DEFAULT_SHAPES, help="dtype:MxN,...")
+    p.add_argument("--mode", default="loss,grad", type=words(("loss", "grad")))
+    p.add_argument("--vpt", type=ints, default=[16, 32], help="values per thread")
+    # 128 KiB and more per CTA (loss only: no second pass over the row): shares of long
+    # rows staged whole in shared memory or re-read from global memory; 64 KiB gives
+    # rows just above a power of two of 32-KiB shares (151936 bf16) half the cluster
+    p.add_argument("--kib", type=ints, default=[16, 32, 64, 128, 256, 1024], help="row KiB per CTA")
+    p.add_argument("--tpr", type=ints, default=[256], help="max threads per row")
+    p.add_argument("--tpb", type=ints, default=[128], help="min threads per block")
+    p.add_argument("--stages", type=ints, default=[1, 2], help="staging buffers of looping grids")
+    # direct: the loss alone read straight into registers (no cp.async through shared
+    # memory), as the streamed shares of long rows are
+    p.add_argument("--staging", default="staged", type=words(("staged", "direct")))
+    return p.parse_args(argv)
+
+
+def variants(n, elem_bytes, write_grad, args):
+    seen = set()
+    for vpt, kib, tpr, tpb, stages, staging in itertools.product(
+            args.vpt, args.kib, args.tpr, args.tpb, args.stages, args.staging):
+        cfg = row_config(n, elem_bytes, values_per_thread=vpt, cta_row_bytes=kib * 1024,
+                         max_threads_per_row=tpr, min_threads_per_block=tpb)
+        if staging == "direct":
+            if write_grad:
+                continue
+            cfg = dataclasses.replace(cfg, staging="global")
+        cfg = dataclasses.replace(cfg, stages=stages)
+        if cfg in seen or (stages == 2 and not loops_over_row_blocks(cfg, write_grad)):
             continue
+        if kib > 64 and (write_grad or n * elem_bytes <= kib * 1024 // 2):
+            continue
+        seen.add(cfg)
+        yield cfg
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    ceiling = measure_copy_ceiling_gbps()
+    print(f"copy ceiling {ceiling:.0f} GB/s")
+    for shape in args.shapes.split(","):
+        name, mn = shape.split(":")
+        m, n = (int(v) for v in mn.split("x"))
+        dtype = DTYPES[name]
         x = torch.randn(m, n, device="cuda", dtype=dtype)
         target = torch.randint(0, n, (m,), device="cuda")
         loss, lse, scale = (torch.empty(m, device="cuda") for _ in range(3))
         grad = torch.empty_like(x)
         eb = x.element_size()
-        # 128 KiB and more per CTA (loss only: no second pass over the row): shares of
-        # long rows staged whole in shared memory or re-read from global memory; 64 KiB
-        # gives rows just above a power of two of 32-KiB shares (151936 bf16) half the
-        # cluster
-        seen = set()
-        for write_grad, vpt, kib, stages, tpr in itertools.product(
-                (False, True), (16, 32), (16, 32, 64, 128, 256, 1024), (1, 2), thread_limits):
-            cfg = dataclasses.replace(
-                row_config(n, eb, values_per_thread=vpt, cta_row_bytes=kib * 1024,
-                           max_threads_per_row=tpr), stages=stages)
-            if (write_grad, cfg) in seen:  # thread limits above the row's need
-                continue
-            seen.add((write_grad, cfg))
-            if stages == 2 and not loops_over_row_blocks(cfg, write_grad):
-                continue
-            if kib > 64 and (write_grad or n * eb <= kib * 1024 // 2):
-                continue
-            try:
-                fn = ops.compile_forward(cfg, dtype, torch.int64, write_grad=write_grad, **FLAGS)
-                kernel = ops.forward_kernel_object(cfg, dtype, write_grad=write_grad, **FLAGS)
-                grid = loop_grid_rows(cfg, m, resident_row_blocks(kernel, x.device))
-                call = lambda: fn(x, target, loss, loss, lse, grad, scale, -100, 0.0, 0.0, 1.0, grid)
-                call()
-                ms = triton.testing.do_bench(call, return_mode="median")
+        for mode in args.mode:
+            write_grad = mode == "grad"
+            for cfg in variants(n, eb, write_grad, args):
+                try:
+                    fn = ops.compile_forward(cfg, dtype, torch.int64, write_grad=write_grad, **FLAGS)
+                    kernel = ops.forward_kernel_object(cfg, dtype, write_grad=write_grad, **FLAGS)
+                    grid = loop_grid_rows(cfg, m, resident_row_blocks(kernel, x.device))
+                    call = lambda: fn(x, target, loss, loss, lse, grad, scale, -100, 0.0, 0.0, 1.0, grid)  # noqa: E731
+                    call()
+                    ms = time_device_ms(call)
+                except Exception as e:  # a variant that does not compile or launch
+                    print(f"{name} {mn} {mode} {cfg}: {type(e).__name__} {e}"[:240], flush=True)
+                    continue
                 nbytes = (2 if write_grad else 1) * x.numel() * eb
                 pct = 100 * nbytes / ms / 1e6 / ceiling
-                print(f"{str(dtype)[6:]:9s} {m}x{n} {'grad' if write_grad else 'loss'} vpt={vpt:3d} "
-                      f"kib={kib:3d} cl={cfg.cluster_size:2d} tpr={cfg.threads_per_row:3d} "
-                      f"rows={cfg.rows_per_block} vecs={cfg.vecs_per_thread:2d} ch={cfg.num_chunks} "
-                      f"{cfg.staging:9s} st={stages} ctas/SM={kernel.ctas_per_sm()} "
-                      f"{ms*1e3:8.1f}us {pct:5.1f}%", flush=True)
-            except Exception as e:  # a variant that does not compile or launch
-                print(f"{dtype} {n} grad={write_grad} vpt={vpt} kib={kib} st={stages} tpr={tpr}: "
-                      f"{type(e).__name__} {e}"[:200])
+                print(f"{name:5s} {mn:>12s} {mode} cl={cfg.cluster_size:2d} "
+                      f"thr={cfg.threads_per_row:3d} rows={cfg.rows_per_block:2d} "
+                      f"vecs={cfg.vecs_per_thread:2d} ch={cfg.num_chunks} {cfg.staging:9s} "
+                      f"st={cfg.stages} loops={int(kernel.loops)} ctas/SM={kernel.ctas_per_sm()} "
+                      f"{ms * 1e3:8.1f}us {pct:5.1f}%", flush=True)
         del x, grad
         torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

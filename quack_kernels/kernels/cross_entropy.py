@@ -30,8 +30,9 @@ current block is reduced and its epilogue runs (a CTA's life is otherwise one lo
 one short reduction and a short epilogue: its load latency would be exposed). One
 row_allreduce per row combines the online (max, sum of exp, sum of exp over the
 non-target classes) triple with plain sums of z_t (from the thread holding the target
-column), of w_t (gathered by the row's first thread) and, for label smoothing, of
-sum_j w_j z_j and W. Every thread then knows lse and writes its share of the gradient;
+column, which in a staged row without softcap or smoothing sets it aside before the row
+is read: ``target_aside``), of w_t (gathered by the row's first thread) and, for label
+smoothing, of sum_j w_j z_j and W. Every thread then knows lse and writes its share of the gradient;
 the row's first thread writes loss and lse.
 """
 
@@ -54,6 +55,23 @@ def _combine(a, b):
     """(max, sum of exp, sum of exp over the non-target classes) merged online, both
     sums rescaled to the new max; every further value is a plain sum."""
     return red.online_softmax_combine(a, b, rescaled=2)
+
+
+def _with_target(other_max: Float32, other_sumexp: Float32, z_target: Float32, valid):
+    """(max, sum of exp, sum of exp over the non-target classes) of a row from its
+    non-target (max, sum of exp) and the set-aside target logit (rows with a valid
+    target; other rows had nothing set aside)."""
+    row_max = cutlass.select_(valid, cute.arch.fmax(other_max, z_target), other_max)
+    row_max_log2 = red.finite_or_zero(row_max) * red.LOG2_E
+    other = other_sumexp * cute.math.exp2(other_max * red.LOG2_E - row_max_log2, fastmath=True)
+    target = cute.math.exp2(z_target * red.LOG2_E - row_max_log2, fastmath=True)
+    return row_max, other + cutlass.select_(valid, target, Float32(0.0)), other
+
+
+def _target_gradient(p_target, coef_p, coef_t, one_minus_p_target):
+    """A p_t - B formed as (A - B) p_t - B (1 - p_t), so that a confident row's tiny
+    true-class gradient keeps its relative precision."""
+    return p_target * (coef_p - coef_t) - coef_t * one_minus_p_target
 
 
 class CrossEntropyForward(RowKernel):
@@ -94,6 +112,13 @@ class CrossEntropyForward(RowKernel):
         # at 128256 bf16 columns. With the weight row staged as well, offsets spilled
         # 8 bytes at 262145 bf16 columns, so that variant keeps coordinates.
         self.column_offsets = self.loops or not self.stage_weight
+        # The target logit set aside from a staged row: its owner thread reads it from
+        # shared memory once and leaves -inf in its place, so the row's max and sum see
+        # only non-target classes and no value is compared with the target column (the
+        # per-value selects of z_t and of the non-target sum were 5 of ~15 instructions
+        # per bf16 logit, which held the loss alone at the issue rate). Not with softcap
+        # (-inf would be capped) or label smoothing (its sum of z needs every class).
+        self.target_aside = cfg.staging != "global" and not softcap and not smoothing
         self.scratch_buffers = 2 if self.loops else 1  # alternate per row block
 
     @cute.jit
@@ -185,6 +210,9 @@ class CrossEntropyForward(RowKernel):
         else:
             for c in cutlass.range_constexpr(cfg.num_chunks):
                 tiles.wait_chunk(c)
+                if cutlass.const_expr(self.target_aside):
+                    running = running[:3] + (running[3] + tiles.take_column(0, c, target_col, -math.inf),) \
+                        + running[4:]
                 z = self._cap(tiles.values(0, c), inv_softcap, softcap)
                 running, w = self._chunk_stats(z, tiles, c, tiles.coords[c], target_col, running)
                 if cutlass.const_expr(cfg.staging == "registers" and self.write_grad):
@@ -205,6 +233,8 @@ class CrossEntropyForward(RowKernel):
             identity = identity + (Float32(0.0),)
         totals = slot.allreduce(partials, _combine, identity, iteration=iteration)
         row_max, row_sumexp, other_sumexp, z_target = totals[0], totals[1], totals[2], totals[3]
+        if cutlass.const_expr(self.target_aside):
+            row_max, row_sumexp, other_sumexp = _with_target(row_max, other_sumexp, z_target, valid)
         k = 4
         w_target = Float32(1.0)
         if cutlass.const_expr(self.weighted):
@@ -270,9 +300,16 @@ class CrossEntropyForward(RowKernel):
                     if cutlass.const_expr(self.stage_weight):
                         w = tiles.values(1, c)
                 p = cute.math.exp2(z * red.LOG2_E - lse_log2, fastmath=True)
-                g = self._gradient(p, z, w, tiles.coords[c], target_col, coef_p, coef_t, coef_w,
-                                   one_minus_p_target, inv_softcap)
-                tiles.store(mdX, c, g)
+                if cutlass.const_expr(self.target_aside):
+                    # p is 0 at the set-aside target; its owner writes that value after
+                    tiles.store(mdX, c, p * coef_p)
+                    p_target = cute.math.exp2(z_target * red.LOG2_E - lse_log2, fastmath=True)
+                    tiles.store_column(mdX, c, target_col, _target_gradient(
+                        p_target, coef_p, coef_t, one_minus_p_target))
+                else:
+                    g = self._gradient(p, z, w, tiles.coords[c], target_col, coef_p, coef_t,
+                                       coef_w, one_minus_p_target, inv_softcap)
+                    tiles.store(mdX, c, g)
 
     @cute.jit
     def _streamed_chunk_stats(self, tiles: RowTiles, chunk: Int32, target_col: Int32,
@@ -295,16 +332,25 @@ class CrossEntropyForward(RowKernel):
             z_max_in = tiling.mask_out_of_row(z, tXcX, n_cols, -math.inf)
             z_sum_in = tiling.mask_out_of_row(z, tXcX, n_cols, 0.0)
         chunk_max = red.thread_reduce(z_max_in, cute.ReductionOp.MAX, -math.inf)
-        e = cute.math.exp2((z_max_in - red.finite_or_zero(chunk_max)) * red.LOG2_E, fastmath=True)
-        # z_t comes from the registers of the thread holding the target column, not
-        # from a global load that depends on the target
-        at_target = tiling.is_column(tXcX, target_col, self.column_offsets)
-        z_target = running[3] + red.thread_reduce(cute.where(at_target, z, 0.0), cute.ReductionOp.ADD, 0.0)
-        # the non-target sum keeps 1 - p_t = sumexp_other / sumexp exact for a
-        # confident row, where 1 - exp(z_t - lse) would be mostly rounding
-        e_other = cute.where(at_target, 0.0, e)
-        stats = _combine(running[:3], (chunk_max, red.thread_reduce(e, cute.ReductionOp.ADD, 0.0),
-                                       red.thread_reduce(e_other, cute.ReductionOp.ADD, 0.0)))
+        # one FFMA per value for the exponent
+        e = cute.math.exp2(z_max_in * red.LOG2_E - red.finite_or_zero(chunk_max) * red.LOG2_E,
+                           fastmath=True)
+        chunk_sum = red.thread_reduce(e, cute.ReductionOp.ADD, 0.0)
+        z_target = running[3]
+        if cutlass.const_expr(self.target_aside):
+            # the target was set aside (take_column): every value is a non-target one
+            stats = _combine(running[:3], (chunk_max, chunk_sum, chunk_sum))
+        else:
+            # z_t comes from the registers of the thread holding the target column, not
+            # from a global load that depends on the target
+            at_target = tiling.is_column(tXcX, target_col, self.column_offsets)
+            z_target = z_target + red.thread_reduce(cute.where(at_target, z, 0.0),
+                                                    cute.ReductionOp.ADD, 0.0)
+            # the non-target sum keeps 1 - p_t = sumexp_other / sumexp exact for a
+            # confident row, where 1 - exp(z_t - lse) would be mostly rounding
+            e_other = cute.where(at_target, 0.0, e)
+            stats = _combine(running[:3], (chunk_max, chunk_sum,
+                                           red.thread_reduce(e_other, cute.ReductionOp.ADD, 0.0)))
         sum_wz, sum_w = running[4], running[5]
         w = None
         if cutlass.const_expr(self.stage_weight):
@@ -319,11 +365,10 @@ class CrossEntropyForward(RowKernel):
     def _gradient(self, p: cute.TensorSSA, z: cute.TensorSSA, w, tXcX: cute.Tensor,
                   target_col: Int32, coef_p: Float32, coef_t: Float32, coef_w: Float32,
                   one_minus_p_target: Float32, inv_softcap: Float32) -> cute.TensorSSA:
-        """(A p - B onehot(t) - (eps/C) w) times the softcap chain, for one chunk. At the
-        target, A p_t - B is formed as (A - B) p_t - B (1 - p_t) so that a confident
-        row's tiny true-class gradient keeps its relative precision."""
+        """(A p - B onehot(t) - (eps/C) w) times the softcap chain, for one chunk (the
+        target's term by _target_gradient)."""
         is_target = tiling.is_column(tXcX, target_col, self.column_offsets)
-        g = cute.where(is_target, p * (coef_p - coef_t) - coef_t * one_minus_p_target,
+        g = cute.where(is_target, _target_gradient(p, coef_p, coef_t, one_minus_p_target),
                        p * coef_p)
         if cutlass.const_expr(self.stage_weight):
             g = g - w * coef_w

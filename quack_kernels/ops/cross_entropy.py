@@ -46,6 +46,7 @@ from ..primitives.config import (
     loops_over_row_blocks,
     row_config,
     streamed_row_config,
+    vector_width,
     with_prefetch,
 )
 from .common import (
@@ -88,6 +89,33 @@ _ce_row_config = functools.partial(row_config, cta_row_bytes=CE_CTA_ROW_BYTES,
 # (benchmarks/sweep_cross_entropy.py). Shorter rows were not measured streamed.
 CE_STREAM_MIN_ROW_BYTES = 128 * 1024
 CE_STREAM_CTA_ROW_BYTES = 256 * 1024
+# The loss alone of short rows: at least 8 vectors per thread in chunks of 4, at most
+# 64 threads per row and 16 vectors per thread, blocks of at least 256 threads (H200
+# sweeps, benchmarks/sweep_cross_entropy.py, results/cross_entropy_loss_sweep_H200_
+# 20261130.txt). With the target set aside (kernels.cross_entropy): 131072x1024 bf16
+# 84.9% of the copy ceiling (16 threads per row; 77.4% on 32), 32768x4096 bf16 85.7%
+# (64; 78.9% on 32 threads in 128-thread blocks), 16384x8192 bf16 85.0%, fp32 92-97%.
+# The default before (up to 256 threads, 4 vectors each): 60.1% and 60.3% bf16.
+CE_LOSS_MAX_THREADS_PER_ROW = 64
+CE_LOSS_MIN_VECS_PER_THREAD = 8
+CE_LOSS_MAX_VECS_PER_THREAD = 16
+CE_LOSS_VECS_PER_CHUNK = 4
+CE_LOSS_MIN_THREADS_PER_BLOCK = 256
+
+
+def _short_loss_row_config(n_cols: int, elem: int, max_vec: int | None) -> RowConfig | None:
+    """The loss-only config of a row short enough for CE_LOSS_MAX_THREADS_PER_ROW
+    threads (see there), else None."""
+    vec = vector_width(n_cols, elem, max_vec)
+    vectors = math.ceil(n_cols / vec)
+    if vectors > CE_LOSS_MAX_THREADS_PER_ROW * CE_LOSS_MAX_VECS_PER_THREAD:
+        return None
+    threads = min(CE_LOSS_MAX_THREADS_PER_ROW,
+                  1 << max(0, math.ceil(math.log2(vectors / CE_LOSS_MIN_VECS_PER_THREAD))))
+    return _ce_row_config(n_cols, elem, max_vec=max_vec, max_threads_per_row=threads,
+                          values_per_thread=CE_LOSS_VECS_PER_CHUNK * vec,
+                          min_threads_per_block=CE_LOSS_MIN_THREADS_PER_BLOCK)
+
 
 @functools.lru_cache(maxsize=None)
 def forward_config(n_cols: int, dtype: torch.dtype, stage_weight: bool, write_grad: bool,
@@ -97,8 +125,12 @@ def forward_config(n_cols: int, dtype: torch.dtype, stage_weight: bool, write_gr
     Rows one CTA holds loop with two staging buffers where they fit (prefetch of the
     next row block); the loss alone of long rows is streamed, not staged."""
     elem = torch.finfo(dtype).bits // 8
-    if not write_grad and not stage_weight and n_cols * elem > CE_STREAM_MIN_ROW_BYTES:
-        return streamed_row_config(n_cols, elem, CE_STREAM_CTA_ROW_BYTES, max_vec)
+    if not write_grad and not stage_weight:
+        if n_cols * elem > CE_STREAM_MIN_ROW_BYTES:
+            return streamed_row_config(n_cols, elem, CE_STREAM_CTA_ROW_BYTES, max_vec)
+        short = _short_loss_row_config(n_cols, elem, max_vec)
+        if short is not None:
+            return short
     if stage_weight:
         cfg = _ce_row_config(n_cols, 4, staged_tensors=2, bytes_per_col=elem + 4, max_vec=max_vec)
     else:

@@ -281,6 +281,46 @@ class RowTiles:
             x = tiling.mask_out_of_row(x, self.coords[chunk], cfg.n_cols, fill)
         return x
 
+    def _holds_column(self, chunk: int, col: Int32):
+        """(does this thread hold column ``col`` of its row in ``chunk``, the column's
+        offset from the thread's first value). A thread holds vectors t, t +
+        threads_per_row, ... (tiling.chunk_tv_layout)."""
+        cfg = self.cfg
+        offset = col - self.coords[chunk][0][1]
+        stride = cfg.vec * cfg.threads_per_row  # a power of two
+        held = (offset >= 0) & (offset < stride * cfg.vecs_per_thread) \
+            & ((offset & (stride - 1)) < cfg.vec)
+        return held, offset
+
+    @cute.jit
+    def take_column(self, i: cutlass.Constexpr[int], chunk: cutlass.Constexpr[int], col: Int32,
+                    fill: cutlass.Constexpr[float]) -> Float32:
+        """Staged tensor ``i``'s value (fp32) at column ``col`` of this thread's row, if
+        this thread staged that column in ``chunk`` (else 0), replaced in the staging
+        buffer by ``fill``, so that ``values`` reads ``fill`` there. Call after
+        ``wait_chunk(chunk)``; no barrier is needed, since each thread reads back only
+        what it copied itself."""
+        held, offset = self._holds_column(chunk, col)
+        value = Float32(0.0)
+        if held:
+            cfg = self.cfg
+            tile = self._smem_slot(i, chunk)
+            at = (self.tidx // cfg.threads_per_row,
+                  self.tidx % cfg.threads_per_row * cfg.vec + offset)
+            value = Float32(tile[at])
+            tile[at] = tile.element_type(fill)
+        return value
+
+    @cute.jit
+    def store_column(self, mY: cute.Tensor, chunk: cutlass.Constexpr[int], col: Int32,
+                     value: Float32):
+        """Write ``value`` to column ``col`` of this thread's row of mY if this thread
+        holds that column in ``chunk``: after ``store`` of the chunk it replaces what the
+        vector store wrote there (same thread, same address: program order)."""
+        held, _ = self._holds_column(chunk, col)
+        if held & self.row_in_bounds:
+            mY[self.row, col] = value.to(mY.element_type)
+
     def chunk_coords(self, chunk):
         """Coordinates of this thread's values in ``chunk``: precomputed for a
         compile-time chunk, computed for a runtime index (a dynamic loop streaming a
