@@ -218,13 +218,30 @@ def test_fake_kernels():
     with FakeTensorMode():
         x = torch.empty(7, 100, dtype=torch.bfloat16)
         target = torch.empty(7, dtype=torch.int32)
-        loss, lse, grad = torch.ops.quack_kernels.cross_entropy_forward(
+        stats, lse, grad = torch.ops.quack_kernels.cross_entropy_forward(
             x, target, None, -100, 0.0, 0.0, 0.0, True)
-        assert loss.shape == lse.shape == (7,) and loss.dtype == torch.float32
+        assert stats.shape == (2, 7) and lse.shape == (7,) and stats.dtype == torch.float32
         assert grad.shape == (7, 100) and grad.dtype == torch.bfloat16
-        loss, lse = torch.ops.quack_kernels.cross_entropy_forward_inplace(
+        stats, lse = torch.ops.quack_kernels.cross_entropy_forward_inplace(
             x, target, None, -100, 0.0, 0.0, 0.0)
-        assert loss.shape == (7,)
+        assert stats.shape == (2, 7)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_row_weights_are_the_mean_denominator(weighted):
+    """The op's second stats row weighs each row as torch's mean does: its sum is the
+    denominator, ignored rows count 0."""
+    x, target, weight = make_case(dtype=torch.float32)
+    weight = weight.float() if weighted else None
+    (loss, weights), _, _ = torch.ops.quack_kernels.cross_entropy_forward(
+        x, target, weight, -100, 0.0, 0.0, 0.0, False)
+    kept = target != -100
+    assert kept.any() and not kept.all()
+    expected = kept.float() if weight is None else \
+        torch.where(kept, weight[target.clamp(min=0)], 0.0)
+    torch.testing.assert_close(weights, expected, rtol=0, atol=0)
+    torch.testing.assert_close(loss.sum() / weights.sum(),
+                               F.cross_entropy(x, target, weight), rtol=1e-5, atol=1e-6)
 
 
 def test_gradcheck():

@@ -61,14 +61,17 @@ def check_true_class_gradient(grad, ref_grad, x, target, rel):
 def test_loss_and_gradient(v, dtype):
     m = 37 if v <= 151936 else 7
     x, target = fresh(m, v, dtype)
-    loss, lse, grad = ops.cross_entropy_forward(x, target, None, -100, 0.0, 0.0, 0.0, True)
+    (loss, weights), lse, grad = ops.cross_entropy_forward(x, target, None, -100, 0.0, 0.0, 0.0,
+                                                           True)
     ref_loss, ref_lse, ref_grad = reference(x, target)
     assert_close(loss, ref_loss, LOSS_TOL, scale=LOSS_SCALE, name="loss")
+    assert torch.equal(weights, ops.row_weights(target, None, -100, v, torch.float32))
     assert_close(lse, ref_lse, LOSS_TOL, scale=LOSS_SCALE, name="lse")
     assert_close(grad, ref_grad, dtype, scale=2.0, name="grad")
     check_true_class_gradient(grad, ref_grad, x, target, 2e-2 if dtype != torch.float32 else 2e-3)
     # loss only: same loss and lse
-    loss_only, lse_only, empty = ops.cross_entropy_forward(x, target, None, -100, 0.0, 0.0, 0.0, False)
+    (loss_only, _), lse_only, empty = ops.cross_entropy_forward(x, target, None, -100, 0.0, 0.0,
+                                                                0.0, False)
     assert empty.numel() == 0
     assert_close(loss_only, ref_loss, LOSS_TOL, scale=LOSS_SCALE, name="loss only")
 
@@ -85,13 +88,14 @@ def test_every_option(v, dtype, flags):
     x, target = fresh(m, v, dtype)
     weight = torch.rand(v, device="cuda") + 0.5 if weighted else None
     options = (-100, 0.1 if smoothing else 0.0, 1e-3 if zloss else 0.0, 30.0 if softcap else 0.0)
-    loss, lse, grad = ops.cross_entropy_forward(x, target, weight, *options, True)
+    (loss, weights), lse, grad = ops.cross_entropy_forward(x, target, weight, *options, True)
     ref_loss, ref_lse, ref_grad = reference(x, target, weight, *options)
+    assert torch.equal(weights, ops.row_weights(target, weight, -100, v, torch.float32))
     assert_close(loss, ref_loss, LOSS_TOL, scale=LOSS_SCALE, name="loss")
     assert_close(lse, ref_lse, LOSS_TOL, scale=LOSS_SCALE, name="lse")
     assert_close(grad, ref_grad, dtype, scale=2.0, name="grad")
     # loss only (long rows are streamed from global memory instead of staged)
-    loss_only, lse_only, _ = ops.cross_entropy_forward(x, target, weight, *options, False)
+    (loss_only, _), lse_only, _ = ops.cross_entropy_forward(x, target, weight, *options, False)
     assert_close(loss_only, ref_loss, LOSS_TOL, scale=LOSS_SCALE, name="loss only")
     assert_close(lse_only, ref_lse, LOSS_TOL, scale=LOSS_SCALE, name="lse only")
 
@@ -180,7 +184,7 @@ def test_empty_all_ignored_and_bad_targets():
 
     x, target = fresh(8, 3000, torch.bfloat16)
     target[2], target[5] = 3000, -7
-    loss, lse, grad = ops.cross_entropy_forward(x, target, None, -100, 0.0, 0.0, 0.0, True)
+    (loss, _), lse, grad = ops.cross_entropy_forward(x, target, None, -100, 0.0, 0.0, 0.0, True)
     bad = torch.zeros(8, dtype=torch.bool, device="cuda")
     bad[[2, 5]] = True
     assert torch.isnan(loss[bad]).all() and torch.isfinite(loss[~bad]).all()
@@ -201,7 +205,7 @@ def test_outputs_fully_written():
         x, target = fresh(33, v, torch.bfloat16, ignore_every=1000)
         per_row = torch.empty(33, dtype=torch.float32, device="cuda")
         poison_allocator(per_row, per_row, x)  # loss, lse, grad in allocation order
-        loss, lse, grad = ops.cross_entropy_forward(x, target, None, -100, 0.1, 0.0, 0.0, True)
+        (loss, _), lse, grad = ops.cross_entropy_forward(x, target, None, -100, 0.1, 0.0, 0.0, True)
         assert torch.isfinite(loss).all() and torch.isfinite(lse).all()
         assert torch.isfinite(grad).all()
 
@@ -211,7 +215,7 @@ def test_strided_and_misaligned_logits():
     wide = torch.zeros(16, 4110, device="cuda", dtype=torch.bfloat16)
     wide[:, 3:4102] = x
     view = wide[:, 3:4102]  # misaligned base and row stride
-    loss, lse, grad = ops.cross_entropy_forward(view, target, None, -100, 0.0, 0.0, 0.0, True)
+    (loss, _), lse, grad = ops.cross_entropy_forward(view, target, None, -100, 0.0, 0.0, 0.0, True)
     ref_loss, _, ref_grad = reference(x, target)
     assert_close(loss, ref_loss, LOSS_TOL, scale=LOSS_SCALE)
     assert_close(grad, ref_grad, torch.bfloat16, scale=2.0)
@@ -272,7 +276,7 @@ def test_more_than_2_31_elements():
     x = torch.randn(m, v, device="cuda", dtype=torch.bfloat16)
     target = torch.randint(0, v, (m,), device="cuda")
     target[-1] = v - 1
-    loss, lse, grad = ops.cross_entropy_forward(x, target, None, -100, 0.0, 0.0, 0.0, True)
+    (loss, _), lse, grad = ops.cross_entropy_forward(x, target, None, -100, 0.0, 0.0, 0.0, True)
     rows = slice(m - 3, m)
     ref_loss, _, ref_grad = reference(x[rows], target[rows])
     assert_close(loss[rows], ref_loss, LOSS_TOL, scale=LOSS_SCALE)
@@ -280,6 +284,6 @@ def test_more_than_2_31_elements():
     del grad
     # in place over the logits
     x_last = x[rows].clone()
-    loss2, _ = ops.cross_entropy_forward_inplace(x, target, None, -100, 0.0, 0.0, 0.0)
+    (loss2, _), _ = ops.cross_entropy_forward_inplace(x, target, None, -100, 0.0, 0.0, 0.0)
     assert torch.equal(loss2, loss)
     assert_close(x[rows], reference(x_last, target[rows])[2], torch.bfloat16, scale=2.0)

@@ -13,9 +13,10 @@ without), smoothing eps, z-loss scale zs and softcap s (z = s * tanh(x / s), els
 
 Ignored rows (t == ignore_index): loss 0, gradient 0. Targets outside [0, C) that are
 not ignore_index: loss NaN and gradient row NaN (never an out-of-bounds access: the
-target column is only ever compared with, never used as an address, except for the
-class weight of a target inside the row). lse is written for every row. The loss is
-per row; the reduction over rows is the torch layer's.
+target column is only used as an address by the thread holding it, and for the class
+weight of a target inside the row). lse is written for every row, and each row's
+weight in a mean over rows: w_t (1 without class weights), 0 for an ignored row or a
+bad target. The loss is per row; the reduction over rows is the torch layer's.
 
 The gradient row i is scaled by ``grad_scale[i]``, the upstream gradient of loss i the
 caller expects (e.g. 1 / count for a mean), so that the backward has nothing to do when
@@ -68,12 +69,6 @@ def _with_target(other_max: Float32, other_sumexp: Float32, z_target: Float32, v
     return row_max, other + cutlass.select_(valid, target, Float32(0.0)), other
 
 
-def _target_gradient(p_target, coef_p, coef_t, one_minus_p_target):
-    """A p_t - B formed as (A - B) p_t - B (1 - p_t), so that a confident row's tiny
-    true-class gradient keeps its relative precision."""
-    return p_target * (coef_p - coef_t) - coef_t * one_minus_p_target
-
-
 class CrossEntropyForward(RowKernel):
     """With the gradient, rows a single CTA holds (config.loops_over_row_blocks) run on
     a fixed grid of ``grid_rows`` row blocks that loops, loading the next block while it
@@ -118,17 +113,23 @@ class CrossEntropyForward(RowKernel):
         # per-value selects of z_t and of the non-target sum were 5 of ~15 instructions
         # per bf16 logit, which held the loss alone at the issue rate). Not with softcap
         # (-inf would be capped) or label smoothing (its sum of z needs every class).
-        self.target_aside = cfg.staging != "global" and not softcap and not smoothing
+        # Only for the loss alone: with the gradient (its target value then stored
+        # apart) the runner measured 4096x128256 bf16 loss + gradient at 60.5% of the
+        # copy ceiling against 68.2% with per-value selects (results/cross_entropy_
+        # nvidia-h200_20261130-0329.csv vs -0337.csv), not understood yet.
+        self.target_aside = (cfg.staging != "global" and not write_grad and not softcap
+                             and not smoothing)
         self.scratch_buffers = 2 if self.loops else 1  # alternate per row block
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mTarget: cute.Tensor, mWeight: cute.Tensor,
-                 mLoss: cute.Tensor, mLse: cute.Tensor, mdX: cute.Tensor,
-                 mGradScale: cute.Tensor, ignore_index: Int64, smoothing: Float32,
-                 lse_square_scale: Float32, softcap: Float32, grid_rows: Int32, stream):
+                 mLoss: cute.Tensor, mRowWeight: cute.Tensor, mLse: cute.Tensor,
+                 mdX: cute.Tensor, mGradScale: cute.Tensor, ignore_index: Int64,
+                 smoothing: Float32, lse_square_scale: Float32, softcap: Float32,
+                 grid_rows: Int32, stream):
         self.launch(
-            self.kernel(mX, mTarget, mWeight, mLoss, mLse, mdX, mGradScale, ignore_index,
-                        smoothing, lse_square_scale, softcap, grid_rows),
+            self.kernel(mX, mTarget, mWeight, mLoss, mRowWeight, mLse, mdX, mGradScale,
+                        ignore_index, smoothing, lse_square_scale, softcap, grid_rows),
             mX.shape[0], stream, grid_rows=grid_rows if self.loops else None)
 
     @cute.jit
@@ -139,7 +140,7 @@ class CrossEntropyForward(RowKernel):
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mTarget: cute.Tensor, mWeight: cute.Tensor,
-               mLoss: cute.Tensor, mLse: cute.Tensor, mdX: cute.Tensor,
+               mLoss: cute.Tensor, mRowWeight: cute.Tensor, mLse: cute.Tensor, mdX: cute.Tensor,
                mGradScale: cute.Tensor, ignore_index: Int64, smoothing: Float32,
                lse_square_scale: Float32, softcap: Float32, grid_rows: Int32):
         cfg = self.cfg
@@ -157,8 +158,8 @@ class CrossEntropyForward(RowKernel):
         if cutlass.const_expr(cfg.cluster_size > 1):
             cute.arch.cluster_wait()
 
-        options = (home, grid_rows, slot, mTarget, mWeight, mLoss, mLse, mdX, mGradScale,
-                   ignore_index, smoothing, lse_square_scale, softcap, inv_softcap)
+        options = (home, grid_rows, slot, mTarget, mWeight, mLoss, mRowWeight, mLse, mdX,
+                   mGradScale, ignore_index, smoothing, lse_square_scale, softcap, inv_softcap)
         if cutlass.const_expr(self.loops):
             self.for_each_row_block(mX.shape[0], grid_rows, self._row_block, *options)
         else:
@@ -167,9 +168,10 @@ class CrossEntropyForward(RowKernel):
     @cute.jit
     def _row_block(self, block_row: Int32, iteration, home: RowTiles, grid_rows: Int32,
                    slot: ReductionSlot, mTarget: cute.Tensor, mWeight: cute.Tensor,
-                   mLoss: cute.Tensor, mLse: cute.Tensor, mdX: cute.Tensor,
-                   mGradScale: cute.Tensor, ignore_index: Int64, smoothing: Float32,
-                   lse_square_scale: Float32, softcap: Float32, inv_softcap: Float32):
+                   mLoss: cute.Tensor, mRowWeight: cute.Tensor, mLse: cute.Tensor,
+                   mdX: cute.Tensor, mGradScale: cute.Tensor, ignore_index: Int64,
+                   smoothing: Float32, lse_square_scale: Float32, softcap: Float32,
+                   inv_softcap: Float32):
         """Loss, lse (and gradient) of the rows of block ``block_row``; ``iteration`` is
         the loop count of a looping grid (None: one row block per CTA)."""
         cfg = self.cfg
@@ -273,6 +275,7 @@ class CrossEntropyForward(RowKernel):
             loss = cutlass.select_(valid, loss, Float32(0.0))
             loss = cutlass.select_(inside | ignored, loss, Float32(math.nan))
             mLoss[row] = loss
+            mRowWeight[row] = cutlass.select_(valid, w_target, Float32(0.0))
             mLse[row] = lse
 
         if cutlass.const_expr(self.write_grad):
@@ -300,16 +303,9 @@ class CrossEntropyForward(RowKernel):
                     if cutlass.const_expr(self.stage_weight):
                         w = tiles.values(1, c)
                 p = cute.math.exp2(z * red.LOG2_E - lse_log2, fastmath=True)
-                if cutlass.const_expr(self.target_aside):
-                    # p is 0 at the set-aside target; its owner writes that value after
-                    tiles.store(mdX, c, p * coef_p)
-                    p_target = cute.math.exp2(z_target * red.LOG2_E - lse_log2, fastmath=True)
-                    tiles.store_column(mdX, c, target_col, _target_gradient(
-                        p_target, coef_p, coef_t, one_minus_p_target))
-                else:
-                    g = self._gradient(p, z, w, tiles.coords[c], target_col, coef_p, coef_t,
-                                       coef_w, one_minus_p_target, inv_softcap)
-                    tiles.store(mdX, c, g)
+                g = self._gradient(p, z, w, tiles.coords[c], target_col, coef_p, coef_t, coef_w,
+                                   one_minus_p_target, inv_softcap)
+                tiles.store(mdX, c, g)
 
     @cute.jit
     def _streamed_chunk_stats(self, tiles: RowTiles, chunk: Int32, target_col: Int32,
@@ -365,10 +361,11 @@ class CrossEntropyForward(RowKernel):
     def _gradient(self, p: cute.TensorSSA, z: cute.TensorSSA, w, tXcX: cute.Tensor,
                   target_col: Int32, coef_p: Float32, coef_t: Float32, coef_w: Float32,
                   one_minus_p_target: Float32, inv_softcap: Float32) -> cute.TensorSSA:
-        """(A p - B onehot(t) - (eps/C) w) times the softcap chain, for one chunk (the
-        target's term by _target_gradient)."""
+        """(A p - B onehot(t) - (eps/C) w) times the softcap chain, for one chunk. At the
+        target, A p_t - B is formed as (A - B) p_t - B (1 - p_t) so that a confident
+        row's tiny true-class gradient keeps its relative precision."""
         is_target = tiling.is_column(tXcX, target_col, self.column_offsets)
-        g = cute.where(is_target, _target_gradient(p, coef_p, coef_t, one_minus_p_target),
+        g = cute.where(is_target, p * (coef_p - coef_t) - coef_t * one_minus_p_target,
                        p * coef_p)
         if cutlass.const_expr(self.stage_weight):
             g = g - w * coef_w

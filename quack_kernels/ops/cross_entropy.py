@@ -178,6 +178,7 @@ def forward_kernel(cfg: RowConfig, dtype: torch.dtype, target_dtype: torch.dtype
         fake_vector(cutlass.Float32, cute.sym_int(), cfg.vec if stage_weight else 1),
         fake_vector(cutlass.Float32, rows),
         fake_vector(cutlass.Float32, rows),
+        fake_vector(cutlass.Float32, rows),
         fake_rows(dt, cfg.n_cols, cfg.vec, rows),
         fake_strided_vector(cutlass.Float32, rows),
         cutlass.Int64(-100),
@@ -354,11 +355,13 @@ def _check_grad_scale(grad_scale: Optional[Tensor], logits: Tensor, name: str = 
 
 
 # ----------------------------------------------------------------------------- CUDA
-def _launch(rows: Tensor, target: Tensor, weight: Optional[Tensor], loss: Tensor, lse: Tensor,
+def _launch(rows: Tensor, target: Tensor, weight: Optional[Tensor], stats: Tensor, lse: Tensor,
             grad: Optional[Tensor], grad_scale: Optional[Tensor], ignore_index: int,
             label_smoothing: float, lse_square_scale: float, softcap: float) -> None:
-    """Run the kernel; ``grad`` is where the gradient goes (may be ``rows`` itself), None
-    for loss only; ``grad_scale`` its per-row scale (None: 1)."""
+    """Run the kernel; ``stats`` (2, M) receives the per-row losses and row weights (see
+    cross_entropy_forward), ``grad`` the gradient (may be ``rows`` itself; None for loss
+    only), scaled per row by ``grad_scale`` (None: 1)."""
+    loss, row_weight = stats
     check_gpu(rows)
     n_cols = rows.shape[1]
     smoothing = label_smoothing != 0.0
@@ -381,7 +384,7 @@ def _launch(rows: Tensor, target: Tensor, weight: Optional[Tensor], loss: Tensor
     grid_rows = loop_grid_rows(cfg, rows.shape[0], resident_row_blocks(kernel, rows.device)) \
         if kernel.loops else rows.shape[0]  # (unused without the loop)
     # fp32 vectors the variant does not read (no weights, no gradient) are filled by loss
-    fn(rows, target, loss if weight is None else weight, loss, lse, grad_out,
+    fn(rows, target, loss if weight is None else weight, loss, row_weight, lse, grad_out,
        loss if grad_scale is None else grad_scale, ignore_index,
        label_smoothing, lse_square_scale, softcap if softcap else 1.0, grid_rows)
 
@@ -391,13 +394,28 @@ def _loss_dtype(logits: Tensor) -> torch.dtype:
 
 
 # ----------------------------------------------------------------------------- the ops
+def row_weights(target: Tensor, weight: Optional[Tensor], ignore_index: int, n_cols: int,
+                dtype: torch.dtype) -> Tensor:
+    """Each row's weight in a mean over rows, as torch's cross_entropy counts it: w_t (1
+    without class weights) for a target in [0, C) that is not ignore_index, else 0."""
+    valid = (target != ignore_index) & (target >= 0) & (target < n_cols)
+    if weight is None:
+        return valid.to(dtype)
+    safe = torch.where(valid, target, torch.zeros_like(target)).long()
+    return torch.where(valid, weight.to(dtype)[safe], 0.0)
+
+
 def _checked_reference(logits, target, weight, ignore_index, label_smoothing, lse_square_scale,
                        softcap, compute_grad, grad_scale):
-    """The CPU ops' body: validate (bad targets raise), then the reference."""
+    """The CPU ops' body: validate (bad targets raise), then the reference, the losses
+    stacked with the row weights."""
     _check_op_inputs(logits, target, weight, grad_scale, cuda=False)
     _raise_on_bad_targets(target, logits.shape[1], ignore_index)
-    return cross_entropy_reference(logits, target, weight, ignore_index, label_smoothing,
-                                   lse_square_scale, softcap, compute_grad, grad_scale)
+    loss, lse, grad = cross_entropy_reference(logits, target, weight, ignore_index,
+                                              label_smoothing, lse_square_scale, softcap,
+                                              compute_grad, grad_scale)
+    weights = row_weights(target, weight, ignore_index, logits.shape[1], loss.dtype)
+    return torch.stack((loss, weights)), lse, grad
 
 
 @torch.library.custom_op("quack_kernels::cross_entropy_forward", mutates_args=(),
@@ -406,12 +424,14 @@ def cross_entropy_forward(logits: Tensor, target: Tensor, weight: Optional[Tenso
                           ignore_index: int, label_smoothing: float, lse_square_scale: float,
                           softcap: float, compute_grad: bool,
                           grad_scale: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-row (loss, lse, grad) of (M, C) logits; softcap 0 means none. ``grad`` is the
-    gradient of sum_i grad_scale_i loss_i wrt the logits (grad_scale: fp32 (M,), default
-    1) in the logits' dtype, or an empty tensor when not asked for."""
-    loss, lse, grad = _checked_reference(logits, target, weight, ignore_index, label_smoothing,
-                                         lse_square_scale, softcap, compute_grad, grad_scale)
-    return loss, lse, grad if compute_grad else logits.new_empty(0)
+    """(stats, lse, grad) of (M, C) logits; softcap 0 means none. ``stats`` (2, M): the
+    per-row losses, and each row's weight in a mean (row_weights), so that a mean is one
+    reduction over ``stats``. ``grad`` is the gradient of sum_i grad_scale_i loss_i wrt
+    the logits (grad_scale: fp32 (M,), default 1) in the logits' dtype, or an empty
+    tensor when not asked for."""
+    stats, lse, grad = _checked_reference(logits, target, weight, ignore_index, label_smoothing,
+                                          lse_square_scale, softcap, compute_grad, grad_scale)
+    return stats, lse, grad if compute_grad else logits.new_empty(0)
 
 
 @cross_entropy_forward.register_kernel("cuda")
@@ -420,14 +440,14 @@ def _cross_entropy_forward_cuda(logits, target, weight, ignore_index, label_smoo
     _check_op_inputs(logits, target, weight, grad_scale, cuda=True)
     rows = logits if logits.stride(-1) == 1 or logits.shape[0] == 0 else logits.contiguous()
     m = rows.shape[0]
-    loss = torch.empty(m, dtype=torch.float32, device=logits.device)
+    stats = torch.empty(2, m, dtype=torch.float32, device=logits.device)
     lse = torch.empty(m, dtype=torch.float32, device=logits.device)
     grad = torch.empty(rows.shape, dtype=logits.dtype, device=logits.device) if compute_grad \
         else logits.new_empty(0)
     if m > 0:
-        _launch(rows, target, weight, loss, lse, grad if compute_grad else None, grad_scale,
+        _launch(rows, target, weight, stats, lse, grad if compute_grad else None, grad_scale,
                 ignore_index, label_smoothing, lse_square_scale, softcap)
-    return loss, lse, grad
+    return stats, lse, grad
 
 
 @cross_entropy_forward.register_fake
@@ -435,9 +455,9 @@ def _cross_entropy_forward_fake(logits, target, weight, ignore_index, label_smoo
                                 lse_square_scale, softcap, compute_grad, grad_scale=None):
     _check_op_inputs(logits, target, weight, grad_scale, cuda=logits.device.type == "cuda")
     m = logits.shape[0]
-    loss = logits.new_empty(m, dtype=_loss_dtype(logits))
+    stats = logits.new_empty((2, m), dtype=_loss_dtype(logits))
     grad = logits.new_empty(logits.shape) if compute_grad else logits.new_empty(0)
-    return loss, logits.new_empty(m, dtype=_loss_dtype(logits)), grad
+    return stats, logits.new_empty(m, dtype=_loss_dtype(logits)), grad
 
 
 @torch.library.custom_op("quack_kernels::cross_entropy_forward_inplace",
@@ -446,12 +466,12 @@ def cross_entropy_forward_inplace(logits: Tensor, target: Tensor, weight: Option
                                   ignore_index: int, label_smoothing: float,
                                   lse_square_scale: float, softcap: float,
                                   grad_scale: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    """Per-row (loss, lse); the logits are overwritten by the gradient of
-    sum_i grad_scale_i loss_i."""
-    loss, lse, grad = _checked_reference(logits, target, weight, ignore_index, label_smoothing,
-                                         lse_square_scale, softcap, True, grad_scale)
+    """(stats, lse) as cross_entropy_forward gives them; the logits are overwritten by
+    the gradient of sum_i grad_scale_i loss_i."""
+    stats, lse, grad = _checked_reference(logits, target, weight, ignore_index, label_smoothing,
+                                          lse_square_scale, softcap, True, grad_scale)
     logits.copy_(grad)
-    return loss, lse
+    return stats, lse
 
 
 @cross_entropy_forward_inplace.register_kernel("cuda")
@@ -462,12 +482,12 @@ def _cross_entropy_forward_inplace_cuda(logits, target, weight, ignore_index, la
         raise ValueError("quack_kernels: inplace cross_entropy needs logits with unit "
                          "column stride")
     m = logits.shape[0]
-    loss = torch.empty(m, dtype=torch.float32, device=logits.device)
+    stats = torch.empty(2, m, dtype=torch.float32, device=logits.device)
     lse = torch.empty(m, dtype=torch.float32, device=logits.device)
     if m > 0:
-        _launch(logits, target, weight, loss, lse, logits, grad_scale, ignore_index,
+        _launch(logits, target, weight, stats, lse, logits, grad_scale, ignore_index,
                 label_smoothing, lse_square_scale, softcap)
-    return loss, lse
+    return stats, lse
 
 
 @cross_entropy_forward_inplace.register_fake
@@ -475,7 +495,7 @@ def _cross_entropy_forward_inplace_fake(logits, target, weight, ignore_index, la
                                         lse_square_scale, softcap, grad_scale=None):
     _check_op_inputs(logits, target, weight, grad_scale, cuda=logits.device.type == "cuda")
     m = logits.shape[0]
-    return (logits.new_empty(m, dtype=_loss_dtype(logits)),
+    return (logits.new_empty((2, m), dtype=_loss_dtype(logits)),
             logits.new_empty(m, dtype=_loss_dtype(logits)))
 
 
@@ -540,11 +560,12 @@ class CrossEntropyFunction(torch.autograd.Function):
         options = (ignore_index, label_smoothing, lse_square_scale, softcap)
         if inplace:
             forward = _cross_entropy_forward_inplace_cuda if eager else cross_entropy_forward_inplace
-            loss, lse = forward(logits, target, weight, *options, held)
+            stats, lse = forward(logits, target, weight, *options, held)
             grad = logits
         else:
             forward = _cross_entropy_forward_cuda if eager else cross_entropy_forward
-            loss, lse, grad = forward(logits, target, weight, *options, True, held)
+            stats, lse, grad = forward(logits, target, weight, *options, True, held)
+        loss = stats[0]
         ctx.eager = eager
         ctx.ignore_index = ignore_index
         ctx.save_for_backward(grad, target, held)
@@ -626,38 +647,41 @@ def cross_entropy(logits: Tensor, target: Tensor, weight: Optional[Tensor] = Non
     loss_dtype = _loss_dtype(logits)
     eager = eager_cuda(logits, target, weight)
 
-    denominator = None
-    if reduction == "mean":
-        kept = target_rows != ignore_index
-        if weight is None:
-            denominator = kept.sum(dtype=loss_dtype)
-        else:
-            safe = torch.where(kept, target_rows, torch.zeros_like(target_rows)).clamp(0, n_cols - 1)
-            denominator = (weight.to(loss_dtype)[safe] * kept).sum()
-
     if torch.is_grad_enabled() and logits.requires_grad:
         # The gradient is computed in the forward for the upstream gradient a plain
         # backward() of this function's result gives each row: 1 / denominator for a
         # mean (computed as autograd's DivBackward does, so it compares equal), 1 for a
         # sum or per-row losses. Any other upstream gradient costs a rescale pass.
         # (an expanded scalar: the kernels take per-row scales with any stride)
-        if denominator is not None:
+        denominator = None
+        if reduction == "mean":
+            # (bad targets count here; their loss is NaN, so is the mean)
+            kept = target_rows != ignore_index
+            if weight is None:
+                denominator = kept.sum(dtype=loss_dtype)
+            else:
+                safe = torch.where(kept, target_rows, torch.zeros_like(target_rows))
+                safe = safe.clamp(0, n_cols - 1)
+                denominator = (weight.to(loss_dtype)[safe] * kept).sum()
             held = torch.reciprocal(denominator).expand(num_rows)
         else:
             held = torch.ones((), dtype=loss_dtype, device=logits.device).expand(num_rows)
         loss, lse = CrossEntropyFunction.apply(rows, *args, bool(inplace_backward), held,
                                                eager)
-    elif eager:
-        loss, lse, _ = _cross_entropy_forward_cuda(rows, *args, False)
-    else:
-        loss, lse, _ = cross_entropy_forward(rows, *args, False)
-
-    if reduction == "none":
-        out = loss.view(target.shape)
-    elif reduction == "sum":
-        out = loss.sum()
-    else:
         # ignored rows have loss 0; their gradient rows are 0 whatever upstream gradient
         # they get (the backward skips them), so a plain sum is safe even with no kept row
-        out = loss.sum() / denominator
+        total = loss.sum() if reduction != "none" else None
+        out = total / denominator if reduction == "mean" else total
+    else:
+        forward = _cross_entropy_forward_cuda if eager else cross_entropy_forward
+        stats, lse, _ = forward(rows, *args, False)
+        loss = stats[0]
+        if reduction == "mean":
+            # one reduction of the losses and of the row weights the kernel wrote
+            total_loss, total_weight = stats.sum(1)
+            out = total_loss / total_weight
+        elif reduction == "sum":
+            out = loss.sum()
+    if reduction == "none":
+        out = loss.view(target.shape)
     return (out, lse.view(target.shape)) if return_lse else out

@@ -311,16 +311,6 @@ class RowTiles:
             tile[at] = tile.element_type(fill)
         return value
 
-    @cute.jit
-    def store_column(self, mY: cute.Tensor, chunk: cutlass.Constexpr[int], col: Int32,
-                     value: Float32):
-        """Write ``value`` to column ``col`` of this thread's row of mY if this thread
-        holds that column in ``chunk``: after ``store`` of the chunk it replaces what the
-        vector store wrote there (same thread, same address: program order)."""
-        held, _ = self._holds_column(chunk, col)
-        if held & self.row_in_bounds:
-            mY[self.row, col] = value.to(mY.element_type)
-
     def chunk_coords(self, chunk):
         """Coordinates of this thread's values in ``chunk``: precomputed for a
         compile-time chunk, computed for a runtime index (a dynamic loop streaming a
