@@ -15,12 +15,12 @@ import sys
 
 import torch
 
-from quack_kernels.bench import measure_copy_ceiling_gbps, time_device_ms
+from quack_kernels.bench import time_device_ms
 from quack_kernels.ops import cross_entropy as ops
 from quack_kernels.ops.common import resident_row_blocks
 from quack_kernels.primitives.config import loop_grid_rows, loops_over_row_blocks, row_config
 
-from sweep_softmax import DTYPES, ints
+from sweep_softmax import ints, parsed_shapes, printed_copy_ceiling
 
 DEFAULT_SHAPES = ",".join(f"{d}:{m}x{n}" for d in ("bf16", "fp32")
                           for m, n in ((32768, 4096), (8192, 16384), (4096, 128256), (8192, 151936)))
@@ -75,12 +75,8 @@ def variants(n, elem_bytes, write_grad, args):
 
 def main(argv=None):
     args = parse_args(argv)
-    ceiling = measure_copy_ceiling_gbps()
-    print(f"copy ceiling {ceiling:.0f} GB/s")
-    for shape in args.shapes.split(","):
-        name, mn = shape.split(":")
-        m, n = (int(v) for v in mn.split("x"))
-        dtype = DTYPES[name]
+    ceiling = printed_copy_ceiling()
+    for name, mn, m, n, dtype in parsed_shapes(args.shapes):
         x = torch.randn(m, n, device="cuda", dtype=dtype)
         target = torch.randint(0, n, (m,), device="cuda")
         loss, lse, scale = (torch.empty(m, device="cuda") for _ in range(3))

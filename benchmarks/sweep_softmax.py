@@ -26,6 +26,20 @@ def ints(text):
     return [int(v) for v in text.split(",")]
 
 
+def parsed_shapes(text):
+    """(dtype name, "MxN", M, N, dtype) of each "dtype:MxN" of a comma list."""
+    for shape in text.split(","):
+        name, mn = shape.split(":")
+        m, n = (int(v) for v in mn.split("x"))
+        yield name, mn, m, n, DTYPES[name]
+
+
+def printed_copy_ceiling() -> float:
+    ceiling = measure_copy_ceiling_gbps()
+    print(f"copy ceiling {ceiling:.0f} GB/s")
+    return ceiling
+
+
 def directions(text):
     chosen = text.split(",")
     if not set(chosen) <= {"fwd", "bwd"}:
@@ -69,12 +83,8 @@ def variants(n, elem_bytes, staged, args):
 def main(argv=None):
     args = parse_args(argv)
     apply_wide_cluster_option(args)
-    ceiling = measure_copy_ceiling_gbps()
-    print(f"copy ceiling {ceiling:.0f} GB/s")
-    for shape in args.shapes.split(","):
-        name, mn = shape.split(":")
-        m, n = (int(v) for v in mn.split("x"))
-        dtype = DTYPES[name]
+    ceiling = printed_copy_ceiling()
+    for name, mn, m, n, dtype in parsed_shapes(args.shapes):
         x = torch.randn(m, n, device="cuda", dtype=dtype)
         dy, y, dx = torch.randn_like(x), torch.empty_like(x), torch.empty_like(x)
         eb = x.element_size()
