@@ -1,8 +1,9 @@
-"""Config sweep for the RMSNorm forward on the GPU (with and without a residual): time
+"""Config sweep for the RMSNorm / LayerNorm forward on the GPU (with and without a residual): time
 launch configurations on chosen shapes, one line per variant, with the runner's timing
 (an L2 flush before each call) and its copy ceiling.
 
     python benchmarks/sweep_norm_forward.py --shapes bf16:512x262144 --residual 0,1
+    python benchmarks/sweep_norm_forward.py --norm layer --shapes bf16:8192x16384 --residual 0
     python benchmarks/sweep_norm_forward.py --dry-run   # compile only (no GPU needed)
 """
 
@@ -23,6 +24,7 @@ def parse_args(argv):
     p.add_argument("--shapes", default="bf16:512x262144,fp32:512x262144,bf16:2048x65536",
                    help="dtype:MxN,...")
     p.add_argument("--residual", type=ints, default=[0, 1], help="0: x only; 1: x + residual")
+    p.add_argument("--norm", default="rms", choices=("rms", "layer"))
     p.add_argument("--vpt", type=ints, default=[16, 32, 64], help="values per thread")
     p.add_argument("--kib", type=ints, default=[16, 32, 64, 128], help="row KiB per CTA")
     p.add_argument("--tpr", type=ints, default=[256], help="max threads per row")
@@ -39,6 +41,7 @@ def main(argv=None):
 
         ceiling = measure_copy_ceiling_gbps()
         print(f"copy ceiling {ceiling:.0f} GB/s")
+    rms = args.norm == "rms"
     for shape, residual in itertools.product(args.shapes.split(","), args.residual):
         name, mn = shape.split(":")
         m, n = (int(v) for v in mn.split("x"))
@@ -52,17 +55,19 @@ def main(argv=None):
             y = torch.empty_like(x)
             h = torch.empty_like(x) if residual else None
             rstd = torch.empty(m, device="cuda")
+            mean = None if rms else torch.empty(m, device="cuda")
+            bias = None if rms else torch.randn(n, device="cuda", dtype=dtype)
         for vpt, kib, tpr, cfg in variants(n, eb, staged, args):
-            label = (f"{name:5s} {mn:>12s} res={residual} vpt={vpt:3d} kib={kib:3d} tpr={tpr:4d} "
+            label = (f"{args.norm:5s} {name:5s} {mn:>12s} res={residual} vpt={vpt:3d} kib={kib:3d} tpr={tpr:4d} "
                      f"cl={cfg.cluster_size:2d} thr={cfg.threads_per_row:4d} "
                      f"vecs={cfg.vecs_per_thread:2d} ch={cfg.num_chunks:2d} {cfg.staging:9s}")
             try:
-                fn = ops.compile_forward(cfg, True, dtype, dtype, bool(residual), bool(residual),
-                                         dtype, None, dtype)
+                fn = ops.compile_forward(cfg, rms, dtype, dtype, bool(residual), bool(residual),
+                                         dtype, None if rms else dtype, dtype)
                 if args.dry_run:
                     print(label, "compiled", flush=True)
                     continue
-                call = lambda: fn(x, res, weight, None, y, h, None, rstd, 1e-6, 0.0)  # noqa: E731
+                call = lambda: fn(x, res, weight, bias, y, h, mean, rstd, 1e-6, 0.0)  # noqa: E731
                 call()
                 ms = time_device_ms(call)
             except Exception as e:  # a variant that does not compile or launch

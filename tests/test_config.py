@@ -3,6 +3,7 @@
 import dataclasses
 
 import pytest
+import torch
 
 from quack_kernels.primitives import config
 from quack_kernels.primitives.config import (
@@ -194,3 +195,22 @@ def test_column_sum_tiles(n, segments):
     wider = [c for c in config.COLUMN_SUM_TILES if c > cfg.cols_per_cta]
     assert all(cfg.width // c < config.COLUMN_SUM_TARGET_CTAS for c in wider)
     assert ctas >= config.COLUMN_SUM_TARGET_CTAS or cfg.cols_per_cta == min(config.COLUMN_SUM_TILES)
+
+
+def test_layer_norm_forward_of_x_alone_takes_wider_shares():
+    """Two reductions per row (LayerNorm) without a residual: 32-KiB CTA shares, half
+    the cluster of the default; RMSNorm and rows with a residual keep the default."""
+    from quack_kernels.ops import norm as norm_ops
+
+    bf16 = torch.bfloat16
+    layer = norm_ops.forward_config(16384, False, bf16, bf16, False, bf16, bf16, bf16)
+    rms = norm_ops.forward_config(16384, True, bf16, bf16, False, bf16, bf16)
+    layer_res = norm_ops.forward_config(16384, False, bf16, bf16, True, bf16, bf16, bf16)
+    assert (layer.cluster_size, rms.cluster_size) == (1, 2)
+    assert layer.cols_per_cta * 2 == 32 * 1024
+    assert layer_res.cluster_size == norm_ops.forward_config(
+        16384, True, bf16, bf16, True, bf16, bf16).cluster_size
+    # rows up to 16 KiB and the capped 16-CTA rows are the same either way
+    for n in (4096, 262144):
+        assert norm_ops.forward_config(n, False, bf16, bf16, False, bf16, bf16, bf16) == \
+            norm_ops.forward_config(n, True, bf16, bf16, False, bf16, bf16)

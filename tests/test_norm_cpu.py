@@ -219,7 +219,8 @@ def _variants():
     for n, dt, wdt, rms in VARIANTS:
         bias = None if rms else wdt
         for has_residual in (False, True):
-            cfg = ops.forward_config(n, dt, wdt, has_residual, dt, wdt, bias, residual_in_dtype=dt)
+            cfg = ops.forward_config(n, rms, dt, wdt, has_residual, dt, wdt, bias,
+                                     residual_in_dtype=dt)
             args = (cfg, rms, dt, wdt, has_residual, has_residual, wdt, bias, dt, dt)
             yield "fwd", n, dt, cfg, lambda args=args: ops.forward_kernel(*args)
         for accumulators, dres in ((0, False), (1 if rms else 2, True)):
@@ -254,8 +255,9 @@ def test_rows_too_long_for_shared_memory_are_refused_with_a_clear_error():
 def test_every_staging_and_cluster_path():
     cfgs = [ops.backward_config(n, dt, dt, (dt,), dt, acc) for n in (4096, 65536, 262144)
             for dt in (torch.bfloat16, torch.float32) for acc in (0, 2)]
-    cfgs += [ops.forward_config(n, dt, dt, res, dt) for n in (4096, 262144)
-             for dt in (torch.bfloat16, torch.float32) for res in (False, True)]
+    cfgs += [ops.forward_config(n, rms, dt, dt, res, dt) for n in (4096, 262144)
+             for dt in (torch.bfloat16, torch.float32) for res in (False, True)
+             for rms in (True, False)]
     assert {c.staging for c in cfgs} == {"registers", "smem", "global"}
     assert any(c.cluster_size == 16 for c in cfgs) and any(c.cluster_size == 1 for c in cfgs)
 

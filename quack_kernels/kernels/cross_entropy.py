@@ -195,6 +195,11 @@ class CrossEntropyForward(RowKernel):
         if cutlass.const_expr(self.weighted):
             if lead & valid:
                 w_target = Float32(mWeight[target_col])
+        if lead:
+            # the row's weight in a mean, stored now: kept until the loss is written it
+            # cost the looping gradient kernel registers (spills at 16384 bf16 columns)
+            mRowWeight[row] = cutlass.select_(valid, w_target if self.weighted else Float32(1.0),
+                                              Float32(0.0))
 
         kept = []
         zero = Float32(0.0)
@@ -275,7 +280,6 @@ class CrossEntropyForward(RowKernel):
             loss = cutlass.select_(valid, loss, Float32(0.0))
             loss = cutlass.select_(inside | ignored, loss, Float32(math.nan))
             mLoss[row] = loss
-            mRowWeight[row] = cutlass.select_(valid, w_target, Float32(0.0))
             mLse[row] = lse
 
         if cutlass.const_expr(self.write_grad):

@@ -31,6 +31,7 @@ from ..primitives.config import (
     column_sum_config,
     loop_grid_rows,
     norm_backward_share,
+    norm_forward_cta_row_bytes,
     row_config,
     with_prefetch,
 )
@@ -63,18 +64,21 @@ def _bytes(*dtypes) -> list[int]:
 
 
 @functools.lru_cache(maxsize=None)  # on every call
-def forward_config(n_cols: int, x_dtype, residual_dtype, has_residual: bool, out_dtype,
-                   weight_dtype=None, bias_dtype=None, max_vec: int | None = None,
+def forward_config(n_cols: int, rms: bool, x_dtype, residual_dtype, has_residual: bool,
+                   out_dtype, weight_dtype=None, bias_dtype=None, max_vec: int | None = None,
                    residual_in_dtype=None) -> RowConfig:
     """Vector width from the widest tensor touched per column (a 16-byte access of it);
     staged: x, and the residual (of ``residual_in_dtype``, default the stream's
-    ``residual_dtype``) when given."""
+    ``residual_dtype``) when given. LayerNorm reduces twice per row (see
+    config.norm_forward_cta_row_bytes)."""
     residual_in_dtype = residual_in_dtype or residual_dtype
     staged = [x_dtype, residual_in_dtype] if has_residual else [x_dtype]
     widest = max(_bytes(*staged, residual_dtype if has_residual else None, out_dtype,
                         weight_dtype, bias_dtype))
+    reductions = 1 if rms else 2
     return row_config(n_cols, widest, staged_tensors=len(staged),
-                      bytes_per_col=sum(_bytes(*staged)), max_vec=max_vec)
+                      bytes_per_col=sum(_bytes(*staged)), max_vec=max_vec,
+                      cta_row_bytes=norm_forward_cta_row_bytes(reductions, len(staged)))
 
 
 @functools.lru_cache(maxsize=None)  # on every call
@@ -211,7 +215,7 @@ def report_variants(n_grid, dtypes):
                 name = "rms_norm" if rms else "layer_norm"
                 bias = None if rms else dtype
                 for has_residual in (False, True):
-                    cfg = forward_config(n, dtype, dtype, has_residual, dtype, dtype, bias)
+                    cfg = forward_config(n, rms, dtype, dtype, has_residual, dtype, dtype, bias)
                     args = (cfg, rms, dtype, dtype, has_residual, has_residual, dtype, bias, dtype)
                     yield (f"{name}_fwd" + ("_res" if has_residual else ""), n, dtype, cfg,
                            lambda args=args: forward_kernel(*args))
@@ -332,7 +336,7 @@ def _norm_forward_checked(x, weight, bias, residual, eps, weight_offset, rms, ou
         tensors = [t for t in (rows, res_rows, y, h if store_residual else None) if t is not None]
         max_vec = min(vector_limit(*tensors), _pointer_vec_limit(weight, bias))
         residual_in_dtype = residual.dtype if has_residual else None
-        cfg = forward_config(n_cols, x.dtype, residual_dtype, has_residual, out_dtype,
+        cfg = forward_config(n_cols, rms, x.dtype, residual_dtype, has_residual, out_dtype,
                              weight.dtype if weight is not None else None,
                              bias.dtype if bias is not None else None, max_vec, residual_in_dtype)
         fn = compile_forward(cfg, rms, x.dtype, residual_dtype, has_residual, store_residual,

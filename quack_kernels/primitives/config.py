@@ -336,6 +336,23 @@ def loops_over_row_blocks(cfg: RowConfig, writes_rows: bool) -> bool:
     return writes_rows and cfg.cluster_size == 1 and cfg.staging != "global"
 
 
+# A LayerNorm forward of x alone (one staged tensor, two cluster reductions per row:
+# the mean, then the centered variance) takes 32-KiB CTA shares, half the cluster
+# CTA_ROW_BYTES gives rows of 16-512 KiB, so that fewer CTAs wait on each reduction
+# (H200 sweep, benchmarks/sweep_norm_forward.py --norm layer, results/norm_forward_
+# layer_sweep_H200_20261130.txt; kernel alone, % of the copy ceiling): bf16 8192x16384
+# 83.9% -> 90.8%, 2048x65536 74.4% -> 78.7%; fp32 8192x16384 83.6% -> 94.1%,
+# 2048x65536 73.1% -> 89.3%. With a residual (two staged tensors) not measured.
+TWO_REDUCTION_CTA_ROW_BYTES = 32 * 1024
+
+
+def norm_forward_cta_row_bytes(reductions: int, staged_tensors: int) -> int:
+    """CTA row bytes of a norm forward (see TWO_REDUCTION_CTA_ROW_BYTES)."""
+    if reductions == 2 and staged_tensors == 1:
+        return TWO_REDUCTION_CTA_ROW_BYTES
+    return CTA_ROW_BYTES
+
+
 # Norm backward of 16-bit rows (h and dy staged; dweight / dbias sums kept per column,
 # each counted as one more fp32 tensor of the share): CTA row bytes and vectors per
 # thread of each staged tensor, from H200 sweeps over the issue's grid (N = 1K..256K at
