@@ -291,6 +291,27 @@ def test_forward_configs():
     assert ops.forward_config(65536, bf16, False, False).staging != "global"  # 128 KiB
 
 
+@pytest.mark.parametrize("n", [2, 7, 1000, 1024, 4096, 8192])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_loss_only_rows_keep_threads_busy(n, dtype):
+    """The loss alone of short rows (ops.CE_LOSS_*): one CTA per row, at most 64
+    threads per row, chunks of at most 4 vectors, 8+ vectors per thread where the row
+    has them, 256-thread blocks; with the gradient the general rule applies."""
+    cfg = ops.forward_config(n, dtype, False, False)
+    vectors = -(-n // cfg.vec)
+    if vectors > ops.CE_LOSS_MAX_THREADS_PER_ROW * ops.CE_LOSS_MAX_VECS_PER_THREAD:
+        # too long for the rule (8192 fp32 columns): the general one
+        assert cfg.threads_per_row > ops.CE_LOSS_MAX_THREADS_PER_ROW
+        return
+    assert cfg.cluster_size == 1 and cfg.threads_per_row <= ops.CE_LOSS_MAX_THREADS_PER_ROW
+    assert cfg.vecs_per_thread <= ops.CE_LOSS_VECS_PER_CHUNK
+    held = cfg.vecs_per_thread * cfg.num_chunks
+    assert held >= min(ops.CE_LOSS_MIN_VECS_PER_THREAD, vectors)
+    assert cfg.threads_per_row * held >= vectors
+    assert cfg.threads_per_block >= ops.CE_LOSS_MIN_THREADS_PER_BLOCK
+    assert ops.forward_config(n, dtype, False, True) != cfg
+
+
 # ------------------------------------------------------------- sm_90a compile, no spills
 SPILL_CASES = [
     (n, dtype, dict(weighted=w, smoothing=s, zloss=z, softcap=c, write_grad=g))
