@@ -79,7 +79,7 @@ def main(argv=None):
     for name, mn, m, n, dtype in parsed_shapes(args.shapes):
         x = torch.randn(m, n, device="cuda", dtype=dtype)
         target = torch.randint(0, n, (m,), device="cuda")
-        loss, lse, scale = (torch.empty(m, device="cuda") for _ in range(3))
+        loss, row_weight, lse, scale = (torch.empty(m, device="cuda") for _ in range(4))
         grad = torch.empty_like(x)
         eb = x.element_size()
         for mode in args.mode:
@@ -89,7 +89,8 @@ def main(argv=None):
                     fn = ops.compile_forward(cfg, dtype, torch.int64, write_grad=write_grad, **FLAGS)
                     kernel = ops.forward_kernel_object(cfg, dtype, write_grad=write_grad, **FLAGS)
                     grid = loop_grid_rows(cfg, m, resident_row_blocks(kernel, x.device))
-                    call = lambda: fn(x, target, loss, loss, lse, grad, scale, -100, 0.0, 0.0, 1.0, grid)  # noqa: E731
+                    call = lambda: fn(x, target, loss, loss, row_weight, lse, grad, scale, -100,  # noqa: E731
+                                      0.0, 0.0, 1.0, grid)
                     call()
                     ms = time_device_ms(call)
                 except Exception as e:  # a variant that does not compile or launch

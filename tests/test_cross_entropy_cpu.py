@@ -343,3 +343,20 @@ def test_sm90a_compile_without_spills(tmp_path):
         assert spills(res) == 0, f"{name} {n} {dtype}: {res}"
         if name == "xent":
             assert_looping_launch_fits(kernel, name, n, dtype, cfg, res)
+
+
+def test_per_row_losses_can_be_modified_in_place():
+    """reduction="none" hands out a tensor callers may modify in place, as torch's does
+    (the autograd function's loss is a view of its (2, M) stats)."""
+    x, target, _ = make_case(dtype=torch.float32)
+    for requires_grad in (False, True):
+        leaf = x.clone().requires_grad_(requires_grad)
+        loss = qk.cross_entropy(leaf, target, reduction="none")
+        loss.mul_(2.0)
+        loss[0] = 0.0
+        expected = 2 * F.cross_entropy(x, target, reduction="none")
+        expected[0] = 0.0
+        torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+        if requires_grad:
+            loss.sum().backward()
+            assert torch.isfinite(leaf.grad).all()

@@ -203,11 +203,12 @@ def test_outputs_fully_written():
     """Outputs are allocated from NaN-poisoned blocks, so every unwritten element shows."""
     for v in (7, 50257, 262145):
         x, target = fresh(33, v, torch.bfloat16, ignore_every=1000)
-        per_row = torch.empty(33, dtype=torch.float32, device="cuda")
-        poison_allocator(per_row, per_row, x)  # loss, lse, grad in allocation order
-        (loss, _), lse, grad = ops.cross_entropy_forward(x, target, None, -100, 0.1, 0.0, 0.0, True)
+        stats = torch.empty(2, 33, dtype=torch.float32, device="cuda")
+        poison_allocator(stats, stats[0], x)  # stats, lse, grad in allocation order
+        (loss, weights), lse, grad = ops.cross_entropy_forward(x, target, None, -100, 0.1, 0.0,
+                                                               0.0, True)
         assert torch.isfinite(loss).all() and torch.isfinite(lse).all()
-        assert torch.isfinite(grad).all()
+        assert torch.isfinite(weights).all() and torch.isfinite(grad).all()
 
 
 def test_strided_and_misaligned_logits():

@@ -1,8 +1,9 @@
 """Cross-entropy as torch custom ops: CPU reference, CUDA kernel, fake kernels, autograd,
 and the public ``cross_entropy`` function.
 
-Two ops compute the per-row loss, lse and (optionally) the gradient of
-sum_i grad_scale_i loss_i wrt the logits in one pass over the logits:
+Two ops compute the per-row loss (with each row's weight in a mean beside it, as (2, M)
+stats), lse and (optionally) the gradient of sum_i grad_scale_i loss_i wrt the logits
+in one pass over the logits:
 
   quack_kernels::cross_entropy_forward          functional; the gradient in a new buffer
   quack_kernels::cross_entropy_forward_inplace  writes the gradient over the logits
@@ -13,7 +14,8 @@ mean). The autograd function saves the gradient and, in the backward,
 actual upstream gradient differs: the expected case moves no gradient bytes, and any
 other (non-uniform per-row gradients, scaled losses) is still exact. The reduction
 over rows is plain torch on the (M,) loss vector, so autograd delivers the per-row
-upstream gradient for every reduction, weighting and use of the result.
+upstream gradient for every reduction, weighting and use of the result; without a
+gradient a mean is one reduction of the stats (losses and row weights).
 
 Bad targets (outside [0, C) and not ignore_index): the CPU op raises ValueError; the
 CUDA op does not synchronize to check them and gives that row loss NaN and a NaN
@@ -683,5 +685,7 @@ def cross_entropy(logits: Tensor, target: Tensor, weight: Optional[Tensor] = Non
         elif reduction == "sum":
             out = loss.sum()
     if reduction == "none":
-        out = loss.view(target.shape)
+        # the autograd function's loss is a view of its stats, which torch does not let
+        # callers modify in place: hand out a copy (M floats)
+        out = (loss.clone() if loss.requires_grad else loss).view(target.shape)
     return (out, lse.view(target.shape)) if return_lse else out
