@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 import quack_kernels as qk
 from quack_kernels.ops import cross_entropy as ops
+from quack_kernels.primitives import config
 from quack_kernels.report import find_cuobjdump, measure, spills
 
 from helpers import (
@@ -286,7 +287,7 @@ def test_forward_configs():
     assert clustered.stages == 1
     streamed = ops.forward_config(128256, bf16, False, False)
     assert streamed.staging == "global" and not loops_over_row_blocks(streamed, False)
-    assert streamed.cols_per_cta * 2 <= ops.CE_STREAM_CTA_ROW_BYTES
+    assert streamed.cols_per_cta * 2 <= config.CE_STREAM_CTA_ROW_BYTES
     assert ops.forward_config(128256, bf16, False, True).staging != "global"
     assert ops.forward_config(65536, bf16, False, False).staging != "global"  # 128 KiB
 
@@ -294,21 +295,21 @@ def test_forward_configs():
 @pytest.mark.parametrize("n", [2, 7, 1000, 1024, 4096, 8192])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_short_loss_only_rows_keep_threads_busy(n, dtype):
-    """The loss alone of short rows (ops.CE_LOSS_*): one CTA per row, at most 64
+    """The loss alone of short rows (config.CE_LOSS_*): one CTA per row, at most 64
     threads per row, chunks of at most 4 vectors, 8+ vectors per thread where the row
     has them, 256-thread blocks; with the gradient the general rule applies."""
     cfg = ops.forward_config(n, dtype, False, False)
     vectors = -(-n // cfg.vec)
-    if vectors > ops.CE_LOSS_MAX_THREADS_PER_ROW * ops.CE_LOSS_MAX_VECS_PER_THREAD:
+    if vectors > config.CE_LOSS_MAX_THREADS_PER_ROW * config.CE_LOSS_MAX_VECS_PER_THREAD:
         # too long for the rule (8192 fp32 columns): the general one
-        assert cfg.threads_per_row > ops.CE_LOSS_MAX_THREADS_PER_ROW
+        assert cfg.threads_per_row > config.CE_LOSS_MAX_THREADS_PER_ROW
         return
-    assert cfg.cluster_size == 1 and cfg.threads_per_row <= ops.CE_LOSS_MAX_THREADS_PER_ROW
-    assert cfg.vecs_per_thread <= ops.CE_LOSS_VECS_PER_CHUNK
+    assert cfg.cluster_size == 1 and cfg.threads_per_row <= config.CE_LOSS_MAX_THREADS_PER_ROW
+    assert cfg.vecs_per_thread <= config.CE_LOSS_VECS_PER_CHUNK
     held = cfg.vecs_per_thread * cfg.num_chunks
-    assert held >= min(ops.CE_LOSS_MIN_VECS_PER_THREAD, vectors)
+    assert held >= min(config.CE_LOSS_MIN_VECS_PER_THREAD, vectors)
     assert cfg.threads_per_row * held >= vectors
-    assert cfg.threads_per_block >= ops.CE_LOSS_MIN_THREADS_PER_BLOCK
+    assert cfg.threads_per_block >= config.CE_LOSS_MIN_THREADS_PER_BLOCK
     assert ops.forward_config(n, dtype, False, True) != cfg
 
 

@@ -446,3 +446,81 @@ def column_sum_config(n_cols: int, segments: int) -> ColumnSumConfig:
     cols = next((c for c in COLUMN_SUM_TILES if width // c >= COLUMN_SUM_TARGET_CTAS),
                 COLUMN_SUM_TILES[-1])
     return ColumnSumConfig(n_cols, segments, padded, cols)
+
+
+# ------------------------------------------------------------------ cross-entropy
+# Row bytes per CTA: 32 KiB halves the cluster of long 16-bit rows (131072 bf16 columns:
+# 8 CTAs instead of 16, 57% vs 39% of the copy ceiling loss only, same sweep); the
+# cross-entropy epilogue per row is longer than softmax's, so fewer, fuller CTAs win.
+CE_CTA_ROW_BYTES = 32 * 1024
+# ... and rows that would still take 16 CTAs run on 8 when each CTA's share stays within
+# 40 KiB: 8192x151936 bf16 loss + gradient 48.9% -> 72.9% of the copy ceiling (16 x 18.5
+# KiB -> 8 x 37 KiB; sweep_cross_entropy.py, results/cross_entropy_cluster_sweep_H200_
+# 20261130.txt), as 4096x128256 bf16 (16 x 16 KiB 49.7%, 8 x 32 KiB 75.1%). Longer
+# 8-CTA shares were not measured.
+CE_NARROW_SHARE_BYTES = 40 * 1024
+# Row configs of the cross-entropy forward: the bounds above, and the threads per row
+# it was measured with (GLOBAL_STAGED_THREADS_PER_ROW was measured on softmax).
+_ce_row_config = functools.partial(row_config, cta_row_bytes=CE_CTA_ROW_BYTES,
+                                   narrow_share_bytes=CE_NARROW_SHARE_BYTES,
+                                   max_threads_per_row=MAX_THREADS_PER_ROW)
+# The loss alone of rows longer than 128 KiB (staged, they need 4+ CTA clusters)
+# streams shares of up to 256 KiB per CTA (a whole 128256-column bf16 row): 62% of the
+# copy ceiling at 4096x128256 bf16 vs 51% staged on 8-CTA clusters
+# (benchmarks/sweep_cross_entropy.py). Shorter rows were not measured streamed.
+CE_STREAM_MIN_ROW_BYTES = 128 * 1024
+CE_STREAM_CTA_ROW_BYTES = 256 * 1024
+# The loss alone of short rows: at least 8 vectors per thread in chunks of 4, at most
+# 64 threads per row and 16 vectors per thread, blocks of at least 256 threads (H200
+# sweeps, benchmarks/sweep_cross_entropy.py, results/cross_entropy_loss_sweep_H200_
+# 20261130.txt). With the target set aside (kernels.cross_entropy): 131072x1024 bf16
+# 84.9% of the copy ceiling (16 threads per row; 77.4% on 32), 32768x4096 bf16 85.7%
+# (64; 78.9% on 32 threads in 128-thread blocks), 16384x8192 bf16 85.0%, fp32 92-97%.
+# The default before (up to 256 threads, 4 vectors each): 60.1% and 60.3% bf16.
+CE_LOSS_MAX_THREADS_PER_ROW = 64
+CE_LOSS_MIN_VECS_PER_THREAD = 8
+CE_LOSS_MAX_VECS_PER_THREAD = 16
+CE_LOSS_VECS_PER_CHUNK = 4
+CE_LOSS_MIN_THREADS_PER_BLOCK = 256
+
+
+def _short_loss_row_config(n_cols: int, elem: int, max_vec: int | None) -> RowConfig | None:
+    """The loss-only config of a row short enough for CE_LOSS_MAX_THREADS_PER_ROW
+    threads (see there), else None."""
+    vec = vector_width(n_cols, elem, max_vec)
+    vectors = math.ceil(n_cols / vec)
+    if vectors > CE_LOSS_MAX_THREADS_PER_ROW * CE_LOSS_MAX_VECS_PER_THREAD:
+        return None
+    threads = min(CE_LOSS_MAX_THREADS_PER_ROW,
+                  1 << max(0, math.ceil(math.log2(vectors / CE_LOSS_MIN_VECS_PER_THREAD))))
+    return _ce_row_config(n_cols, elem, max_vec=max_vec, max_threads_per_row=threads,
+                          values_per_thread=CE_LOSS_VECS_PER_CHUNK * vec,
+                          min_threads_per_block=CE_LOSS_MIN_THREADS_PER_BLOCK)
+
+def cross_entropy_row_config(n_cols: int, elem: int, stage_weight: bool, write_grad: bool,
+                             max_vec: int | None = None) -> RowConfig:
+    """Row config of the cross-entropy forward (before prefetch sizing): logits are the
+    one staged row tensor; with weighted label smoothing the fp32 weight row is staged
+    beside them, so accesses are sized for fp32 (4 elements). The loss alone of long
+    rows is streamed, not staged, and of short rows spread thin (CE_LOSS_*)."""
+    if not write_grad and not stage_weight:
+        if n_cols * elem > CE_STREAM_MIN_ROW_BYTES:
+            return streamed_row_config(n_cols, elem, CE_STREAM_CTA_ROW_BYTES, max_vec)
+        short = _short_loss_row_config(n_cols, elem, max_vec)
+        if short is not None:
+            return short
+    if stage_weight:
+        return _ce_row_config(n_cols, 4, staged_tensors=2, bytes_per_col=elem + 4,
+                              max_vec=max_vec)
+    # H200 sweeps (benchmarks/sweep_cross_entropy.py): 16 values per thread, in more and
+    # smaller shared-memory chunks for rows split over a cluster (fp32 131072: 66% vs
+    # 59% at 32 values, loss only), but 32 for 16-bit rows that fit one chunk of 32
+    # values (4096 bf16 columns: 58% vs 41%: twice the bytes in flight per thread) or,
+    # with the gradient, one looping CTA (8192x16384 bf16: 78% vs 67%; loss only the
+    # same within 2%, and 32 values spilled there)
+    cfg = _ce_row_config(n_cols, elem, max_vec=max_vec, values_per_thread=16)
+    if elem < 4:
+        roomy = _ce_row_config(n_cols, elem, max_vec=max_vec, values_per_thread=32)
+        if roomy.staging == "registers" or loops_over_row_blocks(roomy, write_grad):
+            cfg = roomy
+    return cfg

@@ -22,7 +22,7 @@ import copy
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int64
+from cutlass import Float32, Int32, Int64
 
 from . import reduce as red
 from . import tiling
