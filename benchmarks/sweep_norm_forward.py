@@ -58,7 +58,8 @@ def main(argv=None):
             mean = None if rms else torch.empty(m, device="cuda")
             bias = None if rms else torch.randn(n, device="cuda", dtype=dtype)
         for vpt, kib, tpr, cfg in variants(n, eb, staged, args):
-            label = (f"{args.norm:5s} {name:5s} {mn:>12s} res={residual} vpt={vpt:3d} kib={kib:3d} tpr={tpr:4d} "
+            label = (f"{args.norm:5s} {name:5s} {mn:>12s} res={residual} vpt={vpt:3d} "
+                     f"kib={kib:3d} tpr={tpr:4d} "
                      f"cl={cfg.cluster_size:2d} thr={cfg.threads_per_row:4d} "
                      f"vecs={cfg.vecs_per_thread:2d} ch={cfg.num_chunks:2d} {cfg.staging:9s}")
             try:

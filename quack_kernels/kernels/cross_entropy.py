@@ -33,8 +33,8 @@ row_allreduce per row combines the online (max, sum of exp, sum of exp over the
 non-target classes) triple with plain sums of z_t (from the thread holding the target
 column, which in a staged row without softcap or smoothing sets it aside before the row
 is read: ``target_aside``), of w_t (gathered by the row's first thread) and, for label
-smoothing, of sum_j w_j z_j and W. Every thread then knows lse and writes its share of the gradient;
-the row's first thread writes loss and lse.
+smoothing, of sum_j w_j z_j and W. Every thread then knows lse and writes its share of
+the gradient; the row's first thread writes loss and lse.
 """
 
 from __future__ import annotations
@@ -218,8 +218,8 @@ class CrossEntropyForward(RowKernel):
             for c in cutlass.range_constexpr(cfg.num_chunks):
                 tiles.wait_chunk(c)
                 if cutlass.const_expr(self.target_aside):
-                    running = running[:3] + (running[3] + tiles.take_column(0, c, target_col, -math.inf),) \
-                        + running[4:]
+                    z_target = running[3] + tiles.take_column(0, c, target_col, -math.inf)
+                    running = (*running[:3], z_target, *running[4:])
                 z = self._cap(tiles.values(0, c), inv_softcap, softcap)
                 running, w = self._chunk_stats(z, tiles, c, tiles.coords[c], target_col, running)
                 if cutlass.const_expr(cfg.staging == "registers" and self.write_grad):

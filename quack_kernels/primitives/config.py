@@ -492,10 +492,11 @@ def _short_loss_row_config(n_cols: int, elem: int, max_vec: int | None) -> RowCo
     if vectors > CE_LOSS_MAX_THREADS_PER_ROW * CE_LOSS_MAX_VECS_PER_THREAD:
         return None
     threads = min(CE_LOSS_MAX_THREADS_PER_ROW,
-                  1 << max(0, math.ceil(math.log2(vectors / CE_LOSS_MIN_VECS_PER_THREAD))))
+                  _next_pow2(math.ceil(vectors / CE_LOSS_MIN_VECS_PER_THREAD)))
     return _ce_row_config(n_cols, elem, max_vec=max_vec, max_threads_per_row=threads,
                           values_per_thread=CE_LOSS_VECS_PER_CHUNK * vec,
                           min_threads_per_block=CE_LOSS_MIN_THREADS_PER_BLOCK)
+
 
 def cross_entropy_row_config(n_cols: int, elem: int, stage_weight: bool, write_grad: bool,
                              max_vec: int | None = None) -> RowConfig:
