@@ -59,14 +59,22 @@ def _combine(a, b):
 
 
 def _with_target(other_max: Float32, other_sumexp: Float32, z_target: Float32, valid):
-    """(max, sum of exp, sum of exp over the non-target classes) of a row from its
-    non-target (max, sum of exp) and the set-aside target logit (rows with a valid
-    target; other rows had nothing set aside)."""
-    row_max = cutlass.select_(valid, cute.arch.fmax(other_max, z_target), other_max)
-    row_max_log2 = red.finite_or_zero(row_max) * red.LOG2_E
-    other = other_sumexp * cute.math.exp2(other_max * red.LOG2_E - row_max_log2, fastmath=True)
-    target = cute.math.exp2(z_target * red.LOG2_E - row_max_log2, fastmath=True)
+    """(max, sum of exp, sum of exp over the non-target classes) of a row, max in base-2
+    units as the reduction gives it, from its non-target (max, sum of exp) and the
+    set-aside target logit (rows with a valid target; other rows had nothing set
+    aside)."""
+    target_log2 = z_target * red.LOG2_E
+    row_max = cutlass.select_(valid, cute.arch.fmax(other_max, target_log2), other_max)
+    row_max_safe = red.finite_or_zero(row_max)
+    other = other_sumexp * cute.math.exp2(other_max - row_max_safe, fastmath=True)
+    target = cute.math.exp2(target_log2 - row_max_safe, fastmath=True)
     return row_max, other + cutlass.select_(valid, target, Float32(0.0)), other
+
+
+def _target_gradient(p_target, coef_p, coef_t, one_minus_p_target):
+    """A p_t - B formed as (A - B) p_t - B (1 - p_t), so that a confident row's tiny
+    true-class gradient keeps its relative precision (1 - p_t from the non-target sum)."""
+    return p_target * (coef_p - coef_t) - coef_t * one_minus_p_target
 
 
 class CrossEntropyForward(RowKernel):
@@ -113,12 +121,9 @@ class CrossEntropyForward(RowKernel):
         # per-value selects of z_t and of the non-target sum were 5 of ~15 instructions
         # per bf16 logit, which held the loss alone at the issue rate). Not with softcap
         # (-inf would be capped) or label smoothing (its sum of z needs every class).
-        # Only for the loss alone: with the gradient (its target value then stored
-        # apart) the runner measured 4096x128256 bf16 loss + gradient at 60.5% of the
-        # copy ceiling against 68.2% with per-value selects (results/cross_entropy_
-        # nvidia-h200_20261130-0329.csv vs -0337.csv), not understood yet.
-        self.target_aside = (cfg.staging != "global" and not write_grad and not softcap
-                             and not smoothing)
+        # With the gradient, the set-aside target's gradient is 0 in the vector stores
+        # and its owner writes the true value once per row (RowTiles.store_column).
+        self.target_aside = cfg.staging != "global" and not softcap and not smoothing
         self.scratch_buffers = 2 if self.loops else 1  # alternate per row block
 
     @cute.jit
@@ -148,7 +153,10 @@ class CrossEntropyForward(RowKernel):
         staged = [mX]
         if cutlass.const_expr(self.stage_weight):
             staged.append(broadcast_rows(mWeight, mX.shape[0], cfg.n_cols))
-        home = RowTiles(cfg, staged, smem)
+        # -inf past the row end stands for the mask of the max and the sum, unless
+        # softcap (it would cap -inf) or smoothing (its sum of z needs 0 there)
+        pad = None if self.softcap or self.smoothing else -math.inf
+        home = RowTiles(cfg, staged, smem, pad=pad)
         slot = ReductionSlot(smem, cfg, self.values_per_reduction, buffers=self.scratch_buffers)
         if cutlass.const_expr(cfg.stages == 2):
             home.issue_loads()  # the first block; each iteration prefetches the next
@@ -256,9 +264,10 @@ class CrossEntropyForward(RowKernel):
         if cutlass.const_expr(self.stage_weight):
             sum_w = totals[k]
 
-        # Accurate log: the loss of a confident row is log(sumexp) with sumexp ~ 1.
+        # row_max is in base-2 units (red.chunk_exp2). Accurate log: the loss of a
+        # confident row is log(sumexp) with sumexp ~ 1.
         log_sumexp = cute.math.log(row_sumexp)
-        lse = row_max + log_sumexp
+        lse = row_max * red.LN_2 + log_sumexp
         eps_per_class = Float32(0.0)
         nll_scale = w_target
         if cutlass.const_expr(self.smoothing):
@@ -268,10 +277,10 @@ class CrossEntropyForward(RowKernel):
         if lead:
             # -log p_t = log(sumexp) + (max - z_t) = log1p(sumexp_other * exp(max - z_t)):
             # the second form keeps the precision of a small loss (confident row)
-            gap = row_max - z_target
-            nll = gap + log_sumexp
-            if gap < Float32(20.0):
-                nll = cute.math.log1p(other_sumexp * cute.math.exp(gap))
+            gap_log2 = row_max - z_target * red.LOG2_E
+            nll = gap_log2 * red.LN_2 + log_sumexp
+            if gap_log2 < Float32(20.0 * red.LOG2_E):
+                nll = cute.math.log1p(other_sumexp * cute.math.exp2(gap_log2))
             loss = nll_scale * nll
             if cutlass.const_expr(self.smoothing):
                 loss = loss + eps_per_class * (sum_w * lse - sum_wz)
@@ -296,7 +305,7 @@ class CrossEntropyForward(RowKernel):
             coef_p = coef_p * row_keep
             coef_t = nll_scale * row_keep
             coef_w = eps_per_class * row_keep
-            lse_log2 = lse * red.LOG2_E
+            lse_log2 = row_max + log_sumexp * red.LOG2_E
             one_minus_p_target = other_sumexp * cute.arch.rcp_approx(row_sumexp)
             for c in cutlass.range_constexpr(cfg.num_chunks):
                 if cutlass.const_expr(cfg.staging == "registers"):
@@ -307,9 +316,16 @@ class CrossEntropyForward(RowKernel):
                     if cutlass.const_expr(self.stage_weight):
                         w = tiles.values(1, c)
                 p = cute.math.exp2(z * red.LOG2_E - lse_log2, fastmath=True)
-                g = self._gradient(p, z, w, tiles.coords[c], target_col, coef_p, coef_t, coef_w,
-                                   one_minus_p_target, inv_softcap)
+                if cutlass.const_expr(self.target_aside):
+                    g = p * coef_p  # 0 at the set-aside target, written below
+                else:
+                    g = self._gradient(p, z, w, tiles.coords[c], target_col, coef_p, coef_t,
+                                       coef_w, one_minus_p_target, inv_softcap)
                 tiles.store(mdX, c, g)
+            if cutlass.const_expr(self.target_aside):
+                p_target = cute.math.exp2(z_target * red.LOG2_E - lse_log2, fastmath=True)
+                tiles.store_column(mdX, target_col, _target_gradient(
+                    p_target, coef_p, coef_t, one_minus_p_target))
 
     @cute.jit
     def _streamed_chunk_stats(self, tiles: RowTiles, chunk: Int32, target_col: Int32,
@@ -328,13 +344,11 @@ class CrossEntropyForward(RowKernel):
         n_cols = self.cfg.n_cols
         z_max_in = z
         z_sum_in = z
-        if cutlass.const_expr(self.cfg.needs_col_predicate):
+        if cutlass.const_expr(self.cfg.needs_col_predicate and tiles.pad is None):
             z_max_in = tiling.mask_out_of_row(z, tXcX, n_cols, -math.inf)
             z_sum_in = tiling.mask_out_of_row(z, tXcX, n_cols, 0.0)
-        chunk_max = red.thread_reduce(z_max_in, cute.ReductionOp.MAX, -math.inf)
-        # one FFMA per value for the exponent
-        e = cute.math.exp2(z_max_in * red.LOG2_E - red.finite_or_zero(chunk_max) * red.LOG2_E,
-                           fastmath=True)
+        chunk_max, e = red.chunk_exp2(
+            z_max_in, red.thread_reduce(z_max_in, cute.ReductionOp.MAX, -math.inf))
         chunk_sum = red.thread_reduce(e, cute.ReductionOp.ADD, 0.0)
         z_target = running[3]
         if cutlass.const_expr(self.target_aside):
@@ -369,7 +383,7 @@ class CrossEntropyForward(RowKernel):
         target, A p_t - B is formed as (A - B) p_t - B (1 - p_t) so that a confident
         row's tiny true-class gradient keeps its relative precision."""
         is_target = tiling.is_column(tXcX, target_col, self.column_offsets)
-        g = cute.where(is_target, p * (coef_p - coef_t) - coef_t * one_minus_p_target,
+        g = cute.where(is_target, _target_gradient(p, coef_p, coef_t, one_minus_p_target),
                        p * coef_p)
         if cutlass.const_expr(self.stage_weight):
             g = g - w * coef_w

@@ -14,6 +14,7 @@ costs a single barrier / DSMEM exchange; the backward reduces one sum.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import cutlass
@@ -41,44 +42,41 @@ class SoftmaxForward(RowKernel):
     def kernel(self, mX: cute.Tensor, mY: cute.Tensor):
         cfg = self.cfg
         smem = SmemAllocator()
-        tiles = RowTiles(cfg, [mX], smem)
+        tiles = RowTiles(cfg, [mX], smem, pad=-math.inf)
         slot = ReductionSlot(smem, cfg, 2)
         tiles.issue_loads()
         if cutlass.const_expr(cfg.cluster_size > 1):
             cute.arch.cluster_wait()
 
         kept = []
+        # (max, sum of exp(x - max)): for the softmax the max is in base-2 units, so that
+        # each exponent is one FFMA; the log-softmax keeps it in x's (red.chunk_exp2)
+        base2 = not self.log
+        combine = functools.partial(red.online_softmax_combine, base2=base2)
         stats = (Float32(-math.inf), Float32(0.0))
         for c in cutlass.range_constexpr(cfg.num_chunks):
             tiles.wait_chunk(c)
             x = tiles.values(0, c, fill=-math.inf)
-            chunk_max = red.thread_reduce(x, cute.ReductionOp.MAX, -math.inf)
-            chunk_max_safe = red.finite_or_zero(chunk_max)
-            e = cute.math.exp2((x - chunk_max_safe) * red.LOG2_E, fastmath=True)
-            stats = red.online_softmax_combine(
-                stats, (chunk_max, red.thread_reduce(e, cute.ReductionOp.ADD, 0.0)))
+            chunk_max, e = red.chunk_exp2(
+                x, red.thread_reduce(x, cute.ReductionOp.MAX, -math.inf), base2)
+            stats = combine(stats, (chunk_max, red.thread_reduce(e, cute.ReductionOp.ADD, 0.0)))
             if cutlass.const_expr(cfg.staging == "registers"):
                 kept.append(e if not self.log else x)
-                kept_max = chunk_max_safe
-        row_max, row_sum = slot.allreduce(stats, red.online_softmax_combine,
-                                          (Float32(-math.inf), Float32(0.0)))
+                kept_max = red.finite_or_zero(chunk_max)
+        row_max, row_sum = slot.allreduce(stats, combine, (Float32(-math.inf), Float32(0.0)))
 
         for c in cutlass.range_constexpr(cfg.num_chunks):
-            if cutlass.const_expr(cfg.staging == "registers"):
-                if cutlass.const_expr(self.log):
-                    y = kept[c] - (row_max + cute.math.log(row_sum, fastmath=True))
-                else:
-                    # e was exp(x - thread max): rescale to the row max in one multiply
-                    scale = cute.math.exp2((kept_max - row_max) * red.LOG2_E, fastmath=True) \
-                        * cute.arch.rcp_approx(row_sum)
-                    y = kept[c] * scale
+            if cutlass.const_expr(self.log):
+                x = kept[c] if cfg.staging == "registers" else tiles.values(0, c)
+                y = x - (row_max + cute.math.log(row_sum, fastmath=True))
+            elif cutlass.const_expr(cfg.staging == "registers"):
+                # e was exp(x - thread max): rescale to the row max in one multiply
+                scale = cute.math.exp2(kept_max - row_max, fastmath=True) \
+                    * cute.arch.rcp_approx(row_sum)
+                y = kept[c] * scale
             else:
-                x = tiles.values(0, c)
-                if cutlass.const_expr(self.log):
-                    y = x - (row_max + cute.math.log(row_sum, fastmath=True))
-                else:
-                    y = cute.math.exp2((x - row_max) * red.LOG2_E, fastmath=True) \
-                        * cute.arch.rcp_approx(row_sum)
+                y = cute.math.exp2(tiles.values(0, c) * red.LOG2_E - row_max, fastmath=True) \
+                    * cute.arch.rcp_approx(row_sum)
             tiles.store(mY, c, y)
 
 
@@ -98,7 +96,7 @@ class SoftmaxBackward(RowKernel):
     def kernel(self, mY: cute.Tensor, mdY: cute.Tensor, mdX: cute.Tensor):
         cfg = self.cfg
         smem = SmemAllocator()
-        tiles = RowTiles(cfg, [mY, mdY], smem)
+        tiles = RowTiles(cfg, [mY, mdY], smem, pad=0.0)
         slot = ReductionSlot(smem, cfg, 1)
         tiles.issue_loads()
         if cutlass.const_expr(cfg.cluster_size > 1):

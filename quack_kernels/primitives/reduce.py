@@ -35,6 +35,7 @@ Values = Tuple[Float32, ...]
 
 
 LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
 
 
 def sum_combine(a: Values, b: Values) -> Values:
@@ -46,16 +47,31 @@ def finite_or_zero(m: Float32) -> Float32:
     return Float32(cutlass.select_(m == -math.inf, Float32(0.0), m))
 
 
-def online_softmax_combine(a: Values, b: Values, rescaled: int = 1) -> Values:
-    """Merge partials (max, ``rescaled`` sums of exp(x - max), any further plain sums):
-    the exp sums are rescaled to the merged max; an all -inf side contributes 0."""
+def online_softmax_combine(a: Values, b: Values, rescaled: int = 1, base2: bool = True) -> Values:
+    """Merge partials (m, ``rescaled`` sums of exp(x - m), any further plain sums): the
+    exp sums are rescaled to the merged max; an all -inf side contributes 0. ``base2``:
+    m is in base-2 units (x log2 e, see chunk_exp2), else in the units of x."""
     m = cute.arch.fmax(a[0], b[0])
     m_safe = finite_or_zero(m)
-    scale_a = cute.math.exp2((a[0] - m_safe) * LOG2_E, fastmath=True)
-    scale_b = cute.math.exp2((b[0] - m_safe) * LOG2_E, fastmath=True)
+    to_base2 = 1.0 if base2 else LOG2_E
+    scale_a = cute.math.exp2((a[0] - m_safe) * to_base2, fastmath=True)
+    scale_b = cute.math.exp2((b[0] - m_safe) * to_base2, fastmath=True)
     end = 1 + rescaled
     return ((m,) + tuple(x * scale_a + y * scale_b for x, y in zip(a[1:end], b[1:end]))
             + sum_combine(a[end:], b[end:]))
+
+
+def chunk_exp2(x: cute.TensorSSA, x_max: Float32, base2: bool = True):
+    """(m, exp(x - x_max)) of values ``x`` whose max is ``x_max``, m as
+    online_softmax_combine takes it (-inf when every value is -inf). ``base2``: m =
+    x_max log2 e and each exponent one FFMA against that same rounded m, so the sums and
+    the max that rescales them agree exactly; the natural-units max (``base2=False``,
+    two instructions per exponent) keeps x - max exact, which x - lse needs (a
+    log-softmax of a confident row is close to 0)."""
+    if base2:
+        m = x_max * LOG2_E
+        return m, cute.math.exp2(x * LOG2_E - finite_or_zero(m), fastmath=True)
+    return x_max, cute.math.exp2((x - finite_or_zero(x_max)) * LOG2_E, fastmath=True)
 
 
 def scratch_layout(cfg: RowConfig, num_values: int, buffers: int = 1) -> cute.Layout:

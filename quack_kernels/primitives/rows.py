@@ -22,7 +22,7 @@ import copy
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64
+from cutlass import Boolean, Float32, Int32, Int64
 
 from . import reduce as red
 from . import tiling
@@ -134,10 +134,19 @@ class ReductionSlot:
 
 class RowTiles:
     """This thread's view of the rows of one block: tiles of every staged tensor per
-    chunk, the column predicates, and the shared-memory staging buffers."""
+    chunk, the column predicates, and the shared-memory staging buffers.
 
-    def __init__(self, cfg: RowConfig, staged: list, smem):
+    ``pad``: a value written into the staging buffers past the row end (one
+    shared-memory store per vector, by the few threads holding any), so that
+    ``values(..., fill=pad)`` needs no per-value select: the identity of the reduction
+    the kernel runs first (-inf for a max, 0 for a sum). Written once the chunk's copies
+    landed, since a predicated-off cp.async zero-fills its vector. Not for one-value
+    vectors (odd rows), where a store per vector costs as much as a select per value."""
+
+    def __init__(self, cfg: RowConfig, staged: list, smem, pad: float | None = None):
         self.cfg = cfg
+        padded = cfg.staging != "global" and cfg.needs_col_predicate and cfg.vec > 1
+        self.pad = pad if padded else None
         tidx = cute.arch.thread_idx()[0]
         block_row = cute.arch.block_idx()[0]
         self.cta_rank = cute.arch.block_idx()[1] if cutlass.const_expr(cfg.cluster_size > 1) else 0
@@ -247,6 +256,15 @@ class RowTiles:
                         cute.copy(self.copy_g2s[i], tXgX, tXsX, pred=self.preds[c])
                 cute.arch.cp_async_commit_group()
 
+    @cute.jit
+    def _pad_row_end(self, i: cutlass.Constexpr[int], chunk: cutlass.Constexpr[int]):
+        """Write ``pad`` over this thread's vectors of ``chunk`` past the row end."""
+        tXsX = self.copy_vec[i].get_slice(self.tidx).partition_D(self._smem_slot(i, chunk))
+        padding = cute.make_fragment_like(tXsX)
+        padding.fill(self.pad)
+        outside = tiling.vector_predicate(self.coords[chunk], self.cfg.n_cols, inside=False)
+        cute.copy(self.copy_vec[i], padding, tXsX, pred=outside)
+
     def wait_chunk(self, chunk: int):
         """Wait until this thread's copies of ``chunk`` have landed; with two staging
         buffers the next row block's loads (issued after this block's, see begin_block)
@@ -254,6 +272,9 @@ class RowTiles:
         if cutlass.const_expr(self.cfg.staging != "global"):
             prefetched = self.load_groups if self.cfg.stages == 2 else 0
             cute.arch.cp_async_wait_group(self.load_groups - 1 - chunk + prefetched)
+            if cutlass.const_expr(self.pad is not None):
+                for i in range(len(self.staged)):
+                    self._pad_row_end(i, chunk)
 
     @cute.jit
     def values(self, i: cutlass.Constexpr[int], chunk: cutlass.Constexpr[int], fill: cutlass.Constexpr = None,
@@ -278,7 +299,10 @@ class RowTiles:
             cute.autovec_copy(thr.partition_S(self._smem_slot(i, chunk)), tXrX)
         x = tXrX.load().to(Float32)
         if cutlass.const_expr(fill is not None and cfg.needs_col_predicate):
-            x = tiling.mask_out_of_row(x, self.coords[chunk], cfg.n_cols, fill)
+            if cutlass.const_expr(self.pad is None or cfg.staging == "global"):
+                x = tiling.mask_out_of_row(x, self.coords[chunk], cfg.n_cols, fill)
+            else:
+                assert fill == self.pad, "values() past the row end are the staging pad"
         return x
 
     def _holds_column(self, chunk: int, col: Int32):
@@ -310,6 +334,17 @@ class RowTiles:
             value = Float32(tile[at])
             tile[at] = tile.element_type(fill)
         return value
+
+    @cute.jit
+    def store_column(self, mY: cute.Tensor, col: Int32, value: Float32):
+        """Write ``value`` to column ``col`` of this thread's row of mY if this thread
+        holds that column (in any chunk). Call after the row's ``store``s: it replaces
+        what the vector store wrote there (same thread, same address: program order)."""
+        held = Boolean(False)
+        for c in cutlass.range_constexpr(self.cfg.num_chunks):
+            held = held | self._holds_column(c, col)[0]
+        if held & self.row_in_bounds:
+            mY[self.row, col] = value.to(mY.element_type)
 
     def chunk_coords(self, chunk):
         """Coordinates of this thread's values in ``chunk``: precomputed for a

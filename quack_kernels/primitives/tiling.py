@@ -63,9 +63,11 @@ def column_offset(tXcX: cute.Tensor, coord) -> int:
 
 
 @cute.jit
-def vector_predicate(tXcX: cute.Tensor, n_cols: Int32) -> cute.Tensor:
-    """One flag per vector of this thread: does it start inside the row? Rows are a
-    multiple of the vector width long, so a vector is either all in or all out."""
+def vector_predicate(tXcX: cute.Tensor, n_cols: Int32,
+                     inside: cutlass.Constexpr[bool] = True) -> cute.Tensor:
+    """One flag per vector of this thread: does it start inside the row (``inside``;
+    else: past its end)? Rows are a multiple of the vector width long, so a vector is
+    either all in or all out."""
     tXpX = cute.make_rmem_tensor(
         cute.make_layout(
             (cute.size(tXcX, mode=[0, 1]), cute.size(tXcX, mode=[1]), cute.size(tXcX, mode=[2])),
@@ -76,7 +78,8 @@ def vector_predicate(tXcX: cute.Tensor, n_cols: Int32) -> cute.Tensor:
     room = n_cols - tXcX[0][1]
     for v in cutlass.range_constexpr(cute.size(tXpX, mode=[0])):
         for k in cutlass.range_constexpr(cute.size(tXpX, mode=[2])):
-            tXpX[v, 0, k] = column_offset(tXcX, ((0, v), 0, k)) < room
+            offset = column_offset(tXcX, ((0, v), 0, k))
+            tXpX[v, 0, k] = offset < room if inside else offset >= room
     return tXpX
 
 
