@@ -15,7 +15,8 @@ writes dx (+ dresidual); weights, statistics and partial sums are O(N + M).
 
 Layout: RowKernel geometry (rows split over a cluster of up to 16 CTAs for large N).
 The forward is one row block per CTA; LayerNorm reduces twice (sum, then the centered
-sum of squares, on the staged row). The backward launches a fixed grid (as many CTAs
+sum of squares, on the staged row), or once for rows of x alone split over a cluster
+(each thread's count, mean and centered sum of squares merged pairwise). The backward launches a fixed grid (as many CTAs
 as fit on the GPU) that loops over row blocks, loading the next block while it
 reduces and stores the current one when two staging buffers fit (cfg.stages): each CTA
 keeps its columns' dw/db sums in an accumulator and writes them once as one row of
@@ -48,8 +49,6 @@ class NormForward(RowKernel):
     """y = norm(x + residual) * (weight + offset) + bias; optional inputs and outputs
     are compile-time switches (pass None for the absent ones)."""
 
-    values_per_reduction = 1
-
     def __init__(self, cfg: RowConfig, rms: bool, x_dtype, residual_in_dtype, residual_dtype,
                  has_residual: bool, store_residual: bool):
         self.cfg = cfg
@@ -58,7 +57,18 @@ class NormForward(RowKernel):
         self.store_residual = store_residual
         self.residual_dtype = residual_dtype  # dtype of the stream h (rounding)
         self.staged_dtypes = (x_dtype, residual_in_dtype) if has_residual else (x_dtype,)
-        self.reductions = 1 if rms else 2
+        # LayerNorm reduces twice (the sum, then the centered sum of squares), except
+        # rows of x alone split over a cluster: they merge each thread's (count, mean,
+        # centered sum of squares) in one reduction (reduce.centered_moments_combine), one
+        # cluster exchange per row instead of two. H200 sweep (kernel alone, benchmarks/
+        # sweep_norm_forward.py --norm layer, results/norm_forward_layer_moments_sweep_
+        # H200_20261130.txt): bf16 2048x65536 78.3% -> 82.0% of the copy
+        # ceiling, 512x262144 71.3% -> 73.3%, fp32 2048x65536 89.3% -> 90.9%, 512x262144
+        # 55.4% -> 63.2%; rows one CTA holds lost 2-5 points (8192x16384 bf16 90.5% ->
+        # 88.5%) and rows with a residual were mixed (2048x65536 bf16 83.6% -> 79.3%).
+        self.moments = not rms and not has_residual and cfg.cluster_size > 1
+        self.reductions = 1 if rms or self.moments else 2
+        self.values_per_reduction = 3 if self.moments else 1
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mR, mW, mB, mY: cute.Tensor, mResOut, mMean,
@@ -73,6 +83,28 @@ class NormForward(RowKernel):
             h = _round_to(h + tiles.values(1, chunk, fill=0.0), self.residual_dtype)
         return h
 
+    def _squared_deviations(self, tiles: RowTiles, kept: list, center: Float32) -> Float32:
+        """This thread's sum of (h - center)^2 over its values inside the row."""
+        cfg = self.cfg
+        total = Float32(0.0)
+        for c in range(cfg.num_chunks):  # (traced inline: plain Python loops and ifs)
+            h = kept[c] if cfg.staging == "registers" else self._stream(tiles, c)
+            d = h - center
+            if cfg.needs_col_predicate:
+                d = tiling.mask_out_of_row(d, tiles.coords[c], cfg.n_cols, 0.0)
+            total = total + red.thread_reduce(d * d, cute.ReductionOp.ADD, 0.0)
+        return total
+
+    def _values_in_row(self, tiles: RowTiles):
+        """How many of this thread's values lie inside the row."""
+        cfg = self.cfg
+        if not cfg.needs_col_predicate:
+            return Int32(cfg.vec * cfg.vecs_per_thread * cfg.num_chunks)
+        count = Int32(0)
+        for c in range(cfg.num_chunks):
+            count = count + tiling.values_in_row(tiles.coords[c], cfg.n_cols)
+        return count
+
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mR, mW, mB, mY: cute.Tensor, mResOut, mMean,
                mRstd: cute.Tensor, eps: Float32, weight_offset: Float32):
@@ -80,7 +112,8 @@ class NormForward(RowKernel):
         smem = SmemAllocator()
         staged = [mX, mR] if cutlass.const_expr(self.has_residual) else [mX]
         tiles = RowTiles(cfg, staged, smem)
-        slots = [ReductionSlot(smem, cfg, 1) for _ in range(self.reductions)]
+        slots = [ReductionSlot(smem, cfg, self.values_per_reduction)
+                 for _ in range(self.reductions)]
         tiles.issue_loads()
         if cutlass.const_expr(cfg.cluster_size > 1):
             cute.arch.cluster_wait()
@@ -97,21 +130,24 @@ class NormForward(RowKernel):
             partial = partial + red.thread_reduce(term, cute.ReductionOp.ADD, 0.0)
             if cutlass.const_expr(cfg.staging == "registers"):
                 kept.append(h)
-        (total,) = slots[0].allreduce((partial,), red.sum_combine, ZERO)
-
         mean = Float32(0.0)
         if cutlass.const_expr(self.rms):
+            (total,) = slots[0].allreduce((partial,), red.sum_combine, ZERO)
             variance = total * inv_n
+        elif cutlass.const_expr(self.moments):
+            # deviations from this thread's own mean (a second pass over its own values,
+            # on chip), merged over the row with the counts and means
+            count = Float32(self._values_in_row(tiles))
+            own_mean = partial / cute.arch.fmax(count, Float32(1.0))
+            _, mean, centered = slots[0].allreduce(
+                (count, own_mean, self._squared_deviations(tiles, kept, own_mean)),
+                red.centered_moments_combine, ZERO * 3)
+            variance = centered * inv_n
         else:
+            (total,) = slots[0].allreduce((partial,), red.sum_combine, ZERO)
             mean = total * inv_n
-            partial = Float32(0.0)
-            for c in cutlass.range_constexpr(cfg.num_chunks):
-                h = kept[c] if cutlass.const_expr(cfg.staging == "registers") else self._stream(tiles, c)
-                d = h - mean
-                if cutlass.const_expr(cfg.needs_col_predicate):
-                    d = tiling.mask_out_of_row(d, tiles.coords[c], cfg.n_cols, 0.0)
-                partial = partial + red.thread_reduce(d * d, cute.ReductionOp.ADD, 0.0)
-            (centered,) = slots[1].allreduce((partial,), red.sum_combine, ZERO)
+            (centered,) = slots[1].allreduce((self._squared_deviations(tiles, kept, mean),),
+                                             red.sum_combine, ZERO)
             variance = centered * inv_n
         rstd = cute.math.rsqrt(variance + eps)
 

@@ -69,8 +69,9 @@ def forward_config(n_cols: int, rms: bool, x_dtype, residual_dtype, has_residual
                    residual_in_dtype=None) -> RowConfig:
     """Vector width from the widest tensor touched per column (a 16-byte access of it);
     staged: x, and the residual (of ``residual_in_dtype``, default the stream's
-    ``residual_dtype``) when given. LayerNorm reduces twice per row (see
-    config.norm_forward_cta_row_bytes)."""
+    ``residual_dtype``) when given. LayerNorm's shares follow
+    config.norm_forward_cta_row_bytes (as for two reductions per row, see
+    kernels.norm.NormForward)."""
     residual_in_dtype = residual_in_dtype or residual_dtype
     staged = [x_dtype, residual_in_dtype] if has_residual else [x_dtype]
     widest = max(_bytes(*staged, residual_dtype if has_residual else None, out_dtype,

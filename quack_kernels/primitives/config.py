@@ -342,7 +342,10 @@ def loops_over_row_blocks(cfg: RowConfig, writes_rows: bool) -> bool:
 # (H200 sweep, benchmarks/sweep_norm_forward.py --norm layer, results/norm_forward_
 # layer_sweep_H200_20261130.txt; kernel alone, % of the copy ceiling): bf16 8192x16384
 # 83.9% -> 90.8%, 2048x65536 74.4% -> 78.7%; fp32 8192x16384 83.6% -> 94.1%,
-# 2048x65536 73.1% -> 89.3%. With a residual (two staged tensors) not measured.
+# 2048x65536 73.1% -> 89.3%. With a residual (two staged tensors) not measured. The
+# one-reduction LayerNorm of cluster rows (kernels.norm.NormForward.moments) was swept
+# too and also ran fastest on 32-KiB shares (2048x65536 bf16: 82.0% vs 74.4% on 16 and
+# 75.8% on 64).
 TWO_REDUCTION_CTA_ROW_BYTES = 32 * 1024
 
 

@@ -47,6 +47,18 @@ def finite_or_zero(m: Float32) -> Float32:
     return Float32(cutlass.select_(m == -math.inf, Float32(0.0), m))
 
 
+def centered_moments_combine(a: Values, b: Values) -> Values:
+    """Merge (count, mean, sum of squared deviations from the mean) of two groups of
+    values (Chan, Golub and LeVeque's pairwise update): the variance stays a centered
+    sum, never E[x^2] - E[x]^2, and one reduction gives both the mean and the variance.
+    An empty group (count 0) contributes nothing."""
+    count = a[0] + b[0]
+    share_b = b[0] / cute.arch.fmax(count, Float32(1.0))
+    delta = b[1] - a[1]
+    mean = a[1] + delta * share_b
+    return count, mean, a[2] + b[2] + delta * delta * a[0] * share_b
+
+
 def online_softmax_combine(a: Values, b: Values, rescaled: int = 1, base2: bool = True) -> Values:
     """Merge partials (m, ``rescaled`` sums of exp(x - m), any further plain sums): the
     exp sums are rescaled to the merged max; an all -inf side contributes 0. ``base2``:
