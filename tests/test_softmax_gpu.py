@@ -85,14 +85,17 @@ def test_outputs_fully_written(n):
         assert not torch.isnan(dx).any()
 
 
-def test_special_values():
-    x = fresh((6, 4096), torch.float32)
+@pytest.mark.parametrize("n", [100, 4096, 65536])
+def test_special_values(n):
+    x = fresh((7, n), torch.float32)
     x[0, ::3] = -float("inf")         # some -inf
     x[1] = 5.0                         # all equal
     x[2] *= 1e4                        # large magnitude
     x[3] = -float("inf")               # all -inf -> nan like torch
     x[4, 17] = float("inf")            # one +inf -> nan like torch
-    x[5, :4095] = -float("inf")        # one finite value
+    x[5, :n - 1] = -float("inf")       # one finite value
+    x[6] = -float("inf")               # one finite value below -88.7: threads holding
+    x[6, 0] = -100.0                   # only -inf must not scale by exp(0 - max) = inf
     for log in (False, True):
         y = ops.softmax_forward(x, log)
         ref = reference(x, log)

@@ -34,7 +34,9 @@ non-target classes) triple with plain sums of z_t (from the thread holding the t
 column, which in a staged row without softcap or smoothing sets it aside before the row
 is read: ``target_aside``), of w_t (gathered by the row's first thread) and, for label
 smoothing, of sum_j w_j z_j and W. Every thread then knows lse and writes its share of
-the gradient; the row's first thread writes loss and lse.
+the gradient; the row's first thread writes loss and lse. A set-aside target's gradient
+is written by the thread holding its column, after that thread's vector stores
+(RowTiles.store_column). Maxima are in base-2 units (reduce.chunk_exp2).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from ..primitives.rows import ReductionSlot, RowKernel, RowTiles, broadcast_rows
 def _combine(a, b):
     """(max, sum of exp, sum of exp over the non-target classes) merged online, both
     sums rescaled to the new max; every further value is a plain sum."""
-    return red.online_softmax_combine(a, b, rescaled=2)
+    return red.online_softmax_combine(a, b, rescaled=2, base2=True)
 
 
 def _with_target(other_max: Float32, other_sumexp: Float32, z_target: Float32, valid):
@@ -63,11 +65,11 @@ def _with_target(other_max: Float32, other_sumexp: Float32, z_target: Float32, v
     units as the reduction gives it, from its non-target (max, sum of exp) and the
     set-aside target logit (rows with a valid target; other rows had nothing set
     aside)."""
-    target_log2 = z_target * red.LOG2_E
-    row_max = cutlass.select_(valid, cute.arch.fmax(other_max, target_log2), other_max)
+    row_max = cutlass.select_(valid, cute.arch.fmax(other_max, z_target * red.LOG2_E), other_max)
     row_max_safe = red.finite_or_zero(row_max)
     other = other_sumexp * cute.math.exp2(other_max - row_max_safe, fastmath=True)
-    target = cute.math.exp2(target_log2 - row_max_safe, fastmath=True)
+    # the exact z_t log2 e, as every other class's exponent has it (one FFMA each)
+    target = cute.math.exp2(red.fma(z_target, red.LOG2_E, -row_max_safe), fastmath=True)
     return row_max, other + cutlass.select_(valid, target, Float32(0.0)), other
 
 
@@ -277,7 +279,7 @@ class CrossEntropyForward(RowKernel):
         if lead:
             # -log p_t = log(sumexp) + (max - z_t) = log1p(sumexp_other * exp(max - z_t)):
             # the second form keeps the precision of a small loss (confident row)
-            gap_log2 = row_max - z_target * red.LOG2_E
+            gap_log2 = red.fma(z_target, -red.LOG2_E, row_max)
             nll = gap_log2 * red.LN_2 + log_sumexp
             if gap_log2 < Float32(20.0 * red.LOG2_E):
                 nll = cute.math.log1p(other_sumexp * cute.math.exp2(gap_log2))
@@ -323,7 +325,8 @@ class CrossEntropyForward(RowKernel):
                                        coef_w, one_minus_p_target, inv_softcap)
                 tiles.store(mdX, c, g)
             if cutlass.const_expr(self.target_aside):
-                p_target = cute.math.exp2(z_target * red.LOG2_E - lse_log2, fastmath=True)
+                p_target = cute.math.exp2(red.fma(z_target, red.LOG2_E, -lse_log2),
+                                          fastmath=True)
                 tiles.store_column(mdX, target_col, _target_gradient(
                     p_target, coef_p, coef_t, one_minus_p_target))
 
@@ -348,7 +351,7 @@ class CrossEntropyForward(RowKernel):
             z_max_in = tiling.mask_out_of_row(z, tXcX, n_cols, -math.inf)
             z_sum_in = tiling.mask_out_of_row(z, tXcX, n_cols, 0.0)
         chunk_max, e = red.chunk_exp2(
-            z_max_in, red.thread_reduce(z_max_in, cute.ReductionOp.MAX, -math.inf))
+            z_max_in, red.thread_reduce(z_max_in, cute.ReductionOp.MAX, -math.inf), base2=True)
         chunk_sum = red.thread_reduce(e, cute.ReductionOp.ADD, 0.0)
         z_target = running[3]
         if cutlass.const_expr(self.target_aside):

@@ -58,11 +58,12 @@ class SoftmaxForward(RowKernel):
             tiles.wait_chunk(c)
             x = tiles.values(0, c, fill=-math.inf)
             chunk_max, e = red.chunk_exp2(
-                x, red.thread_reduce(x, cute.ReductionOp.MAX, -math.inf), base2)
+                x, red.thread_reduce(x, cute.ReductionOp.MAX, -math.inf), base2=base2)
             stats = combine(stats, (chunk_max, red.thread_reduce(e, cute.ReductionOp.ADD, 0.0)))
             if cutlass.const_expr(cfg.staging == "registers"):
                 kept.append(e if not self.log else x)
-                kept_max = red.finite_or_zero(chunk_max)
+                # -inf when every value is: its scale below is then 0 (never inf * 0)
+                kept_max = chunk_max
         row_max, row_sum = slot.allreduce(stats, combine, (Float32(-math.inf), Float32(0.0)))
 
         for c in cutlass.range_constexpr(cfg.num_chunks):

@@ -28,6 +28,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass._mlir.dialects import arith
+from cutlass._mlir.dialects import math as math_dialect
 
 from .config import RowConfig
 
@@ -59,21 +60,24 @@ def centered_moments_combine(a: Values, b: Values) -> Values:
     return count, mean, a[2] + b[2] + delta * delta * a[0] * share_b
 
 
-def online_softmax_combine(a: Values, b: Values, rescaled: int = 1, base2: bool = True) -> Values:
+def online_softmax_combine(a: Values, b: Values, rescaled: int = 1, *, base2: bool) -> Values:
     """Merge partials (m, ``rescaled`` sums of exp(x - m), any further plain sums): the
     exp sums are rescaled to the merged max; an all -inf side contributes 0. ``base2``:
     m is in base-2 units (x log2 e, see chunk_exp2), else in the units of x."""
     m = cute.arch.fmax(a[0], b[0])
     m_safe = finite_or_zero(m)
-    to_base2 = 1.0 if base2 else LOG2_E
-    scale_a = cute.math.exp2((a[0] - m_safe) * to_base2, fastmath=True)
-    scale_b = cute.math.exp2((b[0] - m_safe) * to_base2, fastmath=True)
+
+    def exponent(side_max):
+        return side_max - m_safe if base2 else (side_max - m_safe) * LOG2_E
+
+    scale_a = cute.math.exp2(exponent(a[0]), fastmath=True)
+    scale_b = cute.math.exp2(exponent(b[0]), fastmath=True)
     end = 1 + rescaled
     return ((m,) + tuple(x * scale_a + y * scale_b for x, y in zip(a[1:end], b[1:end]))
             + sum_combine(a[end:], b[end:]))
 
 
-def chunk_exp2(x: cute.TensorSSA, x_max: Float32, base2: bool = True):
+def chunk_exp2(x: cute.TensorSSA, x_max: Float32, *, base2: bool):
     """(m, exp(x - x_max)) of values ``x`` whose max is ``x_max``, m as
     online_softmax_combine takes it (-inf when every value is -inf). ``base2``: m =
     x_max log2 e and each exponent one FFMA against that same rounded m, so the sums and
@@ -98,6 +102,13 @@ def scratch_layout(cfg: RowConfig, num_values: int, buffers: int = 1) -> cute.La
 def scratch_tx_bytes(cfg: RowConfig, num_values: int) -> int:
     """Bytes every CTA of a cluster receives through one reduction."""
     return cfg.rows_per_block * cfg.warps_per_row * cfg.cluster_size * num_values * 4
+
+
+def fma(a, b, c) -> Float32:
+    """a * b + c with one rounding, whatever the compiler would reuse of a * b (exponents
+    against a base-2 max must see the exact product, as chunk_exp2's do)."""
+    return Float32(math_dialect.fma(Float32(a).ir_value(), Float32(b).ir_value(),
+                                    Float32(c).ir_value()))
 
 
 def _as_i32(value: Float32) -> Int32:

@@ -299,7 +299,7 @@ class RowTiles:
             cute.autovec_copy(thr.partition_S(self._smem_slot(i, chunk)), tXrX)
         x = tXrX.load().to(Float32)
         if cutlass.const_expr(fill is not None and cfg.needs_col_predicate):
-            if cutlass.const_expr(self.pad is None or cfg.staging == "global"):
+            if cutlass.const_expr(self.pad is None):
                 x = tiling.mask_out_of_row(x, self.coords[chunk], cfg.n_cols, fill)
             else:
                 assert fill == self.pad, "values() past the row end are the staging pad"
