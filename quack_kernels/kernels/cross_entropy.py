@@ -69,7 +69,8 @@ def _with_target(other_max: Float32, other_sumexp: Float32, z_target: Float32, v
     row_max_safe = red.finite_or_zero(row_max)
     other = other_sumexp * cute.math.exp2(other_max - row_max_safe, fastmath=True)
     # the exact z_t log2 e, as every other class's exponent has it (one FFMA each)
-    target = cute.math.exp2(red.fma(z_target, red.LOG2_E, -row_max_safe), fastmath=True)
+    target = cute.math.exp2(cute.math.fma(z_target, Float32(red.LOG2_E), -row_max_safe),
+                            fastmath=True)
     return row_max, other + cutlass.select_(valid, target, Float32(0.0)), other
 
 
@@ -279,7 +280,7 @@ class CrossEntropyForward(RowKernel):
         if lead:
             # -log p_t = log(sumexp) + (max - z_t) = log1p(sumexp_other * exp(max - z_t)):
             # the second form keeps the precision of a small loss (confident row)
-            gap_log2 = red.fma(z_target, -red.LOG2_E, row_max)
+            gap_log2 = cute.math.fma(z_target, Float32(-red.LOG2_E), row_max)
             nll = gap_log2 * red.LN_2 + log_sumexp
             if gap_log2 < Float32(20.0 * red.LOG2_E):
                 nll = cute.math.log1p(other_sumexp * cute.math.exp2(gap_log2))
@@ -325,7 +326,7 @@ class CrossEntropyForward(RowKernel):
                                        coef_w, one_minus_p_target, inv_softcap)
                 tiles.store(mdX, c, g)
             if cutlass.const_expr(self.target_aside):
-                p_target = cute.math.exp2(red.fma(z_target, red.LOG2_E, -lse_log2),
+                p_target = cute.math.exp2(cute.math.fma(z_target, Float32(red.LOG2_E), -lse_log2),
                                           fastmath=True)
                 tiles.store_column(mdX, target_col, _target_gradient(
                     p_target, coef_p, coef_t, one_minus_p_target))

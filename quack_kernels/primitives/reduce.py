@@ -28,7 +28,6 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass._mlir.dialects import arith
-from cutlass._mlir.dialects import math as math_dialect
 
 from .config import RowConfig
 
@@ -102,13 +101,6 @@ def scratch_layout(cfg: RowConfig, num_values: int, buffers: int = 1) -> cute.La
 def scratch_tx_bytes(cfg: RowConfig, num_values: int) -> int:
     """Bytes every CTA of a cluster receives through one reduction."""
     return cfg.rows_per_block * cfg.warps_per_row * cfg.cluster_size * num_values * 4
-
-
-def fma(a, b, c) -> Float32:
-    """a * b + c with one rounding, whatever the compiler would reuse of a * b (exponents
-    against a base-2 max must see the exact product, as chunk_exp2's do)."""
-    return Float32(math_dialect.fma(Float32(a).ir_value(), Float32(b).ir_value(),
-                                    Float32(c).ir_value()))
 
 
 def _as_i32(value: Float32) -> Int32:
