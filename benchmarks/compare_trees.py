@@ -1,0 +1,139 @@
+"""Kernel timings of several source trees of quack_kernels in one GPU session, side by
+side. Each tree runs in its own process with its package first on sys.path, so two
+versions of a kernel are timed on the same GPU minutes apart (a sweep across sessions
+compares different machines and clocks). Timing as the runner's: an L2 flush before
+each call hides the host time, so the numbers are the kernels'.
+
+    git archive main quack_kernels | tar -x -C /tmp/tree_main    # a tree of main
+    python benchmarks/compare_trees.py --trees /tmp/tree_main,. \\
+        --cases ce_loss,ce_grad,sm_fwd --shapes bf16:4096x128256,bf16:8192x151936
+
+Cases (bytes per element of the row tensor moved, each input read once and each
+output written once): sm_fwd 2, sm_bwd 3 (softmax), ce_loss 1, ce_grad 2 (the
+cross-entropy forward without and with the gradient), rms_fwd / ln_fwd 2 and
+rms_fwd_res / ln_fwd_res 4 (norm forward of x, or of x + residual with the sum stored).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+CASES = ("sm_fwd", "sm_bwd", "ce_loss", "ce_grad", "rms_fwd", "ln_fwd", "rms_fwd_res",
+         "ln_fwd_res")
+DEFAULT_SHAPES = "bf16:4096x128256,bf16:8192x151936,bf16:2048x65536,bf16:512x262144"
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--trees", required=True,
+                   help="comma list of directories, each holding a quack_kernels/ package")
+    p.add_argument("--cases", default="sm_fwd,ce_loss,ce_grad",
+                   help=f"comma list of {','.join(CASES)}")
+    p.add_argument("--shapes", default=DEFAULT_SHAPES, help="dtype:MxN,...")
+    p.add_argument("--child", help=argparse.SUPPRESS)  # the tree this process times
+    args = p.parse_args(argv)
+    unknown = set(args.cases.split(",")) - set(CASES)
+    if unknown:
+        p.error(f"unknown cases {','.join(sorted(unknown))}")
+    return args
+
+
+def case_call(case, x):
+    """(the call to time, row-tensor elements moved per element of x). The CUDA
+    implementations are called directly: the custom ops' dispatcher layers cost more
+    host time than the L2 flush before each call hides."""
+    import torch
+    import quack_kernels as qk
+    from quack_kernels.ops import cross_entropy as ce_ops
+    from quack_kernels.ops import softmax as sm_ops
+
+    m, n = x.shape
+    if case == "sm_fwd":
+        return (lambda: qk.softmax(x)), 2
+    if case == "sm_bwd":
+        y, dy = qk.softmax(x), torch.randn_like(x)
+        return (lambda: sm_ops._softmax_backward_cuda(y, dy, False)), 3
+    if case in ("ce_loss", "ce_grad"):
+        target = torch.randint(0, n, (m,), device=x.device)
+        grad = case == "ce_grad"
+        # an explicit per-row scale, so that no extra kernel fills one
+        scale = torch.ones(m, device=x.device) if grad else None
+        return (lambda: ce_ops._cross_entropy_forward_cuda(x, target, None, -100, 0.0, 0.0, 0.0,
+                                                           grad, scale)), 2 if grad else 1
+    weight = torch.randn(n, device=x.device, dtype=x.dtype)
+    bias = torch.randn(n, device=x.device, dtype=x.dtype)
+    residual = torch.randn_like(x) if case.endswith("_res") else None
+    moved = 2 if residual is None else 4
+    if case.startswith("rms"):
+        return (lambda: qk.rms_norm(x, weight, residual=residual,
+                                    prenorm=residual is not None)), moved
+    return (lambda: qk.layer_norm(x, weight, bias, residual=residual,
+                                  prenorm=residual is not None)), moved
+
+
+def time_tree(args):
+    """Child process: time every (case, shape) with this tree's package; one JSON line
+    each."""
+    sys.path.insert(0, os.path.abspath(args.child))
+    import torch
+    import quack_kernels
+    from quack_kernels.bench import measure_copy_ceiling_gbps, time_device_ms
+
+    if not torch.cuda.is_available():
+        sys.exit("compare_trees.py times kernels: it needs a CUDA GPU")
+    print(json.dumps(dict(package=os.path.dirname(quack_kernels.__file__))), flush=True)
+
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    ceiling = measure_copy_ceiling_gbps()
+    for shape in args.shapes.split(","):
+        name, mn = shape.split(":")
+        m, n = (int(v) for v in mn.split("x"))
+        x = torch.randn(m, n, device="cuda", dtype=dtypes[name])
+        for case in args.cases.split(","):
+            row = dict(case=case, shape=shape)
+            try:
+                with torch.no_grad():
+                    call, moved = case_call(case, x)
+                    call()
+                    ms = time_device_ms(call)
+                row.update(us=ms * 1e3, pct=100 * moved * x.numel() * x.element_size()
+                           / ms / 1e6 / ceiling)
+            except Exception as e:  # reported in the table, the other cases go on
+                row.update(error=f"{type(e).__name__}: {e}"[:80])
+            print(json.dumps(row), flush=True)
+        del x
+        torch.cuda.empty_cache()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.child:
+        return time_tree(args)
+    trees = args.trees.split(",")
+    results = {}
+    for tree in trees:
+        run = subprocess.run([sys.executable, os.path.abspath(__file__), "--trees", args.trees,
+                              "--cases", args.cases, "--shapes", args.shapes, "--child", tree],
+                             capture_output=True, text=True)
+        rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+        if run.returncode or not rows:
+            print(f"{tree}: exit {run.returncode}\n{run.stderr[-2000:]}")
+        for row in rows:
+            if "package" in row:
+                print(f"{tree}: {row['package']}")
+            else:
+                results.setdefault((row["case"], row["shape"]), {})[tree] = row
+    print(f"{'case':11s} {'shape':18s} " + " | ".join(f"{t[-24:]:>24s}" for t in trees))
+    for (case, shape), by_tree in results.items():
+        cells = []
+        for tree in trees:
+            row = by_tree.get(tree, {"error": "missing"})
+            cells.append(f"{row['error'][:24]:>24s}" if "error" in row
+                         else f"{row['us']:10.1f}us {row['pct']:6.1f}%    ")
+        print(f"{case:11s} {shape:18s} " + " | ".join(cells))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
