@@ -336,23 +336,23 @@ def loops_over_row_blocks(cfg: RowConfig, writes_rows: bool) -> bool:
     return writes_rows and cfg.cluster_size == 1 and cfg.staging != "global"
 
 
-# A LayerNorm forward of x alone (one staged tensor, two cluster reductions per row:
-# the mean, then the centered variance) takes 32-KiB CTA shares, half the cluster
-# CTA_ROW_BYTES gives rows of 16-512 KiB, so that fewer CTAs wait on each reduction
-# (H200 sweep, benchmarks/sweep_norm_forward.py --norm layer, results/norm_forward_
+# A LayerNorm forward of x alone (one staged tensor) takes 32-KiB CTA shares, half the
+# cluster CTA_ROW_BYTES gives rows of 16-512 KiB. Swept when every LayerNorm row reduced
+# twice (the mean, then the centered variance), so that fewer CTAs wait on each
+# reduction (H200, benchmarks/sweep_norm_forward.py --norm layer, results/norm_forward_
 # layer_sweep_H200_20261130.txt; kernel alone, % of the copy ceiling): bf16 8192x16384
 # 83.9% -> 90.8%, 2048x65536 74.4% -> 78.7%; fp32 8192x16384 83.6% -> 94.1%,
-# 2048x65536 73.1% -> 89.3%. With a residual (two staged tensors) not measured. The
-# one-reduction LayerNorm of cluster rows (kernels.norm.NormForward.moments) was swept
-# too and also ran fastest on 32-KiB shares (2048x65536 bf16: 82.0% vs 74.4% on 16 and
-# 75.8% on 64).
-TWO_REDUCTION_CTA_ROW_BYTES = 32 * 1024
+# 2048x65536 73.1% -> 89.3%. The one-reduction kernel that rows over a cluster now run
+# (kernels.norm.NormForward.moments) also ran fastest on 32-KiB shares (2048x65536 bf16:
+# 82.0% vs 74.4% on 16 and 75.8% on 64). With a residual (two staged tensors) not
+# measured.
+LAYER_NORM_CTA_ROW_BYTES = 32 * 1024
 
 
-def norm_forward_cta_row_bytes(reductions: int, staged_tensors: int) -> int:
-    """CTA row bytes of a norm forward (see TWO_REDUCTION_CTA_ROW_BYTES)."""
-    if reductions == 2 and staged_tensors == 1:
-        return TWO_REDUCTION_CTA_ROW_BYTES
+def norm_forward_cta_row_bytes(rms: bool, staged_tensors: int) -> int:
+    """CTA row bytes of a norm forward (see LAYER_NORM_CTA_ROW_BYTES)."""
+    if not rms and staged_tensors == 1:
+        return LAYER_NORM_CTA_ROW_BYTES
     return CTA_ROW_BYTES
 
 
