@@ -51,12 +51,13 @@ def centered_moments_combine(a: Values, b: Values) -> Values:
     """Merge (count, mean, sum of squared deviations from the mean) of two groups of
     values (Chan, Golub and LeVeque's pairwise update): the variance stays a centered
     sum, never E[x^2] - E[x]^2, and one reduction gives both the mean and the variance.
-    An empty group (count 0) contributes nothing."""
+    An empty group (count 0) contributes nothing. Symmetric in a and b, bit for bit (a
+    butterfly's two lanes, and a cluster's CTAs, end with the same mean)."""
     count = a[0] + b[0]
-    share_b = b[0] / cute.arch.fmax(count, Float32(1.0))
+    inv_count = Float32(1.0) / cute.arch.fmax(count, Float32(1.0))
     delta = b[1] - a[1]
-    mean = a[1] + delta * share_b
-    return count, mean, a[2] + b[2] + delta * delta * a[0] * share_b
+    mean = (a[0] * a[1] + b[0] * b[1]) * inv_count
+    return count, mean, (a[2] + b[2]) + delta * delta * (a[0] * b[0] * inv_count)
 
 
 def online_softmax_combine(a: Values, b: Values, rescaled: int = 1, *, base2: bool) -> Values:
