@@ -93,7 +93,7 @@ class NormForward(RowKernel):
             d = h - center
             if cfg.needs_col_predicate:
                 d = tiling.mask_out_of_row(d, tiles.coords[c], cfg.n_cols, 0.0)
-            total = total + red.thread_reduce(d * d, cute.ReductionOp.ADD, 0.0)
+            total = total + red.thread_sum_of_squares(d)
         return total
 
     def _values_in_row(self, tiles: RowTiles):
@@ -122,13 +122,27 @@ class NormForward(RowKernel):
 
         kept = []
         partial = Float32(0.0)
+        # moments: sums of d = h - shift and of d^2, shift one of this thread's values,
+        # so the centered sum of squares needs no second pass (s2 - s1^2 / n is well
+        # conditioned when the shift is within a few deviations of the mean)
+        shift = Float32(0.0)
+        shifted_squares = Float32(0.0)
         for c in cutlass.range_constexpr(cfg.num_chunks):
             tiles.wait_chunk(c)
             h = self._stream(tiles, c)
             if cutlass.const_expr(self.store_residual):
                 tiles.store(mResOut, c, h)
-            term = h * h if cutlass.const_expr(self.rms) else h
-            partial = partial + red.thread_reduce(term, cute.ReductionOp.ADD, 0.0)
+            if cutlass.const_expr(self.moments):
+                if cutlass.const_expr(c == 0):
+                    shift = h[0]
+                d = h - shift
+                if cutlass.const_expr(cfg.needs_col_predicate):
+                    d = tiling.mask_out_of_row(d, tiles.coords[c], cfg.n_cols, 0.0)
+                partial = partial + red.thread_reduce(d, cute.ReductionOp.ADD, 0.0)
+                shifted_squares = shifted_squares + red.thread_sum_of_squares(d)
+            else:
+                partial = partial + (red.thread_sum_of_squares(h) if cutlass.const_expr(self.rms)
+                                     else red.thread_reduce(h, cute.ReductionOp.ADD, 0.0))
             if cutlass.const_expr(cfg.staging == "registers"):
                 kept.append(h)
         mean = Float32(0.0)
@@ -136,12 +150,11 @@ class NormForward(RowKernel):
             (total,) = slots[0].allreduce((partial,), red.sum_combine, ZERO)
             variance = total * inv_n
         elif cutlass.const_expr(self.moments):
-            # deviations from this thread's own mean (a second pass over its own values,
-            # on chip), merged over the row with the counts and means
+            # this thread's count, mean and centered sum of squares, merged over the row
             count = Float32(self._values_in_row(tiles))
-            own_mean = partial / cute.arch.fmax(count, Float32(1.0))
+            shifted_mean = partial / cute.arch.fmax(count, Float32(1.0))
             _, mean, centered = slots[0].allreduce(
-                (count, own_mean, self._squared_deviations(tiles, kept, own_mean)),
+                (count, shift + shifted_mean, shifted_squares - partial * shifted_mean),
                 red.centered_moments_combine, ZERO * 3)
             variance = centered * inv_n
         else:
@@ -154,11 +167,16 @@ class NormForward(RowKernel):
 
         for c in cutlass.range_constexpr(cfg.num_chunks):
             h = kept[c] if cutlass.const_expr(cfg.staging == "registers") else self._stream(tiles, c)
-            y = (h - mean) * rstd
+            scale = rstd
             if cutlass.const_expr(mW is not None):
-                y = y * (tiles.load(tiles.broadcast_rows(mW), c, guard_rows=False) + weight_offset)
+                scale = (tiles.load(tiles.broadcast_rows(mW), c, guard_rows=False)
+                         + weight_offset) * rstd
             if cutlass.const_expr(mB is not None):
-                y = y + tiles.load(tiles.broadcast_rows(mB), c, guard_rows=False)
+                # one FFMA (the DSL does not contract a product and a sum by itself)
+                y = cute.math.fma(h - mean, scale, tiles.load(tiles.broadcast_rows(mB), c,
+                                                              guard_rows=False))
+            else:
+                y = (h - mean) * scale
             tiles.store(mY, c, y)
 
         if tiles.leads_row:

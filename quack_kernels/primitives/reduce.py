@@ -194,3 +194,12 @@ def cluster_reduction_setup(cfg: cutlass.Constexpr, mbar_ptr, tx_bytes: cutlass.
 
 def thread_reduce(values: cute.TensorSSA, op: cute.ReductionOp, init: float) -> Float32:
     return values.reduce(op, Float32(init), reduction_profile=0)
+
+
+def thread_sum_of_squares(values: cute.TensorSSA) -> Float32:
+    """Sum of values^2 in fused multiply-adds (a product then a tree of adds is two
+    instructions per value), in two chains so that they overlap."""
+    chains = [Float32(0.0), Float32(0.0)]
+    for i in range(cute.size(values.shape)):
+        chains[i % 2] = cute.math.fma(values[i], values[i], chains[i % 2])
+    return chains[0] + chains[1]
