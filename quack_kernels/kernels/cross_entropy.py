@@ -13,8 +13,8 @@ without), smoothing eps, z-loss scale zs and softcap s (z = s * tanh(x / s), els
 
 Ignored rows (t == ignore_index): loss 0, gradient 0. Targets outside [0, C) that are
 not ignore_index: loss NaN and gradient row NaN (never an out-of-bounds access: the
-target column is only used as an address by the thread holding it, and for the class
-weight of a target inside the row). lse is written for every row, and each row's
+target column is only used as an address for a target inside the row: by the thread
+holding it, for the class weight, and as the clamped index of z_t in a streamed row). lse is written for every row, and each row's
 weight in a mean over rows: w_t (1 without class weights), 0 for an ignored row or a
 bad target. The loss is per row; the reduction over rows is the torch layer's.
 

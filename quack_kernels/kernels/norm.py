@@ -172,7 +172,7 @@ class NormForward(RowKernel):
                 scale = (tiles.load(tiles.broadcast_rows(mW), c, guard_rows=False)
                          + weight_offset) * rstd
             if cutlass.const_expr(mB is not None):
-                # one FFMA (the DSL does not contract a product and a sum by itself)
+                # one FFMA, whatever the compiler would contract by itself
                 y = cute.math.fma(h - mean, scale, tiles.load(tiles.broadcast_rows(mB), c,
                                                               guard_rows=False))
             else:

@@ -51,12 +51,14 @@ def centered_moments_combine(a: Values, b: Values) -> Values:
     """Merge (count, mean, sum of squared deviations from the mean) of two groups of
     values (Chan, Golub and LeVeque's pairwise update): the variance stays a centered
     sum, never E[x^2] - E[x]^2, and one reduction gives both the mean and the variance.
-    An empty group (count 0) contributes nothing. Symmetric in a and b, bit for bit (a
-    butterfly's two lanes, and a cluster's CTAs, end with the same mean)."""
+    An empty group (count 0) contributes nothing. The mean is the midpoint moved by
+    delta times a weight that changes sign with it, so the two lanes of a butterfly
+    (which merge (a, b) and (b, a)) round alike, whichever products the compiler fuses."""
     count = a[0] + b[0]
     inv_count = Float32(1.0) / cute.arch.fmax(count, Float32(1.0))
     delta = b[1] - a[1]
-    mean = (a[0] * a[1] + b[0] * b[1]) * inv_count
+    mean = cute.math.fma(delta, (b[0] - a[0]) * Float32(0.5) * inv_count,
+                         (a[1] + b[1]) * Float32(0.5))
     return count, mean, (a[2] + b[2]) + delta * delta * (a[0] * b[0] * inv_count)
 
 
