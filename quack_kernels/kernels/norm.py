@@ -101,9 +101,11 @@ class NormForward(RowKernel):
         cfg = self.cfg
         if not cfg.needs_col_predicate:
             return Int32(cfg.vec * cfg.vecs_per_thread * cfg.num_chunks)
-        count = Int32(0)
+        count = Int32(0)  # whole vectors are in or out: cfg.vec values per in-row flag
         for c in range(cfg.num_chunks):
-            count = count + tiling.values_in_row(tiles.coords[c], cfg.n_cols)
+            preds = tiles.preds[c]
+            for i in range(cute.size(preds)):
+                count = count + cutlass.select_(preds[i], Int32(cfg.vec), Int32(0))
         return count
 
     @cute.kernel

@@ -84,16 +84,6 @@ def vector_predicate(tXcX: cute.Tensor, n_cols: Int32,
 
 
 @cute.jit
-def values_in_row(tXcX: cute.Tensor, n_cols: Int32) -> Int32:
-    """How many of this thread's values in the chunk lie inside the row."""
-    room = n_cols - tXcX[0][1]
-    count = Int32(0)
-    for i in cutlass.range_constexpr(cute.size(tXcX)):
-        count = count + cutlass.select_(column_offset(tXcX, i) < room, Int32(1), Int32(0))
-    return count
-
-
-@cute.jit
 def mask_out_of_row(values: cute.TensorSSA, tXcX: cute.Tensor, n_cols: Int32,
                     fill: Float32) -> cute.TensorSSA:
     """Replace the values of vectors past the row end by ``fill`` (the identity of the
