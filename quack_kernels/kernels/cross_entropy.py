@@ -13,8 +13,8 @@ without), smoothing eps, z-loss scale zs and softcap s (z = s * tanh(x / s), els
 
 Ignored rows (t == ignore_index): loss 0, gradient 0. Targets outside [0, C) that are
 not ignore_index: loss NaN and gradient row NaN (never an out-of-bounds access: the
-target column is only used as an address by the thread holding it, and for the class
-weight of a target inside the row). lse is written for every row, and each row's
+target column is only used as an address for a target inside the row: by the thread
+holding it, for the class weight, and as the clamped index of z_t in a streamed row). lse is written for every row, and each row's
 weight in a mean over rows: w_t (1 without class weights), 0 for an ignored row or a
 bad target. The loss is per row; the reduction over rows is the torch layer's.
 
@@ -125,8 +125,11 @@ class CrossEntropyForward(RowKernel):
         # per bf16 logit, which held the loss alone at the issue rate). Not with softcap
         # (-inf would be capped) or label smoothing (its sum of z needs every class).
         # With the gradient, the set-aside target's gradient is 0 in the vector stores
-        # and its owner writes the true value once per row (RowTiles.store_column).
-        self.target_aside = cfg.staging != "global" and not softcap and not smoothing
+        # and its owner writes the true value once per row (RowTiles.store_column). A
+        # streamed row (loss alone) sets it aside in registers instead: one select per
+        # value replaces it by -inf, and the row's lead thread loads z_t by itself.
+        self.target_aside = not softcap and not smoothing and (
+            cfg.staging != "global" or self.streams)
         self.scratch_buffers = 2 if self.loops else 1  # alternate per row block
 
     @cute.jit
@@ -217,6 +220,13 @@ class CrossEntropyForward(RowKernel):
         # this thread's (max, sumexp, sumexp over the non-target classes, z_t, sum w z, W)
         running = (Float32(-math.inf), zero, zero, zero, zero, zero)
         if cutlass.const_expr(self.streams):
+            if cutlass.const_expr(self.target_aside):
+                # every thread loads the word (one broadcast per warp; a branch around
+                # the load cost a stack frame), the lead thread keeps it
+                z_t = tiles.staged[0][cutlass.select_(tiles.row_in_bounds, row, Int32(0)),
+                                      cutlass.select_(valid, target_col, Int32(0))]
+                running = (*running[:3], cutlass.select_(lead & valid, z_t.to(Float32),
+                                                         Float32(0.0)), *running[4:])
             # a dynamic loop, a few chunks unrolled so that their loads overlap
             row_max, row_sum, other_sum, z_t, sum_wz, sum_w = running
             for c in cutlass.range(cfg.num_chunks, unroll=STREAM_UNROLL):
@@ -334,9 +344,13 @@ class CrossEntropyForward(RowKernel):
     @cute.jit
     def _streamed_chunk_stats(self, tiles: RowTiles, chunk: Int32, target_col: Int32,
                               inv_softcap: Float32, softcap: Float32, running: tuple) -> tuple:
-        """_chunk_stats of chunk ``chunk`` (a runtime index), read from global memory."""
+        """_chunk_stats of chunk ``chunk`` (a runtime index), read from global memory
+        (the target, when set aside, as -inf)."""
         z = self._cap(tiles.load(tiles.staged[0], chunk), inv_softcap, softcap)
-        return self._chunk_stats(z, tiles, chunk, tiles.chunk_coords(chunk), target_col, running)[0]
+        tXcX = tiles.chunk_coords(chunk)
+        if cutlass.const_expr(self.target_aside):
+            z = cute.where(tiling.is_column(tXcX, target_col, self.column_offsets), -math.inf, z)
+        return self._chunk_stats(z, tiles, chunk, tXcX, target_col, running)[0]
 
     @cute.jit
     def _chunk_stats(self, z: cute.TensorSSA, tiles: RowTiles, chunk, tXcX: cute.Tensor,
@@ -356,7 +370,8 @@ class CrossEntropyForward(RowKernel):
         chunk_sum = red.thread_reduce(e, cute.ReductionOp.ADD, 0.0)
         z_target = running[3]
         if cutlass.const_expr(self.target_aside):
-            # the target was set aside (take_column): every value is a non-target one
+            # the target was set aside (take_column, or -inf in a streamed chunk): every
+            # value is a non-target one
             stats = _combine(running[:3], (chunk_max, chunk_sum, chunk_sum))
         else:
             # z_t comes from the registers of the thread holding the target column, not

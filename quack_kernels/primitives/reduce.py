@@ -51,12 +51,15 @@ def centered_moments_combine(a: Values, b: Values) -> Values:
     """Merge (count, mean, sum of squared deviations from the mean) of two groups of
     values (Chan, Golub and LeVeque's pairwise update): the variance stays a centered
     sum, never E[x^2] - E[x]^2, and one reduction gives both the mean and the variance.
-    An empty group (count 0) contributes nothing."""
+    An empty group (count 0) contributes nothing. The mean is the midpoint moved by
+    delta times a weight that changes sign with it, so the two lanes of a butterfly
+    (which merge (a, b) and (b, a)) round alike, whichever products the compiler fuses."""
     count = a[0] + b[0]
-    share_b = b[0] / cute.arch.fmax(count, Float32(1.0))
+    inv_count = Float32(1.0) / cute.arch.fmax(count, Float32(1.0))
     delta = b[1] - a[1]
-    mean = a[1] + delta * share_b
-    return count, mean, a[2] + b[2] + delta * delta * a[0] * share_b
+    mean = cute.math.fma(delta, (b[0] - a[0]) * Float32(0.5) * inv_count,
+                         (a[1] + b[1]) * Float32(0.5))
+    return count, mean, (a[2] + b[2]) + delta * delta * (a[0] * b[0] * inv_count)
 
 
 def online_softmax_combine(a: Values, b: Values, rescaled: int = 1, *, base2: bool) -> Values:
@@ -193,3 +196,12 @@ def cluster_reduction_setup(cfg: cutlass.Constexpr, mbar_ptr, tx_bytes: cutlass.
 
 def thread_reduce(values: cute.TensorSSA, op: cute.ReductionOp, init: float) -> Float32:
     return values.reduce(op, Float32(init), reduction_profile=0)
+
+
+def thread_sum_of_squares(values: cute.TensorSSA) -> Float32:
+    """Sum of values^2 in fused multiply-adds (a product then a tree of adds is two
+    instructions per value), in two chains so that they overlap."""
+    chains = [Float32(0.0), Float32(0.0)]
+    for i in range(cute.size(values.shape)):
+        chains[i % 2] = cute.math.fma(values[i], values[i], chains[i % 2])
+    return chains[0] + chains[1]

@@ -84,24 +84,18 @@ def vector_predicate(tXcX: cute.Tensor, n_cols: Int32,
 
 
 @cute.jit
-def values_in_row(tXcX: cute.Tensor, n_cols: Int32) -> Int32:
-    """How many of this thread's values in the chunk lie inside the row."""
-    room = n_cols - tXcX[0][1]
-    count = Int32(0)
-    for i in cutlass.range_constexpr(cute.size(tXcX)):
-        count = count + cutlass.select_(column_offset(tXcX, i) < room, Int32(1), Int32(0))
-    return count
-
-
-@cute.jit
 def mask_out_of_row(values: cute.TensorSSA, tXcX: cute.Tensor, n_cols: Int32,
                     fill: Float32) -> cute.TensorSSA:
     """Replace the values of vectors past the row end by ``fill`` (the identity of the
-    reduction that follows), so padding never enters a max or a sum."""
+    reduction that follows), so padding never enters a max or a sum. Each value takes
+    the flag of its vector's first column (rows are whole vectors), so there is one
+    comparison per vector, not per value."""
     inside = cute.make_rmem_tensor(cute.make_layout(tXcX.shape), Boolean)
     room = n_cols - tXcX[0][1]
-    for i in cutlass.range_constexpr(cute.size(inside)):
-        inside[i] = column_offset(tXcX, i) < room
+    for e in cutlass.range_constexpr(cute.size(tXcX, mode=[0, 0])):
+        for v in cutlass.range_constexpr(cute.size(tXcX, mode=[0, 1])):
+            for k in cutlass.range_constexpr(cute.size(tXcX, mode=[2])):
+                inside[(e, v), 0, k] = column_offset(tXcX, ((0, v), 0, k)) < room
     return cute.where(inside.load(), values, fill)
 
 
