@@ -8,6 +8,7 @@ launch configurations on chosen shapes, one line per variant, with the runner's 
 """
 
 import argparse
+import dataclasses
 import itertools
 import sys
 
@@ -28,6 +29,9 @@ def parse_args(argv):
     p.add_argument("--vpt", type=ints, default=[16, 32, 64], help="values per thread")
     p.add_argument("--kib", type=ints, default=[16, 32, 64, 128], help="row KiB per CTA")
     p.add_argument("--tpr", type=ints, default=[256], help="max threads per row")
+    p.add_argument("--staging", default="auto", choices=("auto", "global"),
+                   help="global: re-read the row from global memory (mostly L2) in the output "
+                        "pass instead of staging it on chip")
     p.add_argument("--dry-run", action="store_true", help="compile the variants, time nothing")
     add_wide_cluster_option(p)
     return p.parse_args(argv)
@@ -58,6 +62,8 @@ def main(argv=None):
             mean = None if rms else torch.empty(m, device="cuda")
             bias = None if rms else torch.randn(n, device="cuda", dtype=dtype)
         for vpt, kib, tpr, cfg in variants(n, eb, staged, args):
+            if args.staging == "global" and cfg.num_chunks > 1:
+                cfg = dataclasses.replace(cfg, staging="global")
             label = (f"{args.norm:5s} {name:5s} {mn:>12s} res={residual} vpt={vpt:3d} "
                      f"kib={kib:3d} tpr={tpr:4d} "
                      f"cl={cfg.cluster_size:2d} thr={cfg.threads_per_row:4d} "

@@ -67,7 +67,13 @@ class NormForward(RowKernel):
         # ceiling, 512x262144 71.3% -> 73.3%, fp32 2048x65536 89.3% -> 90.9%, 512x262144
         # 55.4% -> 63.2%; rows one CTA holds lost 2-5 points (8192x16384 bf16 90.5% ->
         # 88.5%) and rows with a residual were mixed (2048x65536 bf16 83.6% -> 79.3%).
-        self.moments = not rms and not has_residual and cfg.cluster_size > 1
+        # Shares kept in registers lost in the same sweep (fp32 2048x65536 78.1% ->
+        # 71.5%, bf16 8192x16384 75.5% -> 70.5%), and fp32 8192x16384, a 2-CTA registers
+        # share by default, ran at 80.7% against 93.2% with two reductions (results/
+        # norm_forward_layer_sweep_H200_20261130.txt, tenth session's sweep), so they
+        # reduce twice.
+        self.moments = (not rms and not has_residual and cfg.cluster_size > 1
+                        and cfg.staging != "registers")
         self.reductions = 1 if rms or self.moments else 2
         self.values_per_reduction = 3 if self.moments else 1
 
@@ -124,14 +130,9 @@ class NormForward(RowKernel):
 
         kept = []
         partial = Float32(0.0)
-        # moments of a share streamed from shared memory: sums of d = h - shift and of
-        # d^2 in the same pass (shift one of the thread's values; s2 - s1^2 / n is well
-        # conditioned when the shift is within a few deviations of the mean), since a
-        # second pass would re-read shared memory. A share kept in registers is passed
-        # over twice instead: holding both sums raised fp32 128256 (32 values a thread)
-        # from 80 to 108 registers, 3 -> 2 resident CTAs (67.8% -> 56.1% of the copy
-        # ceiling on H200).
-        one_pass_moments = self.moments and cfg.staging != "registers"
+        # moments: sums of d = h - shift and of d^2 in the same pass (shift one of the
+        # thread's values; s2 - s1^2 / n is well conditioned when the shift is within a
+        # few deviations of the mean), since a second pass would re-read shared memory
         shift = Float32(0.0)
         shifted_squares = Float32(0.0)
         for c in cutlass.range_constexpr(cfg.num_chunks):
@@ -139,7 +140,7 @@ class NormForward(RowKernel):
             h = self._stream(tiles, c)
             if cutlass.const_expr(self.store_residual):
                 tiles.store(mResOut, c, h)
-            if cutlass.const_expr(one_pass_moments):
+            if cutlass.const_expr(self.moments):
                 if cutlass.const_expr(c == 0):
                     shift = h[0]
                 d = h - shift
@@ -160,13 +161,9 @@ class NormForward(RowKernel):
             # this thread's count, mean and centered sum of squares, merged over the row
             count = Float32(self._values_in_row(tiles))
             shifted_mean = partial / cute.arch.fmax(count, Float32(1.0))
-            own_mean = shift + shifted_mean
-            if cutlass.const_expr(one_pass_moments):
-                own_centered = shifted_squares - partial * shifted_mean
-            else:
-                own_centered = self._squared_deviations(tiles, kept, own_mean)
-            _, mean, centered = slots[0].allreduce((count, own_mean, own_centered),
-                                                   red.centered_moments_combine, ZERO * 3)
+            _, mean, centered = slots[0].allreduce(
+                (count, shift + shifted_mean, shifted_squares - partial * shifted_mean),
+                red.centered_moments_combine, ZERO * 3)
             variance = centered * inv_n
         else:
             (total,) = slots[0].allreduce((partial,), red.sum_combine, ZERO)
