@@ -214,3 +214,17 @@ def test_layer_norm_forward_of_x_alone_takes_wider_shares():
     for n in (4096, 262144):
         assert norm_ops.forward_config(n, False, bf16, bf16, False, bf16, bf16, bf16) == \
             norm_ops.forward_config(n, True, bf16, bf16, False, bf16, bf16)
+
+
+def test_layer_norm_forward_keeps_sixteen_cta_clusters_for_mebibyte_rows():
+    """A 1-MiB row of x alone (fp32 262144) stays on 16 CTAs for LayerNorm, where
+    RMSNorm (and LayerNorm with a residual, a 1-MiB bf16 row pair) take 8 by the
+    softmax-measured rule."""
+    from quack_kernels.ops import norm as norm_ops
+
+    fp32, bf16 = torch.float32, torch.bfloat16
+    layer = norm_ops.forward_config(262144, False, fp32, fp32, False, fp32, fp32, fp32)
+    rms = norm_ops.forward_config(262144, True, fp32, fp32, False, fp32, fp32)
+    layer_res = norm_ops.forward_config(262144, False, bf16, bf16, True, bf16, bf16, bf16)
+    assert (layer.cluster_size, rms.cluster_size, layer_res.cluster_size) == (16, 8, 8)
+    assert layer.staging == "smem" and layer.cols_per_cta * 4 == 64 * 1024

@@ -31,7 +31,7 @@ from ..primitives.config import (
     column_sum_config,
     loop_grid_rows,
     norm_backward_share,
-    norm_forward_cta_row_bytes,
+    norm_forward_share,
     row_config,
     with_prefetch,
 )
@@ -69,14 +69,15 @@ def forward_config(n_cols: int, rms: bool, x_dtype, residual_dtype, has_residual
                    residual_in_dtype=None) -> RowConfig:
     """Vector width from the widest tensor touched per column (a 16-byte access of it);
     staged: x, and the residual (of ``residual_in_dtype``, default the stream's
-    ``residual_dtype``) when given; CTA shares from config.norm_forward_cta_row_bytes."""
+    ``residual_dtype``) when given; CTA shares from config.norm_forward_share."""
     residual_in_dtype = residual_in_dtype or residual_dtype
     staged = [x_dtype, residual_in_dtype] if has_residual else [x_dtype]
     widest = max(_bytes(*staged, residual_dtype if has_residual else None, out_dtype,
                         weight_dtype, bias_dtype))
+    cta_row_bytes, wide_clusters = norm_forward_share(rms, len(staged))
     return row_config(n_cols, widest, staged_tensors=len(staged),
                       bytes_per_col=sum(_bytes(*staged)), max_vec=max_vec,
-                      cta_row_bytes=norm_forward_cta_row_bytes(rms, len(staged)))
+                      cta_row_bytes=cta_row_bytes, wide_clusters=wide_clusters)
 
 
 @functools.lru_cache(maxsize=None)  # on every call

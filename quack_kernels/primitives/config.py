@@ -160,16 +160,16 @@ def threads_per_row_for(vectors: int, max_vecs_per_thread: int, max_threads: int
 
 
 def cluster_size_for(row_bytes: int, cta_row_bytes: int, looping: bool = False,
-                     narrow_share_bytes: int = 0) -> int:
+                     narrow_share_bytes: int = 0, wide: bool = False) -> int:
     """Smallest power-of-two cluster whose CTAs each own at most ``cta_row_bytes`` of
     the row; capped at 16 (beyond that a CTA's share grows instead). A one-block-per-CTA
     kernel takes 8 CTAs instead of 16 when their shares stay within
     ``narrow_share_bytes`` (a kernel family's measured bound), or when the 16-CTA shares
     would be WIDE_CLUSTER_SHARE_BYTES or more and the 8-CTA ones stay within
     NARROW_CLUSTER_SHARE_BYTES (see there). Looping kernels were not measured that way
-    and keep 16."""
+    and keep 16, as do kernels that ask for ``wide`` clusters (measured faster)."""
     cluster = min(MAX_CLUSTER_SIZE, _next_pow2(math.ceil(row_bytes / cta_row_bytes)))
-    if looping or cluster < MAX_CLUSTER_SIZE:
+    if looping or wide or cluster < MAX_CLUSTER_SIZE:
         return cluster
     narrow_share = row_bytes / (cluster // 2)
     if narrow_share <= narrow_share_bytes or (
@@ -196,12 +196,12 @@ def row_config(n_cols: int, elem_bytes: int, staged_tensors: int = 1,
                max_threads_per_row: int | None = None,
                min_threads_per_block: int = MIN_THREADS_PER_BLOCK,
                cta_row_bytes: int = CTA_ROW_BYTES, looping: bool = False,
-               narrow_share_bytes: int = 0) -> RowConfig:
+               narrow_share_bytes: int = 0, wide_clusters: bool = False) -> RowConfig:
     """Configuration for rows of ``n_cols`` elements of ``elem_bytes`` each (the widest
     staged dtype), with ``staged_tensors`` row tensors kept on chip together (e.g. y and
     dy in a backward). ``bytes_per_col`` is the staged bytes per column over all of
     them (defaults to staged_tensors * elem_bytes). ``looping``: the kernel loops over row
-    blocks; ``narrow_share_bytes``: see cluster_size_for.
+    blocks; ``narrow_share_bytes`` and ``wide_clusters``: see cluster_size_for.
     The keyword limits default to the tuned constants above (``max_threads_per_row``:
     MAX_THREADS_PER_ROW, or GLOBAL_STAGED_THREADS_PER_ROW for rows that end up re-read
     from global memory; ``values_per_thread``: VALUES_PER_THREAD, more for shares of
@@ -218,7 +218,7 @@ def row_config(n_cols: int, elem_bytes: int, staged_tensors: int = 1,
     max_vecs_per_thread = max(1, values_per_thread // (vec * staged_tensors))
     vectors = math.ceil(n_cols / vec)
     cluster = cluster_size_for(n_cols * bytes_per_col, cta_row_bytes, looping,
-                               narrow_share_bytes)
+                               narrow_share_bytes, wide_clusters)
     vectors_per_cta = math.ceil(vectors / cluster)
     split = functools.partial(_split_share, n_cols, vec, cluster, vectors_per_cta,
                               bytes_per_col=bytes_per_col,
@@ -347,13 +347,20 @@ def loops_over_row_blocks(cfg: RowConfig, writes_rows: bool) -> bool:
 # 82.0% vs 74.4% on 16 and 75.8% on 64). With a residual (two staged tensors) not
 # measured.
 LAYER_NORM_CTA_ROW_BYTES = 32 * 1024
+# ... and keeps 16-CTA clusters for rows of 1 MiB, which the softmax rule
+# (WIDE_CLUSTER_SHARE_BYTES) would split over 8: fp32 512x262144 ran at 71.8% of the
+# copy ceiling on 16 CTAs against 64.1-66.1% on 8 (H200, kernel alone, benchmarks/
+# sweep_norm_forward.py --wide16, results/norm_forward_layer_staging_sweep_H200_
+# 20261130.txt). With a residual not taken: bf16 512x262144 gained only with twice the
+# values per thread (66.9% vs 63.6%; 61.1% at the default).
 
 
-def norm_forward_cta_row_bytes(rms: bool, staged_tensors: int) -> int:
-    """CTA row bytes of a norm forward (see LAYER_NORM_CTA_ROW_BYTES)."""
+def norm_forward_share(rms: bool, staged_tensors: int) -> tuple[int, bool]:
+    """(CTA row bytes, whether to keep 16-CTA clusters) of a norm forward (see
+    LAYER_NORM_CTA_ROW_BYTES)."""
     if not rms and staged_tensors == 1:
-        return LAYER_NORM_CTA_ROW_BYTES
-    return CTA_ROW_BYTES
+        return LAYER_NORM_CTA_ROW_BYTES, True
+    return CTA_ROW_BYTES, False
 
 
 # Norm backward of 16-bit rows (h and dy staged; dweight / dbias sums kept per column,
