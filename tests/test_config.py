@@ -216,15 +216,36 @@ def test_layer_norm_forward_of_x_alone_takes_wider_shares():
             norm_ops.forward_config(n, True, bf16, bf16, False, bf16, bf16)
 
 
-def test_layer_norm_forward_keeps_sixteen_cta_clusters_for_mebibyte_rows():
+def test_norm_forward_keeps_sixteen_cta_clusters_for_mebibyte_rows():
     """A 1-MiB row of x alone (fp32 262144) stays on 16 CTAs for LayerNorm, where
-    RMSNorm (and LayerNorm with a residual, a 1-MiB bf16 row pair) take 8 by the
-    softmax-measured rule."""
+    RMSNorm takes 8 by the softmax-measured rule."""
     from quack_kernels.ops import norm as norm_ops
 
-    fp32, bf16 = torch.float32, torch.bfloat16
+    fp32 = torch.float32
     layer = norm_ops.forward_config(262144, False, fp32, fp32, False, fp32, fp32, fp32)
     rms = norm_ops.forward_config(262144, True, fp32, fp32, False, fp32, fp32)
-    layer_res = norm_ops.forward_config(262144, False, bf16, bf16, True, bf16, bf16, bf16)
-    assert (layer.cluster_size, rms.cluster_size, layer_res.cluster_size) == (16, 8, 8)
+    assert (layer.cluster_size, rms.cluster_size) == (16, 8)
     assert layer.staging == "smem" and layer.cols_per_cta * 4 == 64 * 1024
+
+
+@pytest.mark.parametrize("rms", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_norm_forward_keeps_long_residual_rows_in_registers(rms, dtype):
+    """Rows with a residual whose staged pair is 1 MiB or more, up to
+    RESIDUAL_REGISTER_MAX_COLS columns, keep h in registers (one chunk of 64 values of
+    each tensor per thread on 16 CTAs); shorter, longer and residual-free rows do not."""
+    from quack_kernels.ops import norm as norm_ops
+
+    def cfg(n, residual=True):
+        return norm_ops.forward_config(n, rms, dtype, dtype if residual else None, residual,
+                                       dtype, dtype, None if rms else dtype)
+
+    most = config.RESIDUAL_REGISTER_MAX_COLS
+    long_row = cfg(most)
+    assert (long_row.cluster_size, long_row.num_chunks, long_row.staging) == (16, 1, "registers")
+    assert long_row.vec * long_row.vecs_per_thread * 2 == config.RESIDUAL_REGISTER_VALUES
+    first = config.RESIDUAL_REGISTER_ROW_BYTES // (2 * dtype.itemsize)
+    assert cfg(first).staging == "registers"
+    for other in (cfg(first // 2), cfg(most + 8)):  # the defaults: fewer values
+        assert other.vec * other.vecs_per_thread * 2 < config.RESIDUAL_REGISTER_VALUES
+    assert cfg(most, residual=False).staging != "registers"

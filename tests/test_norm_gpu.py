@@ -87,6 +87,26 @@ def test_262144_columns(dtype, rms):
     check_backward(dy, h, w, None if rms else mean, rstd, 0.0, rms)
 
 
+@pytest.mark.parametrize("n,x_dtype", [(131073, torch.float32), (200000, torch.float32),
+                                        (262143, torch.float32), (200000, torch.bfloat16),
+                                        (262143, torch.bfloat16)])
+@pytest.mark.parametrize("rms", [True, False])
+def test_long_residual_rows_kept_in_registers(n, x_dtype, rms):
+    """Ragged rows with an fp32 residual whose staged pair is 1 MiB or more (h kept in
+    registers, config.RESIDUAL_REGISTER_ROW_BYTES): outputs poisoned, against the fp64
+    reference."""
+    m, fp32 = 5, torch.float32
+    assert ops.forward_config(n, rms, x_dtype, fp32, True, x_dtype, x_dtype,
+                              None if rms else x_dtype).staging == "registers"
+    x, r = fresh((m, n), x_dtype), fresh((m, n), fp32)
+    w, b = fresh(n, x_dtype, 0.5, 1.0), fresh(n, x_dtype)
+    poison_allocator(r, x)  # y and h start as NaN
+    y, h, _, _ = ops.norm_forward(x, w, None if rms else b, r, 1e-5, 0.0, rms, None, None, True)
+    ry, rh, _, _ = forward_ref(x, w, None if rms else b, r, 1e-5, 0.0, rms)
+    assert_close(h, rh, fp32, name="h")
+    assert_close(y, ry, x_dtype)
+
+
 @pytest.mark.parametrize("m,n", [(3000, 1000), (300, 32768), (40, 262144), (1000, 7)])
 def test_many_row_blocks_per_cta(m, n):
     """The backward grid loops: several row blocks per CTA (and per cluster)."""

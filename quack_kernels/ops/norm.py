@@ -74,9 +74,11 @@ def forward_config(n_cols: int, rms: bool, x_dtype, residual_dtype, has_residual
     staged = [x_dtype, residual_in_dtype] if has_residual else [x_dtype]
     widest = max(_bytes(*staged, residual_dtype if has_residual else None, out_dtype,
                         weight_dtype, bias_dtype))
-    cta_row_bytes, wide_clusters = norm_forward_share(rms, len(staged))
-    return row_config(n_cols, widest, staged_tensors=len(staged),
-                      bytes_per_col=sum(_bytes(*staged)), max_vec=max_vec,
+    bytes_per_col = sum(_bytes(*staged))
+    cta_row_bytes, wide_clusters, values_per_thread = norm_forward_share(
+        rms, len(staged), n_cols, bytes_per_col)
+    return row_config(n_cols, widest, staged_tensors=len(staged), bytes_per_col=bytes_per_col,
+                      max_vec=max_vec, values_per_thread=values_per_thread,
                       cta_row_bytes=cta_row_bytes, wide_clusters=wide_clusters)
 
 

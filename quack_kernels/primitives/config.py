@@ -355,12 +355,33 @@ LAYER_NORM_CTA_ROW_BYTES = 32 * 1024
 # values per thread (66.9% vs 63.6%; 61.1% at the default).
 
 
-def norm_forward_share(rms: bool, staged_tensors: int) -> tuple[int, bool]:
-    """(CTA row bytes, whether to keep 16-CTA clusters) of a norm forward (see
-    LAYER_NORM_CTA_ROW_BYTES)."""
+# A norm forward with a residual keeps h = x + residual in registers for rows whose
+# staged pair is 1 MiB or more, up to RESIDUAL_REGISTER_MAX_COLS columns: one chunk of
+# 64 values of each tensor per thread on 16 CTAs of 256 threads, rather than x and the
+# residual staged in shared memory and both re-read for the output (with little shared
+# memory per CTA, more CTAs stay resident). H200, 512x262144, kernel alone, % of the
+# copy ceiling (benchmarks/sweep_norm_forward.py --residual 1 --wide16 --vpt 32,64,128,
+# results/norm_forward_layer_staging_sweep_H200_20261130.txt): RMSNorm bf16 80.3% ->
+# 91.1% (77.0% for the 8-CTA default in the runner), fp32 71.9% -> 84.7%; LayerNorm
+# bf16 67.2% -> 80.3%, fp32 55.0% -> 71.4%. Rows of x alone lost that way (RMSNorm
+# bf16 88.6% -> 71.2%, fp32 78.4% -> 64.7%), as did short rows with a residual
+# (8192x16384 bf16 LayerNorm, 93.5% -> 88.5%, norm_forward_layer_moments_sweep).
+RESIDUAL_REGISTER_ROW_BYTES = 1024 * 1024
+RESIDUAL_REGISTER_VALUES = 128  # per thread, over both staged tensors
+RESIDUAL_REGISTER_MAX_COLS = MAX_CLUSTER_SIZE * 256 * RESIDUAL_REGISTER_VALUES // 2
+
+
+def norm_forward_share(rms: bool, staged_tensors: int, n_cols: int,
+                       bytes_per_col: int) -> tuple[int, bool, int | None]:
+    """(CTA row bytes, whether to keep 16-CTA clusters, values per thread or None for
+    the default) of a norm forward (see LAYER_NORM_CTA_ROW_BYTES and
+    RESIDUAL_REGISTER_ROW_BYTES)."""
     if not rms and staged_tensors == 1:
-        return LAYER_NORM_CTA_ROW_BYTES, True
-    return CTA_ROW_BYTES, False
+        return LAYER_NORM_CTA_ROW_BYTES, True, None
+    if staged_tensors == 2 and n_cols * bytes_per_col >= RESIDUAL_REGISTER_ROW_BYTES \
+            and n_cols <= RESIDUAL_REGISTER_MAX_COLS:
+        return CTA_ROW_BYTES, True, RESIDUAL_REGISTER_VALUES
+    return CTA_ROW_BYTES, False, None
 
 
 # Norm backward of 16-bit rows (h and dy staged; dweight / dbias sums kept per column,
