@@ -11,7 +11,8 @@ each call hides the host time, so the numbers are the kernels'.
 Cases (bytes per element of the row tensor moved, each input read once and each
 output written once): sm_fwd 2, sm_bwd 3 (softmax), ce_loss 1, ce_grad 2 (the
 cross-entropy forward without and with the gradient), rms_fwd / ln_fwd 2 and
-rms_fwd_res / ln_fwd_res 4 (norm forward of x, or of x + residual with the sum stored).
+rms_fwd_res / ln_fwd_res 4 (norm forward of x, or of x + residual with the sum stored),
+rms_bwd / ln_bwd 3 (norm backward: dx, dweight and for LayerNorm dbias).
 """
 
 import argparse
@@ -21,7 +22,7 @@ import subprocess
 import sys
 
 CASES = ("sm_fwd", "sm_bwd", "ce_loss", "ce_grad", "rms_fwd", "ln_fwd", "rms_fwd_res",
-         "ln_fwd_res")
+         "ln_fwd_res", "rms_bwd", "ln_bwd")
 DEFAULT_SHAPES = "bf16:4096x128256,bf16:8192x151936,bf16:2048x65536,bf16:512x262144"
 
 
@@ -47,6 +48,7 @@ def case_call(case, x):
     import torch
     import quack_kernels as qk
     from quack_kernels.ops import cross_entropy as ce_ops
+    from quack_kernels.ops import norm as norm_ops
     from quack_kernels.ops import softmax as sm_ops
 
     m, n = x.shape
@@ -64,6 +66,14 @@ def case_call(case, x):
                                                            grad, scale)), 2 if grad else 1
     weight = torch.randn(n, device=x.device, dtype=x.dtype)
     bias = torch.randn(n, device=x.device, dtype=x.dtype)
+    if case.endswith("_bwd"):
+        rms = case.startswith("rms")
+        _, _, mean, rstd = norm_ops.norm_forward(x, weight, None if rms else bias, None, 1e-5,
+                                                 0.0, rms, None, None, False)
+        dy = torch.randn_like(x)
+        return (lambda: norm_ops._norm_backward_cuda(dy, x, weight, mean, rstd, None, 0.0, rms,
+                                                     x.dtype, None, True,
+                                                     None if rms else x.dtype)), 3
     residual = torch.randn_like(x) if case.endswith("_res") else None
     moved = 2 if residual is None else 4
     if case.startswith("rms"):
