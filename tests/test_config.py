@@ -229,23 +229,36 @@ def test_norm_forward_keeps_sixteen_cta_clusters_for_mebibyte_rows():
 
 
 @pytest.mark.parametrize("rms", [True, False])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_norm_forward_keeps_long_residual_rows_in_registers(rms, dtype):
+@pytest.mark.parametrize("x_dtype, r_dtype", [(torch.bfloat16, torch.bfloat16),
+                                              (torch.float32, torch.float32),
+                                              (torch.bfloat16, torch.float32)])
+def test_norm_forward_keeps_long_residual_rows_in_registers(rms, x_dtype, r_dtype):
     """Rows with a residual whose staged pair is 1 MiB or more, up to
-    RESIDUAL_REGISTER_MAX_COLS columns, keep h in registers (one chunk of 64 values of
-    each tensor per thread on 16 CTAs); shorter, longer and residual-free rows do not."""
+    RESIDUAL_REGISTER_MAX_COLS columns, keep h in registers (one chunk of up to 64
+    values of each tensor per thread on 16 CTAs); shorter, longer and residual-free
+    rows keep the default share."""
+    import math
+
     from quack_kernels.ops import norm as norm_ops
 
     def cfg(n, residual=True):
-        return norm_ops.forward_config(n, rms, dtype, dtype if residual else None, residual,
-                                       dtype, dtype, None if rms else dtype)
+        return norm_ops.forward_config(n, rms, x_dtype, r_dtype if residual else None,
+                                       residual, x_dtype, x_dtype, None if rms else x_dtype)
+
+    def ruled(n):  # the share the rule picks
+        return config.row_config(n, max(x_dtype.itemsize, r_dtype.itemsize), staged_tensors=2,
+                                 bytes_per_col=x_dtype.itemsize + r_dtype.itemsize,
+                                 values_per_thread=config.RESIDUAL_REGISTER_VALUES,
+                                 wide_clusters=True)
 
     most = config.RESIDUAL_REGISTER_MAX_COLS
+    first = math.ceil(config.RESIDUAL_REGISTER_ROW_BYTES / (x_dtype.itemsize + r_dtype.itemsize))
+    for n in (first, most):
+        c = cfg(n)
+        assert c == ruled(n)
+        assert (c.cluster_size, c.num_chunks, c.staging) == (16, 1, "registers")
     long_row = cfg(most)
-    assert (long_row.cluster_size, long_row.num_chunks, long_row.staging) == (16, 1, "registers")
     assert long_row.vec * long_row.vecs_per_thread * 2 == config.RESIDUAL_REGISTER_VALUES
-    first = config.RESIDUAL_REGISTER_ROW_BYTES // (2 * dtype.itemsize)
-    assert cfg(first).staging == "registers"
-    for other in (cfg(first // 2), cfg(most + 8)):  # the defaults: fewer values
-        assert other.vec * other.vecs_per_thread * 2 < config.RESIDUAL_REGISTER_VALUES
+    for n in (first - 8, most + 8):
+        assert cfg(n) != ruled(n)
     assert cfg(most, residual=False).staging != "registers"

@@ -199,6 +199,26 @@ def test_empty_all_ignored_and_bad_targets():
         qk.cross_entropy(x, target[:4])
 
 
+@pytest.mark.parametrize("v", [3000, 151936])
+def test_loss_alone_bad_and_in_row_ignored_targets(v):
+    """The loss alone (151936 columns: rows streamed from global memory, the target set
+    aside in registers through a clamped z_t load; 3000: staged): a target past the row
+    or negative gives NaN in its row only, an ignore_index inside [0, v) a zero loss
+    and weight, every other row the reference loss."""
+    x, target = fresh(8, v, torch.bfloat16, ignore_every=1000)
+    target[1], target[2], target[5], target[6] = 0, v, -7, 5
+    assert ops.forward_config(v, x.dtype, False, False, 8).staging == \
+        ("global" if v == 151936 else "smem")
+    (loss, weight), lse, _ = ops.cross_entropy_forward(x, target, None, 5, 0.0, 0.0, 0.0, False)
+    bad = torch.zeros(8, dtype=torch.bool, device="cuda")
+    bad[[2, 5]] = True
+    assert torch.isnan(loss[bad]).all() and torch.isfinite(lse).all()
+    assert loss[6] == 0 and weight[6] == 0
+    ref_loss, ref_lse, _ = reference(x[~bad], target[~bad], ignore_index=5)
+    assert_close(loss[~bad], ref_loss, LOSS_TOL, scale=LOSS_SCALE)
+    assert_close(lse[~bad], ref_lse, LOSS_TOL, scale=LOSS_SCALE)
+
+
 def test_outputs_fully_written():
     """Outputs are allocated from NaN-poisoned blocks, so every unwritten element shows."""
     for v in (7, 50257, 262145):

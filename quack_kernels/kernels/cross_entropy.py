@@ -31,8 +31,9 @@ current block is reduced and its epilogue runs (a CTA's life is otherwise one lo
 one short reduction and a short epilogue: its load latency would be exposed). One
 row_allreduce per row combines the online (max, sum of exp, sum of exp over the
 non-target classes) triple with plain sums of z_t (from the thread holding the target
-column, which in a staged row without softcap or smoothing sets it aside before the row
-is read: ``target_aside``), of w_t (gathered by the row's first thread) and, for label
+column, which without softcap or smoothing sets it aside before the row is read, in a
+staged row from shared memory and in a streamed one in registers: ``target_aside``), of
+w_t (gathered by the row's first thread) and, for label
 smoothing, of sum_j w_j z_j and W. Every thread then knows lse and writes its share of
 the gradient; the row's first thread writes loss and lse. A set-aside target's gradient
 is written by the thread holding its column, after that thread's vector stores
@@ -127,7 +128,8 @@ class CrossEntropyForward(RowKernel):
         # With the gradient, the set-aside target's gradient is 0 in the vector stores
         # and its owner writes the true value once per row (RowTiles.store_column). A
         # streamed row (loss alone) sets it aside in registers instead: one select per
-        # value replaces it by -inf, and the row's lead thread loads z_t by itself.
+        # value replaces it by -inf, and every thread loads z_t (one broadcast word, the
+        # index clamped into the row) while the row's lead thread keeps it.
         self.target_aside = not softcap and not smoothing and (
             cfg.staging != "global" or self.streams)
         self.scratch_buffers = 2 if self.loops else 1  # alternate per row block

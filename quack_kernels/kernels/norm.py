@@ -16,7 +16,8 @@ writes dx (+ dresidual); weights, statistics and partial sums are O(N + M).
 Layout: RowKernel geometry (rows split over a cluster of up to 16 CTAs for large N).
 The forward is one row block per CTA; LayerNorm reduces twice (sum, then the centered
 sum of squares, on the staged row), or once for rows of x alone split over a cluster
-(each thread's count, mean and centered sum of squares merged pairwise). The backward
+and staged in shared memory (each thread's count, mean and centered sum of squares,
+from shifted sums in one pass, merged pairwise). The backward
 launches a fixed grid (as many CTAs as fit on the GPU) that loops over row blocks,
 loading the next block while it reduces and stores the current one when two staging
 buffers fit (cfg.stages): each CTA keeps its columns' dw/db sums in an accumulator and

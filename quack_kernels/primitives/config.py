@@ -351,13 +351,13 @@ LAYER_NORM_CTA_ROW_BYTES = 32 * 1024
 # (WIDE_CLUSTER_SHARE_BYTES) would split over 8: fp32 512x262144 ran at 71.8% of the
 # copy ceiling on 16 CTAs against 64.1-66.1% on 8 (H200, kernel alone, benchmarks/
 # sweep_norm_forward.py --wide16, results/norm_forward_layer_staging_sweep_H200_
-# 20261130.txt). With a residual not taken: bf16 512x262144 gained only with twice the
-# values per thread (66.9% vs 63.6%; 61.1% at the default).
+# 20261130.txt); 16-bit rows of 1 MiB (524288 columns) take it too, not measured.
+# Rows with a residual: see RESIDUAL_REGISTER_ROW_BYTES.
 
 
 # A norm forward with a residual keeps h = x + residual in registers for rows whose
 # staged pair is 1 MiB or more, up to RESIDUAL_REGISTER_MAX_COLS columns: one chunk of
-# 64 values of each tensor per thread on 16 CTAs of 256 threads, rather than x and the
+# up to 64 values of each tensor per thread on 16 CTAs of 256 threads, rather than x and the
 # residual staged in shared memory and both re-read for the output (with little shared
 # memory per CTA, more CTAs stay resident). H200, 512x262144, kernel alone, % of the
 # copy ceiling (benchmarks/sweep_norm_forward.py --residual 1 --wide16 --vpt 32,64,128,
@@ -366,9 +366,12 @@ LAYER_NORM_CTA_ROW_BYTES = 32 * 1024
 # bf16 67.2% -> 80.3%, fp32 55.0% -> 71.4%. Rows of x alone lost that way (RMSNorm
 # bf16 88.6% -> 71.2%, fp32 78.4% -> 64.7%), as did short rows with a residual
 # (8192x16384 bf16 LayerNorm, 93.5% -> 88.5%, norm_forward_layer_moments_sweep).
+# Rows between 1 MiB and 262144 columns (fp32 pairs from 131072 columns, bf16 x with an
+# fp32 residual from 174763) take the rule by the same mechanism, not measured.
 RESIDUAL_REGISTER_ROW_BYTES = 1024 * 1024
 RESIDUAL_REGISTER_VALUES = 128  # per thread, over both staged tensors
-RESIDUAL_REGISTER_MAX_COLS = MAX_CLUSTER_SIZE * 256 * RESIDUAL_REGISTER_VALUES // 2
+RESIDUAL_REGISTER_MAX_COLS = \
+    MAX_CLUSTER_SIZE * MAX_THREADS_PER_ROW * RESIDUAL_REGISTER_VALUES // 2
 
 
 def norm_forward_share(rms: bool, staged_tensors: int, n_cols: int,

@@ -51,9 +51,11 @@ def centered_moments_combine(a: Values, b: Values) -> Values:
     """Merge (count, mean, sum of squared deviations from the mean) of two groups of
     values (Chan, Golub and LeVeque's pairwise update): the variance stays a centered
     sum, never E[x^2] - E[x]^2, and one reduction gives both the mean and the variance.
-    An empty group (count 0) contributes nothing. The mean is the midpoint moved by
-    delta times a weight that changes sign with it, so the two lanes of a butterfly
-    (which merge (a, b) and (b, a)) round alike, whichever products the compiler fuses."""
+    An empty group (count 0) contributes nothing provided its mean is 0 (any other
+    finite mean still moves the result by rounding; callers pass 0). The mean is the
+    midpoint moved by delta times a weight that changes sign with it, so the two lanes
+    of a butterfly (which merge (a, b) and (b, a)) round alike, whichever products the
+    compiler fuses."""
     count = a[0] + b[0]
     inv_count = Float32(1.0) / cute.arch.fmax(count, Float32(1.0))
     delta = b[1] - a[1]

@@ -90,6 +90,7 @@ def mask_out_of_row(values: cute.TensorSSA, tXcX: cute.Tensor, n_cols: Int32,
     reduction that follows), so padding never enters a max or a sum. Each value takes
     the flag of its vector's first column (rows are whole vectors), so there is one
     comparison per vector, not per value."""
+    assert cute.size(tXcX, mode=[1]) == 1, "one row per thread: flags at row index 0"
     inside = cute.make_rmem_tensor(cute.make_layout(tXcX.shape), Boolean)
     room = n_cols - tXcX[0][1]
     for e in cutlass.range_constexpr(cute.size(tXcX, mode=[0, 0])):
