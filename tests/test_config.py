@@ -124,6 +124,7 @@ class _StagingOnlyKernel:
 
     def __init__(self, cfg, bytes_per_col, accumulators=0):
         self.cfg, self.bytes_per_col, self.accumulators = cfg, bytes_per_col, accumulators
+        self.sums_in_registers = cfg.num_chunks == 1  # the cases' sums: smem past one chunk
 
     def smem_bytes(self):
         return self.cfg.staging_smem_bytes(self.bytes_per_col)

@@ -263,9 +263,12 @@ def test_every_staging_and_cluster_path():
 
 
 def test_backward_prefetches_unless_it_leaves_one_cta_per_sm():
-    """Two staging buffers where the dweight sums live in registers (one chunk per
-    CTA), or in shared memory while two double-buffered CTAs still fit an SM; a single
-    buffer where the second would leave one CTA per SM."""
+    """Two staging buffers where the dweight sums live in registers, or in shared
+    memory while two double-buffered CTAs still fit an SM; 262144-column rows take
+    SUM_THREADS_PER_ROW threads so that their sums fit in registers, and a second buffer
+    where it fits (bf16; fp32's 128-KiB staged share leaves no room)."""
+    from quack_kernels.primitives import config
+
     bf16, fp32 = torch.bfloat16, torch.float32
     assert ops.backward_config(4096, bf16, bf16, (bf16,), bf16, 1).stages == 2
     for n, dtype in ((16384, bf16), (65536, bf16), (65536, fp32)):
@@ -273,10 +276,13 @@ def test_backward_prefetches_unless_it_leaves_one_cta_per_sm():
         assert cfg.num_chunks > 1 and cfg.stages == 2
         kernel = ops._backward_kernel_object(cfg, True, dtype, dtype, True, False)
         assert kernel.ctas_per_sm() >= 2
-    for dtype in (bf16, fp32):
+    for dtype, stages in ((bf16, 2), (fp32, 1)):
         cfg = ops.backward_config(262144, dtype, dtype, (dtype,), dtype, 1)
-        single = ops._backward_kernel_object(cfg, True, dtype, dtype, True, False)
-        assert cfg.num_chunks > 1 and cfg.stages == 1 and single.ctas_per_sm() == 1
+        kernel = ops._backward_kernel_object(cfg, True, dtype, dtype, True, False)
+        assert cfg.threads_per_row == config.SUM_THREADS_PER_ROW and kernel.sums_in_registers
+        assert cfg.num_chunks > 1 and cfg.stages == stages and kernel.ctas_per_sm() == 1
+    odd = ops.backward_config(131073, bf16, bf16, (bf16,), bf16, 2)  # one-value vectors
+    assert odd.threads_per_row == config.MAX_THREADS_PER_ROW
 
 
 def test_backward_shares_by_dtype_and_sums():

@@ -34,7 +34,7 @@ from cutlass.memory import SmemAllocator
 
 from ..primitives import reduce as red
 from ..primitives import tiling
-from ..primitives.config import RowConfig
+from ..primitives.config import RowConfig, sums_in_registers
 from ..primitives.rows import ReductionSlot, RowKernel, RowTiles
 
 ZERO = (Float32(0.0),)
@@ -217,6 +217,7 @@ class NormBackward(RowKernel):
         self.need_dweight = need_dweight
         self.need_dbias = need_dbias
         self.accumulators = int(need_dweight) + int(need_dbias)
+        self.sums_in_registers = sums_in_registers(cfg)
         if self.accumulators and h_dtype.width == 16 and cfg.vec * cfg.vecs_per_thread > 8:
             self.loop_registers = self.WIDE_LOOP_REGISTERS
 
@@ -236,10 +237,10 @@ class NormBackward(RowKernel):
         smem = SmemAllocator()
         home = RowTiles(cfg, [mH, mdY], smem)
         slot = ReductionSlot(smem, cfg, self.values_per_reduction, buffers=2)
-        acc_w = [home.accumulator(smem, c) for c in range(cfg.num_chunks)] \
-            if self.need_dweight else []
-        acc_b = [home.accumulator(smem, c) for c in range(cfg.num_chunks)] \
-            if self.need_dbias else []
+        acc_w = [home.accumulator(smem, c, self.sums_in_registers)
+                 for c in range(cfg.num_chunks)] if self.need_dweight else []
+        acc_b = [home.accumulator(smem, c, self.sums_in_registers)
+                 for c in range(cfg.num_chunks)] if self.need_dbias else []
         if cutlass.const_expr(cfg.cluster_size > 1):
             cute.arch.cluster_wait()
         if cutlass.const_expr(cfg.stages == 2):

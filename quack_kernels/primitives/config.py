@@ -412,6 +412,25 @@ def norm_backward_share(elem_bytes: int, accumulators: int, n_cols: int):
     return 32 * 1024, (2 if n_cols <= 4096 or n_cols > 65536 else 1)
 
 
+# Per-column fp32 sums (a norm backward's dweight / dbias) a thread keeps in registers
+# across row blocks, per accumulator, when its share spans several chunks (a one-chunk
+# share always keeps them there); beyond, they live in shared memory, which at 16-CTA
+# clusters of 256-KiB-and-up rows holds a CTA to one per SM (ncu, LayerNorm backward
+# bf16 512x262144: 199 KB of shared memory, 128 of them the sums, 8 warps per SM).
+REGISTER_SUM_VALUES = 32
+# Threads per row a norm backward takes when its sums would not fit in registers at
+# the default MAX_THREADS_PER_ROW (bf16 262144 on 16 CTAs: 32 columns per thread at 512,
+# 64 at 256), if they then fit (kernels.norm compiles such a CTA for one per SM: 128
+# registers per thread, 64 of them the LayerNorm's sums).
+SUM_THREADS_PER_ROW = 512
+
+
+def sums_in_registers(cfg: RowConfig) -> bool:
+    """Whether a looping kernel's per-column sums fit in registers (REGISTER_SUM_VALUES)."""
+    return cfg.num_chunks == 1 or \
+        cfg.vec * cfg.vecs_per_thread * cfg.num_chunks <= REGISTER_SUM_VALUES
+
+
 # Per-column sums in shared memory with a second staging buffer: prefetch paid where
 # two CTAs per SM stayed resident (fp32 2048x65536 RMSNorm 65% -> 83%, bf16 2048x65536
 # in 64-KiB shares 60% -> 67%) and lost at one (bf16 512x262144 53% -> 47%).
@@ -435,7 +454,7 @@ def with_prefetch(cfg: RowConfig, kernel_for) -> RowConfig:
         return cfg
     double = dataclasses.replace(cfg, stages=2)
     kernel = kernel_for(double)
-    if kernel.accumulators and cfg.num_chunks > 1 \
+    if kernel.accumulators and not kernel.sums_in_registers \
             and kernel.ctas_per_sm() < MIN_PREFETCH_CTAS_WITH_SMEM_SUMS:
         return cfg
     if kernel.smem_bytes() > SMEM_BYTES_PER_CTA:

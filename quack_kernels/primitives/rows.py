@@ -46,6 +46,7 @@ class RowKernel:
     values_per_reduction: int = 1
     scratch_buffers: int = 1  # 2 for kernels looping over row blocks
     accumulators: int = 0  # fp32 per-column accumulators (see RowTiles.accumulator)
+    sums_in_registers: bool = True  # where the accumulators live (see RowTiles.accumulator)
     loop_registers: int = LOOP_REGS_PER_THREAD  # per thread, when looping over row blocks
     _ctas_per_sm = None
 
@@ -56,7 +57,7 @@ class RowKernel:
         scratch = self.reductions * self.cfg.rows_per_block * self.cfg.warps_per_row \
             * self.cfg.cluster_size * self.values_per_reduction * 4 * self.scratch_buffers
         accumulated = 0
-        if self.cfg.num_chunks > 1:
+        if not self.sums_in_registers:
             accumulated = self.accumulators * self.cfg.rows_per_block * self.cfg.cols_per_cta * 4
         allocations = 2 * len(self.staged_dtypes) + 2 * self.reductions \
             + self.accumulators * self.cfg.num_chunks
@@ -384,14 +385,14 @@ class RowTiles:
             cute.copy(tiled, tXgX, tXrX, pred=self.chunk_predicate(chunk))
         return tXrX.load().to(Float32)
 
-    def accumulator(self, smem, chunk: int) -> cute.Tensor:
+    def accumulator(self, smem, chunk: int, in_registers: bool) -> cute.Tensor:
         """fp32 per-column sums of this thread's values in ``chunk`` that live across
-        row blocks: registers when the CTA's share is one chunk, else shared memory (a
-        multi-chunk share would not fit in registers; each thread only touches its own
-        elements, so no barrier is needed). Zero-initialised."""
+        row blocks: in registers, or in shared memory when the share's sums would not
+        fit there (each thread only touches its own elements, so no barrier is needed).
+        Zero-initialised."""
         thr = self.copy_vec[0].get_slice(self.tidx)
         tile_shape = tiling.chunk_tiler(self.cfg)
-        if self.cfg.num_chunks == 1:
+        if in_registers:
             acc = cute.make_rmem_tensor(thr.partition_S(self._gmem_tile(self.staged[0], chunk)).shape, Float32)
         else:
             sAcc = smem.allocate_tensor(
