@@ -34,7 +34,7 @@ from cutlass.memory import SmemAllocator
 
 from ..primitives import reduce as red
 from ..primitives import tiling
-from ..primitives.config import RowConfig, sums_in_registers
+from ..primitives.config import RowConfig
 from ..primitives.rows import ReductionSlot, RowKernel, RowTiles
 
 ZERO = (Float32(0.0),)
@@ -207,6 +207,9 @@ class NormBackward(RowKernel):
     # LayerNorm's rows of up to 1024 columns still did. Without sums the same threads
     # fit 80.
     WIDE_LOOP_REGISTERS = 104
+    # Registers besides the per-column sums when these stay in registers over several
+    # chunks (config.sums_in_registers)
+    SUM_WORKING_REGISTERS = 64
 
     def __init__(self, cfg: RowConfig, rms: bool, h_dtype, dy_dtype, need_dweight: bool,
                  need_dbias: bool):
@@ -217,9 +220,13 @@ class NormBackward(RowKernel):
         self.need_dweight = need_dweight
         self.need_dbias = need_dbias
         self.accumulators = int(need_dweight) + int(need_dbias)
-        self.sums_in_registers = sums_in_registers(cfg)
         if self.accumulators and h_dtype.width == 16 and cfg.vec * cfg.vecs_per_thread > 8:
             self.loop_registers = self.WIDE_LOOP_REGISTERS
+        if self.accumulators and cfg.num_chunks > 1 and self.sums_in_registers:
+            # the sums live across chunks: held to the default budget, the freed shared
+            # memory let 3 CTAs of 256 threads in and fp32 LayerNorm 131072 spilled 104 B
+            sums = self.accumulators * cfg.vec * cfg.vecs_per_thread * cfg.num_chunks
+            self.loop_registers = max(self.loop_registers, self.SUM_WORKING_REGISTERS + sums)
 
     @cute.jit
     def __call__(self, mH: cute.Tensor, mdY: cute.Tensor, mW, mMean, mRstd: cute.Tensor,

@@ -112,9 +112,9 @@ def backward_config(n_cols: int, h_dtype, dy_dtype, out_dtypes: tuple, weight_dt
     cfg = share(max_threads_per_row=max_threads_per_row)
     if max_threads_per_row is None and accumulators and not sums_in_registers(cfg):
         wider = share(max_threads_per_row=SUM_THREADS_PER_ROW)
-        # (not for odd rows: one-value vectors, a predicate each, spilled the 16-bit
-        # LayerNorm of 131073 columns at 512 threads)
-        if sums_in_registers(wider) and wider.vec > 1:
+        # (not for shares re-read from global memory: fp32 LayerNorm of 200000 columns
+        # spilled at the 128 registers a 512-thread CTA can have)
+        if sums_in_registers(wider) and wider.staging != "global":
             cfg = wider
     # sized for the largest variant (LayerNorm: two values per reduction)
     return with_prefetch(cfg, lambda c: _backward_kernel_object(

@@ -75,7 +75,8 @@ MAX_THREADS_PER_ROW = 256
 # threads_cluster_sweep_H200_20261129.txt: 128x1048576 fp32 forward 60.9% -> 69.3% of
 # the copy ceiling, bf16 backward 45.5% -> 49.6%, fp32 backward 58.3% -> 59.4%). Fewer
 # chunks per thread also end the fp32 log_softmax backward's 16-byte spill. Looping
-# kernels were not measured that way and keep MAX_THREADS_PER_ROW.
+# kernels were not measured that way and keep MAX_THREADS_PER_ROW, except a norm
+# backward whose per-column sums then fit in registers (SUM_THREADS_PER_ROW).
 GLOBAL_STAGED_THREADS_PER_ROW = 512
 # Small rows pack several rows into a block so a block still has >= 4 warps in flight.
 MIN_THREADS_PER_BLOCK = 128
@@ -426,9 +427,11 @@ SUM_THREADS_PER_ROW = 512
 
 
 def sums_in_registers(cfg: RowConfig) -> bool:
-    """Whether a looping kernel's per-column sums fit in registers (REGISTER_SUM_VALUES)."""
-    return cfg.num_chunks == 1 or \
-        cfg.vec * cfg.vecs_per_thread * cfg.num_chunks <= REGISTER_SUM_VALUES
+    """Whether a looping kernel's per-column sums fit in registers (REGISTER_SUM_VALUES;
+    not over several chunks of one-value vectors, whose predicate per value spilled
+    LayerNorm 65537 bf16)."""
+    return cfg.num_chunks == 1 or (
+        cfg.vec > 1 and cfg.vec * cfg.vecs_per_thread * cfg.num_chunks <= REGISTER_SUM_VALUES)
 
 
 # Per-column sums in shared memory with a second staging buffer: prefetch paid where

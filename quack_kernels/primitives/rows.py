@@ -26,7 +26,7 @@ from cutlass import Boolean, Float32, Int32, Int64
 
 from . import reduce as red
 from . import tiling
-from .config import LOOP_REGS_PER_THREAD, RowConfig, loop_ctas_per_sm
+from .config import LOOP_REGS_PER_THREAD, RowConfig, loop_ctas_per_sm, sums_in_registers
 
 
 def broadcast_rows(mV: cute.Tensor, num_rows, n_cols: int) -> cute.Tensor:
@@ -46,9 +46,13 @@ class RowKernel:
     values_per_reduction: int = 1
     scratch_buffers: int = 1  # 2 for kernels looping over row blocks
     accumulators: int = 0  # fp32 per-column accumulators (see RowTiles.accumulator)
-    sums_in_registers: bool = True  # where the accumulators live (see RowTiles.accumulator)
     loop_registers: int = LOOP_REGS_PER_THREAD  # per thread, when looping over row blocks
     _ctas_per_sm = None
+
+    @property
+    def sums_in_registers(self) -> bool:
+        """Where the accumulators live (RowTiles.accumulator): config.sums_in_registers."""
+        return sums_in_registers(self.cfg)
 
     def smem_bytes(self) -> int:
         staged = self.cfg.staging_smem_bytes(sum(d.width // 8 for d in self.staged_dtypes))
