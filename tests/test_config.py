@@ -133,6 +133,21 @@ class _StagingOnlyKernel:
         return config.loop_ctas_per_sm(self.cfg, self.smem_bytes())
 
 
+@pytest.mark.parametrize("vec, threads, vecs_per_thread, chunks, in_registers", [
+    (8, 256, 2, 1, True),     # one chunk per thread: always registers
+    (8, 256, 2, 2, False),    # several chunks at the default threads: shared memory
+    (8, 512, 2, 2, True),     # several chunks at SUM_THREADS_PER_ROW, 32 values each
+    (4, 512, 2, 8, False),    # 64 values each: over REGISTER_SUM_VALUES
+    (1, 512, 8, 2, False),    # one-value vectors: shared memory
+])
+def test_sums_in_registers(vec, threads, vecs_per_thread, chunks, in_registers):
+    cfg = config.RowConfig(n_cols=vec * threads * vecs_per_thread * chunks * 16, vec=vec,
+                           threads_per_row=threads, rows_per_block=1, cluster_size=16,
+                           vecs_per_thread=vecs_per_thread, num_chunks=chunks,
+                           staging="smem", stages=1)
+    assert config.sums_in_registers(cfg) == in_registers
+
+
 @pytest.mark.parametrize("n, bytes_per_col, values_per_thread, accumulators, in_regs, stages", [
     (8192, 4, 64, 0, False, 2),   # one chunk of 32 KiB: 3 CTAs per SM with one buffer or two
     (8192, 8, 64, 0, False, 1),   # one chunk of 64 KiB: 3 CTAs x 1 buffer > 1 CTA x 2 buffers

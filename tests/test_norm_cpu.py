@@ -209,12 +209,6 @@ VARIANTS = [
     (131073, torch.float32, torch.float32, False),
     (262144, torch.float32, torch.float32, True),
     (262144, torch.bfloat16, torch.bfloat16, False),
-    # per-column sums in registers over several chunks (config.sums_in_registers) where
-    # the review of that rule found spills before the register budget followed the sums
-    (49152, torch.float32, torch.float32, False),
-    (65537, torch.bfloat16, torch.bfloat16, False),
-    (131072, torch.float32, torch.float32, False),
-    (200000, torch.float32, torch.float32, False),
 ]
 
 
@@ -269,10 +263,11 @@ def test_every_staging_and_cluster_path():
 
 
 def test_backward_sums_in_registers_and_prefetch():
-    """Two staging buffers where the dweight sums live in registers; 262144-column rows
-    take SUM_THREADS_PER_ROW threads so that their sums fit in registers, and a second
-    buffer where it fits (bf16; fp32's 128-KiB staged share leaves no room); rows of
-    one-value vectors keep their sums in shared memory at 256 threads."""
+    """Two staging buffers where the dweight sums live in registers (one chunk per CTA),
+    or in shared memory while two double-buffered CTAs still fit an SM; bf16 rows of
+    262144 take SUM_THREADS_PER_ROW threads, which moves their sums to registers and
+    makes room for the second buffer; fp32's 128-KiB staged share leaves no such room,
+    so it keeps 256 threads, its sums in shared memory and one buffer."""
     from quack_kernels.primitives import config
 
     bf16, fp32 = torch.bfloat16, torch.float32
@@ -281,15 +276,13 @@ def test_backward_sums_in_registers_and_prefetch():
         cfg = ops.backward_config(n, dtype, dtype, (dtype,), dtype, 1)
         assert cfg.num_chunks > 1 and cfg.stages == 2
         kernel = ops._backward_kernel_object(cfg, True, dtype, dtype, True, False)
-        assert kernel.sums_in_registers and kernel.ctas_per_sm() >= 2
-    for dtype, stages in ((bf16, 2), (fp32, 1)):
+        assert not kernel.sums_in_registers and kernel.ctas_per_sm() >= 2
+    for dtype, wide in ((bf16, True), (fp32, False)):
         cfg = ops.backward_config(262144, dtype, dtype, (dtype,), dtype, 1)
         kernel = ops._backward_kernel_object(cfg, True, dtype, dtype, True, False)
-        assert cfg.threads_per_row == config.SUM_THREADS_PER_ROW and kernel.sums_in_registers
-        assert cfg.num_chunks > 1 and cfg.stages == stages and kernel.ctas_per_sm() == 1
-    odd = ops.backward_config(131073, bf16, bf16, (bf16,), bf16, 2)  # one-value vectors
-    kernel = ops._backward_kernel_object(odd, False, bf16, bf16, True, True)
-    assert odd.threads_per_row == config.MAX_THREADS_PER_ROW and not kernel.sums_in_registers
+        assert (cfg.threads_per_row == config.SUM_THREADS_PER_ROW) == wide
+        assert kernel.sums_in_registers == wide and cfg.stages == (2 if wide else 1)
+        assert cfg.num_chunks > 1 and kernel.ctas_per_sm() == 1
 
 
 def test_backward_shares_by_dtype_and_sums():

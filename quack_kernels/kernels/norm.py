@@ -207,9 +207,6 @@ class NormBackward(RowKernel):
     # LayerNorm's rows of up to 1024 columns still did. Without sums the same threads
     # fit 80.
     WIDE_LOOP_REGISTERS = 104
-    # Registers besides the per-column sums when these stay in registers over several
-    # chunks (config.sums_in_registers)
-    SUM_WORKING_REGISTERS = 64
 
     def __init__(self, cfg: RowConfig, rms: bool, h_dtype, dy_dtype, need_dweight: bool,
                  need_dbias: bool):
@@ -222,11 +219,6 @@ class NormBackward(RowKernel):
         self.accumulators = int(need_dweight) + int(need_dbias)
         if self.accumulators and h_dtype.width == 16 and cfg.vec * cfg.vecs_per_thread > 8:
             self.loop_registers = self.WIDE_LOOP_REGISTERS
-        if self.accumulators and cfg.num_chunks > 1 and self.sums_in_registers:
-            # the sums live across chunks: held to the default budget, the freed shared
-            # memory let 3 CTAs of 256 threads in and fp32 LayerNorm 131072 spilled 104 B
-            sums = self.accumulators * cfg.vec * cfg.vecs_per_thread * cfg.num_chunks
-            self.loop_registers = max(self.loop_registers, self.SUM_WORKING_REGISTERS + sums)
 
     @cute.jit
     def __call__(self, mH: cute.Tensor, mdY: cute.Tensor, mW, mMean, mRstd: cute.Tensor,

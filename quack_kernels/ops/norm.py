@@ -110,15 +110,19 @@ def backward_config(n_cols: int, h_dtype, dy_dtype, out_dtypes: tuple, weight_dt
         bytes_per_col=sum(_bytes(h_dtype, dy_dtype)) + 4 * accumulators, max_vec=max_vec,
         looping=True, cta_row_bytes=cta_row_bytes, values_per_thread=values_per_thread)
     cfg = share(max_threads_per_row=max_threads_per_row)
+    kernel_for = lambda c: _backward_kernel_object(  # noqa: E731
+        c, False, h_dtype, dy_dtype, accumulators >= 1, accumulators >= 2)
+    # sized for the largest variant (LayerNorm: two values per reduction)
+    prefetched = with_prefetch(cfg, kernel_for)
     if max_threads_per_row is None and accumulators and not sums_in_registers(cfg):
-        wider = share(max_threads_per_row=SUM_THREADS_PER_ROW)
         # (not for shares re-read from global memory: fp32 LayerNorm of 200000 columns
         # spilled at the 128 registers a 512-thread CTA can have)
+        wider = share(max_threads_per_row=SUM_THREADS_PER_ROW)
         if sums_in_registers(wider) and wider.staging != "global":
-            cfg = wider
-    # sized for the largest variant (LayerNorm: two values per reduction)
-    return with_prefetch(cfg, lambda c: _backward_kernel_object(
-        c, False, h_dtype, dy_dtype, accumulators >= 1, accumulators >= 2))
+            wider = with_prefetch(wider, kernel_for)
+            if wider.stages > prefetched.stages:
+                return wider
+    return prefetched
 
 
 def forward_kernel(cfg: RowConfig, rms: bool, x_dtype, residual_dtype, has_residual: bool,

@@ -413,25 +413,30 @@ def norm_backward_share(elem_bytes: int, accumulators: int, n_cols: int):
     return 32 * 1024, (2 if n_cols <= 4096 or n_cols > 65536 else 1)
 
 
-# Per-column fp32 sums (a norm backward's dweight / dbias) a thread keeps in registers
-# across row blocks, per accumulator, when its share spans several chunks (a one-chunk
-# share always keeps them there); beyond, they live in shared memory, which at 16-CTA
-# clusters of 256-KiB-and-up rows holds a CTA to one per SM (ncu, LayerNorm backward
-# bf16 512x262144: 199 KB of shared memory, 128 of them the sums, 8 warps per SM).
+# Per-column fp32 sums (a norm backward's dweight / dbias) stay in registers across row
+# blocks for a one-chunk share; a share of several chunks keeps them in shared memory,
+# which at 16-CTA clusters of 256-KiB-and-up rows holds a CTA to one per SM and leaves
+# no room for a second staging buffer (ncu, LayerNorm backward bf16 512x262144: 199 KB
+# of shared memory, 128 of them the sums, 8 warps per SM). For those rows the backward
+# takes SUM_THREADS_PER_ROW threads per row, so that each thread's sums fit in
+# REGISTER_SUM_VALUES registers per accumulator, where that frees the room to prefetch
+# (ops.norm.backward_config). H200, same session (kernel_ab_norm_backward_register_
+# sums_H200_20261130.txt): bf16 512x262144 RMSNorm 51.5% -> 54.9% of the copy ceiling,
+# LayerNorm 38.9% -> 46.4%. Multi-chunk sums in registers at 256 threads lost where
+# they changed the CTAs per SM (2048x65536: bf16 LayerNorm 42.2% -> 30.8%, fp32 RMSNorm
+# 82.6% -> 72.3%) and also where they did not (bf16 RMSNorm 65.3% -> 49.7%), and the
+# wide share without a prefetch lost too (fp32 512x262144 RMSNorm 72.5% -> 70.3%).
 REGISTER_SUM_VALUES = 32
-# Threads per row a norm backward takes when its sums would not fit in registers at
-# the default MAX_THREADS_PER_ROW (bf16 262144 on 16 CTAs: 32 columns per thread at 512,
-# 64 at 256), if they then fit (kernels.norm compiles such a CTA for one per SM: 128
-# registers per thread, 64 of them the LayerNorm's sums).
 SUM_THREADS_PER_ROW = 512
 
 
 def sums_in_registers(cfg: RowConfig) -> bool:
-    """Whether a looping kernel's per-column sums fit in registers (REGISTER_SUM_VALUES;
-    not over several chunks of one-value vectors, whose predicate per value spilled
-    LayerNorm 65537 bf16)."""
+    """Whether a looping kernel keeps its per-column sums in registers: one chunk, or a
+    SUM_THREADS_PER_ROW share of at most REGISTER_SUM_VALUES per thread (not of
+    one-value vectors, whose predicate per value spilled LayerNorm 65537 bf16)."""
     return cfg.num_chunks == 1 or (
-        cfg.vec > 1 and cfg.vec * cfg.vecs_per_thread * cfg.num_chunks <= REGISTER_SUM_VALUES)
+        cfg.threads_per_row >= SUM_THREADS_PER_ROW and cfg.vec > 1
+        and cfg.vec * cfg.vecs_per_thread * cfg.num_chunks <= REGISTER_SUM_VALUES)
 
 
 # Per-column sums in shared memory with a second staging buffer: prefetch paid where
