@@ -421,8 +421,8 @@ def norm_backward_share(elem_bytes: int, accumulators: int, n_cols: int):
 # takes SUM_THREADS_PER_ROW threads per row, so that each thread's sums fit in
 # REGISTER_SUM_VALUES registers per accumulator, where that frees the room to prefetch
 # (ops.norm.backward_config). H200, same session (kernel_ab_norm_backward_register_
-# sums_H200_20261130.txt): bf16 512x262144 RMSNorm 51.5% -> 54.9% of the copy ceiling,
-# LayerNorm 38.9% -> 46.4%. Multi-chunk sums in registers at 256 threads lost where
+# sums_H200_20261130.txt, run 2): bf16 512x262144 RMSNorm 52.1% -> 57.3% of the copy
+# ceiling, LayerNorm 38.9% -> 46.9%. Multi-chunk sums in registers at 256 threads lost where
 # they changed the CTAs per SM (2048x65536: bf16 LayerNorm 42.2% -> 30.8%, fp32 RMSNorm
 # 82.6% -> 72.3%) and also where they did not (bf16 RMSNorm 65.3% -> 49.7%), and the
 # wide share without a prefetch lost too (fp32 512x262144 RMSNorm 72.5% -> 70.3%).
