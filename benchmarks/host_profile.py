@@ -17,6 +17,10 @@ CALLS = 300
 
 
 def cases():
+    try:  # QuACK's cross-entropy step, as a reference for the host path, when installed
+        from quack.cross_entropy import cross_entropy as quack_ce
+    except ImportError:
+        quack_ce = None
     x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
     xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -37,6 +41,14 @@ def cases():
         lg.grad = None
         qk.cross_entropy(lg, target).backward()
 
+    def torch_ce_train():
+        lg.grad = None
+        torch.nn.functional.cross_entropy(lg, target).backward()
+
+    def quack_ce_train():
+        lg.grad = None
+        quack_ce(lg, target).backward()
+
     def softmax_train():
         xg.grad = None
         qk.softmax(xg).backward(dy)
@@ -52,6 +64,8 @@ def cases():
         "torch rms_norm fwd+bwd": torch_norm_train,
         "cross_entropy loss": lambda: qk.cross_entropy(logits, target),
         "cross_entropy fwd+bwd": ce_train,
+        "torch cross_entropy fwd+bwd": torch_ce_train,
+        **({"quack cross_entropy fwd+bwd": quack_ce_train} if quack_ce else {}),
         "softmax fwd": lambda: qk.softmax(x),
         "torch softmax fwd": lambda: torch.softmax(x, -1),
         "softmax fwd+bwd": softmax_train,
@@ -62,7 +76,7 @@ def cases():
 def main():
     for name, fn in cases().items():
         print(f"\n== {name}: {wall_us(fn, CALLS, warmup=20):.1f} us/call")
-        if name.startswith("torch"):
+        if name.startswith(("torch", "quack")):
             continue
         profiler = cProfile.Profile()
         profiler.enable()

@@ -32,7 +32,7 @@ def _shapes(text):
         yield DTYPES[dtype], int(m), int(n)
 
 
-def sweep_shape(dtype, m, n, rms, kibs, vecs_options, ceiling):
+def sweep_shape(dtype, m, n, rms, kibs, vecs_options, tprs, ceiling):
     h, dy = (torch.randn(m, n, device="cuda", dtype=dtype) for _ in range(2))
     weight = torch.randn(n, device="cuda", dtype=dtype)
     rstd = torch.rand(m, device="cuda") + 0.5
@@ -40,11 +40,12 @@ def sweep_shape(dtype, m, n, rms, kibs, vecs_options, ceiling):
     dx = torch.empty_like(h)
     accumulators = 1 if rms else 2
     vec = 16 // dtype.itemsize
-    for kib, vecs in ((k, v) for k in kibs for v in vecs_options):
+    for kib, vecs, tpr in ((k, v, t) for k in kibs for v in vecs_options for t in tprs):
         # values per thread over every staged tensor and accumulator
         default = ops.backward_config(n, dtype, dtype, (dtype,), dtype, accumulators,
                                       cta_row_bytes=kib * 1024,
-                                      values_per_thread=vecs * vec * (2 + accumulators))
+                                      values_per_thread=vecs * vec * (2 + accumulators),
+                                      max_threads_per_row=tpr)
         for stages in (1, 2):
             cfg = dataclasses.replace(default, stages=stages)
             kernel = ops._backward_kernel_object(cfg, rms, dtype, dtype, True, not rms)
@@ -68,7 +69,8 @@ def sweep_shape(dtype, m, n, rms, kibs, vecs_options, ceiling):
             print(f"{'rms' if rms else 'layer':5s} {str(dtype)[6:]:9s} {m}x{n} kib={kib:3d} "
                   f"stages={stages} cl={cfg.cluster_size:2d} ch={cfg.num_chunks} "
                   f"vpt={cfg.vec * cfg.vecs_per_thread:2d} thr={cfg.threads_per_block:4d} "
-                  f"{cfg.staging:9s} ctas/SM={kernel.ctas_per_sm()} {ms * 1e3:8.1f}us "
+                  f"{cfg.staging:9s} sums={'regs' if kernel.sums_in_registers else 'smem'} "
+                  f"ctas/SM={kernel.ctas_per_sm()} {ms * 1e3:8.1f}us "
                   f"{pct:5.1f}%{default_mark}", flush=True)
 
 
@@ -77,13 +79,16 @@ def main(argv):
     p.add_argument("--norm", default="rms,layer")
     p.add_argument("--kib", type=ints, default=[16], help="row KiB per CTA (cluster size)")
     p.add_argument("--vecs", type=ints, default=[1], help="vectors per thread per tensor")
+    p.add_argument("--tpr", type=ints, default=[256, 512],
+                   help="max threads per row (512: the per-column sums fit in registers "
+                        "at long rows, config.SUM_THREADS_PER_ROW)")
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help="dtype:MxN,...")
     args = p.parse_args(argv)
     ceiling = copy_ceiling_gbps()
     print(f"copy ceiling {ceiling:.0f} GB/s; * marks the default config")
     for dtype, m, n in _shapes(args.shapes):
         for norm in args.norm.split(","):
-            sweep_shape(dtype, m, n, norm == "rms", args.kib, args.vecs, ceiling)
+            sweep_shape(dtype, m, n, norm == "rms", args.kib, args.vecs, args.tpr, ceiling)
             torch.cuda.empty_cache()
 
 

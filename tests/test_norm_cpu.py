@@ -262,21 +262,27 @@ def test_every_staging_and_cluster_path():
     assert any(c.cluster_size == 16 for c in cfgs) and any(c.cluster_size == 1 for c in cfgs)
 
 
-def test_backward_prefetches_unless_it_leaves_one_cta_per_sm():
-    """Two staging buffers where the dweight sums live in registers (one chunk per
-    CTA), or in shared memory while two double-buffered CTAs still fit an SM; a single
-    buffer where the second would leave one CTA per SM."""
+def test_backward_sums_in_registers_and_prefetch():
+    """Two staging buffers where the dweight sums live in registers (one chunk per CTA),
+    or in shared memory while two double-buffered CTAs still fit an SM; bf16 rows of
+    262144 take SUM_THREADS_PER_ROW threads, which moves their sums to registers and
+    makes room for the second buffer; fp32's 128-KiB staged share leaves no such room,
+    so it keeps 256 threads, its sums in shared memory and one buffer."""
+    from quack_kernels.primitives import config
+
     bf16, fp32 = torch.bfloat16, torch.float32
     assert ops.backward_config(4096, bf16, bf16, (bf16,), bf16, 1).stages == 2
     for n, dtype in ((16384, bf16), (65536, bf16), (65536, fp32)):
         cfg = ops.backward_config(n, dtype, dtype, (dtype,), dtype, 1)
         assert cfg.num_chunks > 1 and cfg.stages == 2
         kernel = ops._backward_kernel_object(cfg, True, dtype, dtype, True, False)
-        assert kernel.ctas_per_sm() >= 2
-    for dtype in (bf16, fp32):
+        assert not kernel.sums_in_registers and kernel.ctas_per_sm() >= 2
+    for dtype, wide in ((bf16, True), (fp32, False)):
         cfg = ops.backward_config(262144, dtype, dtype, (dtype,), dtype, 1)
-        single = ops._backward_kernel_object(cfg, True, dtype, dtype, True, False)
-        assert cfg.num_chunks > 1 and cfg.stages == 1 and single.ctas_per_sm() == 1
+        kernel = ops._backward_kernel_object(cfg, True, dtype, dtype, True, False)
+        assert (cfg.threads_per_row == config.SUM_THREADS_PER_ROW) == wide
+        assert kernel.sums_in_registers == wide and cfg.stages == (2 if wide else 1)
+        assert cfg.num_chunks > 1 and kernel.ctas_per_sm() == 1
 
 
 def test_backward_shares_by_dtype_and_sums():

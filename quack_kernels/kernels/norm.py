@@ -236,10 +236,10 @@ class NormBackward(RowKernel):
         smem = SmemAllocator()
         home = RowTiles(cfg, [mH, mdY], smem)
         slot = ReductionSlot(smem, cfg, self.values_per_reduction, buffers=2)
-        acc_w = [home.accumulator(smem, c) for c in range(cfg.num_chunks)] \
-            if self.need_dweight else []
-        acc_b = [home.accumulator(smem, c) for c in range(cfg.num_chunks)] \
-            if self.need_dbias else []
+        acc_w = [home.accumulator(smem, c, self.sums_in_registers)
+                 for c in range(cfg.num_chunks)] if self.need_dweight else []
+        acc_b = [home.accumulator(smem, c, self.sums_in_registers)
+                 for c in range(cfg.num_chunks)] if self.need_dbias else []
         if cutlass.const_expr(cfg.cluster_size > 1):
             cute.arch.cluster_wait()
         if cutlass.const_expr(cfg.stages == 2):

@@ -27,12 +27,14 @@ from ..kernels.norm import NormBackward, NormForward
 from ..primitives.compile_cache import compile_kernel, fake_rows, fake_vector
 from ..primitives.config import (
     ColumnSumConfig,
+    SUM_THREADS_PER_ROW,
     RowConfig,
     column_sum_config,
     loop_grid_rows,
     norm_backward_share,
     norm_forward_share,
     row_config,
+    sums_in_registers,
     with_prefetch,
 )
 from .common import (
@@ -86,11 +88,14 @@ def forward_config(n_cols: int, rms: bool, x_dtype, residual_dtype, has_residual
 def backward_config(n_cols: int, h_dtype, dy_dtype, out_dtypes: tuple, weight_dtype,
                     accumulators: int, max_vec: int | None = None,
                     cta_row_bytes: int | None = None,
-                    values_per_thread: int | None = None) -> RowConfig:
+                    values_per_thread: int | None = None,
+                    max_threads_per_row: int | None = None) -> RowConfig:
     """Staged: h and dy; every fp32 dweight/dbias accumulator counts as one more
-    tensor kept per column (registers for one chunk, shared memory beyond).
-    ``cta_row_bytes`` and ``values_per_thread`` default to the norm backward's tuning
-    (config.norm_backward_share); sweeps override them."""
+    tensor kept per column (in registers when config.sums_in_registers, else shared
+    memory). ``cta_row_bytes``, ``values_per_thread`` and ``max_threads_per_row``
+    default to the norm backward's tuning (config.norm_backward_share, and
+    SUM_THREADS_PER_ROW for shares whose sums would otherwise leave registers); sweeps
+    override them."""
     widest = max(_bytes(h_dtype, dy_dtype, weight_dtype, *out_dtypes))
     staged = max(_bytes(h_dtype, dy_dtype))
     tuned_bytes, vectors = norm_backward_share(staged, accumulators, n_cols)
@@ -100,13 +105,24 @@ def backward_config(n_cols: int, h_dtype, dy_dtype, out_dtypes: tuple, weight_dt
         # 16-byte vectors of the staged dtype: a wider weight or output (fp32 with bf16
         # rows) narrows the accesses, not the values a thread holds
         values_per_thread = vectors * (16 // staged) * (2 + accumulators)
-    cfg = row_config(n_cols, widest, staged_tensors=2 + accumulators,
-                     bytes_per_col=sum(_bytes(h_dtype, dy_dtype)) + 4 * accumulators,
-                     max_vec=max_vec, looping=True, cta_row_bytes=cta_row_bytes,
-                     values_per_thread=values_per_thread)
+    share = functools.partial(
+        row_config, n_cols, widest, staged_tensors=2 + accumulators,
+        bytes_per_col=sum(_bytes(h_dtype, dy_dtype)) + 4 * accumulators, max_vec=max_vec,
+        looping=True, cta_row_bytes=cta_row_bytes, values_per_thread=values_per_thread)
+    cfg = share(max_threads_per_row=max_threads_per_row)
+    kernel_for = lambda c: _backward_kernel_object(  # noqa: E731
+        c, False, h_dtype, dy_dtype, accumulators >= 1, accumulators >= 2)
     # sized for the largest variant (LayerNorm: two values per reduction)
-    return with_prefetch(cfg, lambda c: _backward_kernel_object(
-        c, False, h_dtype, dy_dtype, accumulators >= 1, accumulators >= 2))
+    prefetched = with_prefetch(cfg, kernel_for)
+    if max_threads_per_row is None and accumulators and not sums_in_registers(cfg):
+        # (not for shares re-read from global memory: fp32 LayerNorm of 200000 columns
+        # spilled at the 128 registers a 512-thread CTA can have)
+        wider = share(max_threads_per_row=SUM_THREADS_PER_ROW)
+        if sums_in_registers(wider) and wider.staging != "global":
+            wider = with_prefetch(wider, kernel_for)
+            if wider.stages > prefetched.stages:
+                return wider
+    return prefetched
 
 
 def forward_kernel(cfg: RowConfig, rms: bool, x_dtype, residual_dtype, has_residual: bool,

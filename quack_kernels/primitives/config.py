@@ -75,7 +75,8 @@ MAX_THREADS_PER_ROW = 256
 # threads_cluster_sweep_H200_20261129.txt: 128x1048576 fp32 forward 60.9% -> 69.3% of
 # the copy ceiling, bf16 backward 45.5% -> 49.6%, fp32 backward 58.3% -> 59.4%). Fewer
 # chunks per thread also end the fp32 log_softmax backward's 16-byte spill. Looping
-# kernels were not measured that way and keep MAX_THREADS_PER_ROW.
+# kernels were not measured that way and keep MAX_THREADS_PER_ROW, except a norm
+# backward whose per-column sums then fit in registers (SUM_THREADS_PER_ROW).
 GLOBAL_STAGED_THREADS_PER_ROW = 512
 # Small rows pack several rows into a block so a block still has >= 4 warps in flight.
 MIN_THREADS_PER_BLOCK = 128
@@ -412,6 +413,32 @@ def norm_backward_share(elem_bytes: int, accumulators: int, n_cols: int):
     return 32 * 1024, (2 if n_cols <= 4096 or n_cols > 65536 else 1)
 
 
+# Per-column fp32 sums (a norm backward's dweight / dbias) stay in registers across row
+# blocks for a one-chunk share; a share of several chunks keeps them in shared memory,
+# which at 16-CTA clusters of 256-KiB-and-up rows holds a CTA to one per SM and leaves
+# no room for a second staging buffer (ncu, LayerNorm backward bf16 512x262144: 199 KB
+# of shared memory, 128 of them the sums, 8 warps per SM). For those rows the backward
+# takes SUM_THREADS_PER_ROW threads per row, so that each thread's sums fit in
+# REGISTER_SUM_VALUES registers per accumulator, where that frees the room to prefetch
+# (ops.norm.backward_config). H200, same session (kernel_ab_norm_backward_register_
+# sums_H200_20261130.txt, run 2): bf16 512x262144 RMSNorm 52.1% -> 57.3% of the copy
+# ceiling, LayerNorm 38.9% -> 46.9%. Multi-chunk sums in registers at 256 threads lost where
+# they changed the CTAs per SM (2048x65536: bf16 LayerNorm 42.2% -> 30.8%, fp32 RMSNorm
+# 82.6% -> 72.3%) and also where they did not (bf16 RMSNorm 65.3% -> 49.7%), and the
+# wide share without a prefetch lost too (fp32 512x262144 RMSNorm 72.5% -> 70.3%).
+REGISTER_SUM_VALUES = 32
+SUM_THREADS_PER_ROW = 512
+
+
+def sums_in_registers(cfg: RowConfig) -> bool:
+    """Whether a looping kernel keeps its per-column sums in registers: one chunk, or a
+    SUM_THREADS_PER_ROW share of at most REGISTER_SUM_VALUES per thread (not of
+    one-value vectors, whose predicate per value spilled LayerNorm 65537 bf16)."""
+    return cfg.num_chunks == 1 or (
+        cfg.threads_per_row >= SUM_THREADS_PER_ROW and cfg.vec > 1
+        and cfg.vec * cfg.vecs_per_thread * cfg.num_chunks <= REGISTER_SUM_VALUES)
+
+
 # Per-column sums in shared memory with a second staging buffer: prefetch paid where
 # two CTAs per SM stayed resident (fp32 2048x65536 RMSNorm 65% -> 83%, bf16 2048x65536
 # in 64-KiB shares 60% -> 67%) and lost at one (bf16 512x262144 53% -> 47%).
@@ -435,7 +462,7 @@ def with_prefetch(cfg: RowConfig, kernel_for) -> RowConfig:
         return cfg
     double = dataclasses.replace(cfg, stages=2)
     kernel = kernel_for(double)
-    if kernel.accumulators and cfg.num_chunks > 1 \
+    if kernel.accumulators and not kernel.sums_in_registers \
             and kernel.ctas_per_sm() < MIN_PREFETCH_CTAS_WITH_SMEM_SUMS:
         return cfg
     if kernel.smem_bytes() > SMEM_BYTES_PER_CTA:

@@ -26,7 +26,7 @@ from cutlass import Boolean, Float32, Int32, Int64
 
 from . import reduce as red
 from . import tiling
-from .config import LOOP_REGS_PER_THREAD, RowConfig, loop_ctas_per_sm
+from .config import LOOP_REGS_PER_THREAD, RowConfig, loop_ctas_per_sm, sums_in_registers
 
 
 def broadcast_rows(mV: cute.Tensor, num_rows, n_cols: int) -> cute.Tensor:
@@ -49,6 +49,11 @@ class RowKernel:
     loop_registers: int = LOOP_REGS_PER_THREAD  # per thread, when looping over row blocks
     _ctas_per_sm = None
 
+    @property
+    def sums_in_registers(self) -> bool:
+        """Where the accumulators live (RowTiles.accumulator): config.sums_in_registers."""
+        return sums_in_registers(self.cfg)
+
     def smem_bytes(self) -> int:
         staged = self.cfg.staging_smem_bytes(sum(d.width // 8 for d in self.staged_dtypes))
         if self.cfg.staging == "global":
@@ -56,7 +61,7 @@ class RowKernel:
         scratch = self.reductions * self.cfg.rows_per_block * self.cfg.warps_per_row \
             * self.cfg.cluster_size * self.values_per_reduction * 4 * self.scratch_buffers
         accumulated = 0
-        if self.cfg.num_chunks > 1:
+        if not self.sums_in_registers:
             accumulated = self.accumulators * self.cfg.rows_per_block * self.cfg.cols_per_cta * 4
         allocations = 2 * len(self.staged_dtypes) + 2 * self.reductions \
             + self.accumulators * self.cfg.num_chunks
@@ -384,14 +389,14 @@ class RowTiles:
             cute.copy(tiled, tXgX, tXrX, pred=self.chunk_predicate(chunk))
         return tXrX.load().to(Float32)
 
-    def accumulator(self, smem, chunk: int) -> cute.Tensor:
+    def accumulator(self, smem, chunk: int, in_registers: bool) -> cute.Tensor:
         """fp32 per-column sums of this thread's values in ``chunk`` that live across
-        row blocks: registers when the CTA's share is one chunk, else shared memory (a
-        multi-chunk share would not fit in registers; each thread only touches its own
-        elements, so no barrier is needed). Zero-initialised."""
+        row blocks: in registers, or in shared memory when the share's sums would not
+        fit there (each thread only touches its own elements, so no barrier is needed).
+        Zero-initialised."""
         thr = self.copy_vec[0].get_slice(self.tidx)
         tile_shape = tiling.chunk_tiler(self.cfg)
-        if self.cfg.num_chunks == 1:
+        if in_registers:
             acc = cute.make_rmem_tensor(thr.partition_S(self._gmem_tile(self.staged[0], chunk)).shape, Float32)
         else:
             sAcc = smem.allocate_tensor(
