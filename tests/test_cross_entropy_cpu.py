@@ -92,6 +92,29 @@ def test_rescale_grad_op():
         torch.ops.quack_kernels.cross_entropy_rescale_grad_(grad, target, dloss.double(), held, -100)
 
 
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_plain_backward_finds_nothing_to_rescale(monkeypatch, reduction, weighted):
+    """The gradient the forward computed is the one a plain backward() asks for: every
+    row's upstream gradient equals the held one bit for bit (on CUDA, a differing row
+    costs a pass over its gradient); a scaled loss differs in every kept row."""
+    x, target, weight = make_case(dtype=torch.float32)
+    weight = weight if weighted else None
+    differing = []
+
+    def recording(grad, target_, dloss, held, ignore_index):
+        differing.append(int((dloss != held).sum()))
+        return rescaled(grad, target_, dloss, held, ignore_index)
+
+    rescaled = ops.rescaled_grad
+    monkeypatch.setattr(ops, "rescaled_grad", recording)
+    for scale, expected in ((1.0, 0), (0.37, x.shape[0])):
+        a = x.clone().requires_grad_()
+        out = qk.cross_entropy(a, target, weight, reduction=reduction)
+        (out.sum() * scale if reduction == "none" else out * scale).backward()
+        assert differing.pop() == expected
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("target_dtype", [torch.int64, torch.int32])
 def test_dtypes_and_inplace(dtype, target_dtype):

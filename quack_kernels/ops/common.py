@@ -84,7 +84,10 @@ def eager_cuda(*tensors) -> bool:
 
 
 def as_rows(tensor: torch.Tensor) -> torch.Tensor:
-    """(..., N) -> (M, N) with unit column stride, a view when the layout allows."""
+    """(..., N) -> (M, N) with unit column stride, a view when the layout allows (a 2-D
+    tensor of unit column stride as it is: a view would cost an autograd node)."""
+    if tensor.dim() == 2 and tensor.stride(-1) == 1:
+        return tensor
     n_cols = tensor.shape[-1]
     rows = tensor.reshape(math.prod(tensor.shape[:-1]), n_cols)
     if rows.stride(-1) != 1 and rows.shape[0] > 0:

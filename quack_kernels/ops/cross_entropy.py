@@ -475,17 +475,41 @@ def _check_rescale_inputs(grad: Tensor, target: Tensor, dloss: Tensor, held: Ten
 
 
 # ------------------------------------------------------------------------- autograd
+def _mean_denominator(target: Tensor, weight: Optional[Tensor], ignore_index: int,
+                      n_cols: int, loss_dtype: torch.dtype) -> Tensor:
+    """What a mean divides by: the count of non-ignored targets, or their summed class
+    weights (bad targets count: their loss is NaN, so is the mean)."""
+    kept = target != ignore_index
+    if weight is None:
+        return kept.sum(dtype=loss_dtype)
+    safe = torch.where(kept, target, torch.zeros_like(target)).clamp(0, n_cols - 1)
+    return (weight.to(loss_dtype)[safe] * kept).sum()
+
+
 class CrossEntropyFunction(torch.autograd.Function):
-    """(M, C) logits -> per-row (loss, lse). The forward computes the gradient of
-    sum_i held_i loss_i, ``held`` being the upstream gradient the caller expects (e.g.
-    1 / count for a mean); the backward rescales only the rows where the actual
-    upstream gradient differs, so in the expected case it moves no gradient bytes.
+    """(M, C) logits -> (the loss reduced as ``reduction`` asks, per-row lse). The
+    forward computes the gradient for the upstream gradient a plain backward() of the
+    result gives each row: 1 / denominator for a mean (as torch's DivBackward computes
+    it, so that the two compare equal), 1 for a sum or per-row losses. The backward
+    rescales only the rows where the actual upstream gradient differs, so in the
+    expected case it moves no gradient bytes. The reduction happens here rather than
+    in autograd-recorded torch ops, which saves the host two autograd nodes per step.
     lse is not differentiable."""
 
     @staticmethod
     def forward(ctx, logits, target, weight, ignore_index, label_smoothing, lse_square_scale,
-                softcap, inplace, held, eager):
+                softcap, inplace, reduction, eager):
         """``eager``: call the CUDA implementations directly (see common.eager_cuda)."""
+        loss_dtype = _loss_dtype(logits)
+        num_rows = logits.shape[0]
+        denominator = None
+        if reduction == "mean":
+            denominator = _mean_denominator(target, weight, ignore_index, logits.shape[1],
+                                            loss_dtype)
+            held = torch.reciprocal(denominator).expand(num_rows)
+        else:
+            # (an expanded scalar: the kernels take per-row scales with any stride)
+            held = torch.ones((), dtype=loss_dtype, device=logits.device).expand(num_rows)
         options = (ignore_index, label_smoothing, lse_square_scale, softcap)
         if inplace:
             forward = _cross_entropy_forward_inplace_cuda if eager else cross_entropy_forward_inplace
@@ -497,16 +521,27 @@ class CrossEntropyFunction(torch.autograd.Function):
         loss = stats[0]
         ctx.eager = eager
         ctx.ignore_index = ignore_index
-        ctx.save_for_backward(grad, target, held)
+        ctx.reduction = reduction
+        ctx.save_for_backward(grad, target, held, denominator)
         ctx.mark_non_differentiable(lse)
-        return loss, lse
+        ctx.set_materialize_grads(False)  # no zeros for the lse's gradient
+        if reduction == "none":
+            return loss, lse
+        # ignored rows have loss 0; their gradient rows are 0 whatever upstream gradient
+        # they get (the backward skips them), so a plain sum is safe even with no kept row
+        total = loss.sum()
+        return (total / denominator if reduction == "mean" else total), lse
 
     @staticmethod
-    def backward(ctx, dloss, dlse):
-        grad, target, held = ctx.saved_tensors
-        if dloss is None:
+    def backward(ctx, dout, dlse):
+        if dout is None:
             return (None,) * 10
-        dloss = dloss.to(held.dtype)
+        grad, target, held, denominator = ctx.saved_tensors
+        dloss = dout.to(held.dtype)
+        if ctx.reduction == "mean":
+            dloss = (dloss / denominator).expand(held.shape)
+        elif ctx.reduction == "sum":
+            dloss = dloss.expand(held.shape)
         if torch.compiler.is_compiling() or torch._C._autograd._get_current_graph_task_keep_graph():
             # the graph may run backward again (retain_graph, gradcheck) or is being
             # traced: leave the saved buffer intact
@@ -567,48 +602,25 @@ def cross_entropy(logits: Tensor, target: Tensor, weight: Optional[Tensor] = Non
                          f"{tuple(logits.shape[:-1])}")
     n_cols = logits.shape[-1]
     rows = as_rows(logits)
-    target_rows = target.reshape(-1)
+    target_rows = target if target.dim() == 1 else target.reshape(-1)
     if check_targets:
         _raise_on_bad_targets(target_rows, n_cols, ignore_index)
     args = (target_rows, weight, int(ignore_index), float(label_smoothing),
             float(lse_square_scale), float(softcap or 0.0))
-    num_rows = rows.shape[0]
-    loss_dtype = _loss_dtype(logits)
     eager = eager_cuda(logits, target, weight)
 
     if torch.is_grad_enabled() and logits.requires_grad:
-        # The gradient is computed in the forward for the upstream gradient a plain
-        # backward() of this function's result gives each row: 1 / denominator for a
-        # mean (computed as autograd's DivBackward does, so it compares equal), 1 for a
-        # sum or per-row losses. Any other upstream gradient costs a rescale pass.
-        # (an expanded scalar: the kernels take per-row scales with any stride)
-        denominator = None
-        if reduction == "mean":
-            # (bad targets count here; their loss is NaN, so is the mean)
-            kept = target_rows != ignore_index
-            if weight is None:
-                denominator = kept.sum(dtype=loss_dtype)
-            else:
-                safe = torch.where(kept, target_rows, torch.zeros_like(target_rows))
-                safe = safe.clamp(0, n_cols - 1)
-                denominator = (weight.to(loss_dtype)[safe] * kept).sum()
-            held = torch.reciprocal(denominator).expand(num_rows)
-        else:
-            held = torch.ones((), dtype=loss_dtype, device=logits.device).expand(num_rows)
-        loss, lse = CrossEntropyFunction.apply(rows, *args, bool(inplace_backward), held,
-                                               eager)
-        # ignored rows have loss 0; their gradient rows are 0 whatever upstream gradient
-        # they get (the backward skips them), so a plain sum is safe even with no kept row
-        total = loss.sum() if reduction != "none" else None
-        out = total / denominator if reduction == "mean" else total
+        out, lse = CrossEntropyFunction.apply(rows, *args, bool(inplace_backward), reduction,
+                                              eager)
+        loss = out
     else:
         forward = _cross_entropy_forward_cuda if eager else cross_entropy_forward
         stats, lse, _ = forward(rows, *args, False)
         loss = stats[0]
         if reduction == "mean":
             # one reduction of the losses and of the row weights the kernel wrote
-            total_loss, total_weight = stats.sum(1)
-            out = total_loss / total_weight
+            totals = stats.sum(1)
+            out = totals[0] / totals[1]
         elif reduction == "sum":
             out = loss.sum()
     if reduction == "none":
