@@ -87,6 +87,26 @@ def test_262144_columns(dtype, rms):
     check_backward(dy, h, w, None if rms else mean, rstd, 0.0, rms)
 
 
+@pytest.mark.parametrize("mean,std", [(300.0, 1e-3), (-1e4, 1.0), (0.5, 2.0)])
+def test_layer_norm_statistics_of_rows_far_from_zero(mean, std):
+    """LayerNorm of x alone on rows a cluster merges as (count, mean, centered sum of
+    squares) per thread (kernels.norm's moments path): rows whose mean is many
+    deviations from 0 keep an fp32-accurate variance. y is not compared: its error is
+    the fp32 rounding of the mean times rstd, for any fp32 implementation."""
+    m, n, fp32 = 6, 262144, torch.float32
+    cfg = ops.forward_config(n, False, fp32, fp32, False, fp32, fp32, None)
+    assert ops.forward_kernel(cfg, False, fp32, fp32, False, False, fp32, None, fp32)[0].moments
+    x = fresh((m, n), fp32, std, mean)
+    x[1, 0] = mean + 40 * std  # a row whose first value is far out
+    stats = torch.empty(m, dtype=fp32, device="cuda")
+    poison_allocator(x, stats, stats)  # y, mean, rstd start as NaN
+    _, _, got_mean, got_rstd = ops.norm_forward(x, None, None, None, 1e-12, 0.0, False, None,
+                                                None, False)
+    _, _, ref_mean, ref_rstd = forward_ref(x, None, None, None, 1e-12, 0.0, False)
+    assert_close(got_rstd, ref_rstd, fp32, name="rstd")
+    assert_close(got_mean, ref_mean, fp32, name="mean")
+
+
 @pytest.mark.parametrize("n,x_dtype", [(131073, torch.float32), (200000, torch.float32),
                                         (262143, torch.float32), (200000, torch.bfloat16),
                                         (262143, torch.bfloat16)])
