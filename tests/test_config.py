@@ -122,9 +122,9 @@ def test_loop_grid_fills_the_gpu_once():
 class _StagingOnlyKernel:
     """Stands in for a RowKernel whose shared memory is its staged rows alone."""
 
-    def __init__(self, cfg, bytes_per_col, accumulators=0, sums_in_registers=False):
+    def __init__(self, cfg, bytes_per_col, accumulators=0):
         self.cfg, self.bytes_per_col, self.accumulators = cfg, bytes_per_col, accumulators
-        self.sums_in_registers = sums_in_registers
+        self.sums_in_registers = config.sums_in_registers(cfg)
 
     def smem_bytes(self):
         return self.cfg.staging_smem_bytes(self.bytes_per_col)
@@ -148,24 +148,23 @@ def test_sums_in_registers(vec, threads, vecs_per_thread, chunks, in_registers):
     assert config.sums_in_registers(cfg) == in_registers
 
 
-@pytest.mark.parametrize("n, bytes_per_col, values_per_thread, accumulators, in_regs, stages", [
-    (8192, 4, 64, 0, False, 2),   # one chunk of 32 KiB: 3 CTAs per SM with one buffer or two
-    (8192, 8, 64, 0, False, 1),   # one chunk of 64 KiB: 3 CTAs x 1 buffer > 1 CTA x 2 buffers
-    (8192, 16, 64, 0, False, 1),  # one chunk of 128 KiB: a second buffer does not fit
-    (4096, 4, 16, 0, False, 2),   # two shared-memory chunks, no per-column sums
-    (4096, 4, 16, 1, False, 2),   # two chunks with per-column sums in shared memory, and
-                                  # still many CTAs per SM with two buffers
-    (4096, 24, 16, 0, False, 2),  # 96 KiB: 2 CTAs x 1 buffer = 1 CTA x 2 buffers
-    (4096, 24, 16, 1, False, 1),  # the same with sums in shared memory: not at one CTA per SM
-    (4096, 24, 16, 1, True, 2),   # the same with the sums in registers: prefetch
-    (8192, 4, 64, 1, True, 2),    # one chunk: the sums live in registers
+@pytest.mark.parametrize("n, bytes_per_col, values_per_thread, accumulators, stages", [
+    (8192, 4, 64, 0, 2),    # one chunk of 32 KiB: 3 CTAs per SM with one buffer or two
+    (8192, 8, 64, 0, 1),    # one chunk of 64 KiB: 3 CTAs x 1 buffer > 1 CTA x 2 buffers
+    (8192, 16, 64, 0, 1),   # one chunk of 128 KiB: a second buffer does not fit
+    (4096, 4, 16, 0, 2),    # two shared-memory chunks, no per-column sums
+    (4096, 4, 16, 1, 2),    # two chunks with per-column sums in shared memory, and
+                            # still many CTAs per SM with two buffers
+    (4096, 24, 16, 0, 2),   # 96 KiB: 2 CTAs x 1 buffer = 1 CTA x 2 buffers
+    (4096, 24, 16, 1, 1),   # the same with sums in shared memory: not at one CTA per SM
+    (8192, 4, 64, 1, 2),    # one chunk: the sums live in registers
 ])
 def test_prefetch_only_when_it_keeps_more_blocks_in_flight(
-        n, bytes_per_col, values_per_thread, accumulators, in_regs, stages):
+        n, bytes_per_col, values_per_thread, accumulators, stages):
     cfg = config.row_config(n, 2, staged_tensors=2, bytes_per_col=bytes_per_col,
                             values_per_thread=values_per_thread, cta_row_bytes=1 << 20)
     chosen = config.with_prefetch(
-        cfg, lambda c: _StagingOnlyKernel(c, bytes_per_col, accumulators, in_regs))
+        cfg, lambda c: _StagingOnlyKernel(c, bytes_per_col, accumulators))
     assert chosen.stages == stages
     assert dataclasses.replace(chosen, stages=1) == cfg
 

@@ -97,7 +97,7 @@ def test_rescale_grad_op():
 def test_plain_backward_finds_nothing_to_rescale(monkeypatch, reduction, weighted):
     """The gradient the forward computed is the one a plain backward() asks for: every
     row's upstream gradient equals the held one bit for bit (on CUDA, a differing row
-    costs a pass over its gradient); a scaled loss differs in every kept row."""
+    costs a pass over its gradient); a scaled loss differs in every row."""
     x, target, weight = make_case(dtype=torch.float32)
     weight = weight if weighted else None
     differing = []
@@ -144,6 +144,11 @@ def test_inplace_overwrites_logits_with_gradient():
     per_row_grad = ops.cross_entropy_reference(x, target, None, -100, 0.0, 0.0, 0.0)[2]
     assert_close(logits.detach(), per_row_grad, torch.float32)  # the buffer is the gradient now
     loss.backward()
+    assert_close(leaf.grad, per_row_grad, torch.float32)
+    # logits that are a leaf themselves: autograd keeps the buffer as .grad, no copy
+    leaf = x.clone().requires_grad_()
+    qk.cross_entropy(leaf, target, reduction="sum", inplace_backward=True).backward()
+    assert leaf.grad.data_ptr() == leaf.data_ptr()
     assert_close(leaf.grad, per_row_grad, torch.float32)
 
 

@@ -139,6 +139,29 @@ def test_backward_fast_and_rescaled_paths(reduction, inplace, dtype):
                                        tol_scale=2.0, loss_scale=0.3, reuse_scale=3.0)
 
 
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_plain_backward_moves_no_gradient_bytes(monkeypatch, reduction, weighted):
+    """On CUDA too, a plain backward() hands the rescale kernel an upstream gradient
+    equal bit for bit to the one the forward used (the mean's 1 / denominator computed
+    both ways), so no row is rescaled; a scaled loss differs in every row."""
+    x, target = fresh(64, 4096, torch.bfloat16)
+    weight = torch.rand(4096, device="cuda") + 0.5 if weighted else None
+    differing = []
+    rescale = ops._cross_entropy_rescale_grad_cuda
+
+    def recording(grad, target_, dloss, held, ignore_index):
+        differing.append(int((dloss != held).sum()))
+        rescale(grad, target_, dloss, held, ignore_index)
+
+    monkeypatch.setattr(ops, "_cross_entropy_rescale_grad_cuda", recording)
+    for scale, expected in ((1.0, 0), (0.37, x.shape[0])):
+        a = x.clone().requires_grad_()
+        out = qk.cross_entropy(a, target, weight, reduction=reduction)
+        (out.sum() * scale if reduction == "none" else out * scale).backward()
+        assert differing.pop() == expected
+
+
 @pytest.mark.parametrize("v", [1001, 524288])
 def test_rescale_kernel_matches_cpu_op(v):
     """The CUDA rescale against the CPU op: matching, differing, ignored, bad-target

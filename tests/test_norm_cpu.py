@@ -209,6 +209,9 @@ VARIANTS = [
     (131073, torch.float32, torch.float32, False),
     (262144, torch.float32, torch.float32, True),
     (262144, torch.bfloat16, torch.bfloat16, False),
+    # 512-thread backward shares with their sums in registers (config.sums_in_registers)
+    (131072, torch.float32, torch.float32, False),
+    (200000, torch.bfloat16, torch.bfloat16, True),
 ]
 
 

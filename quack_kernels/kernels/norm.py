@@ -136,8 +136,8 @@ class NormForward(RowKernel):
         # few deviations of the mean), since a second pass would re-read shared memory.
         # The threads' means are merged as deviations from one value of the row (its
         # first): as absolute means they lost their differences to the rounding of the
-        # mean itself (variance off by 4.5e-4 relative at mean 300, std 1e-3, against
-        # 1e-7 with two reductions, in an fp32 emulation).
+        # mean itself (fp32 emulation at n = 262144, mean 300, std 1e-3: variance off
+        # by 3.2e-4 relative, 1.4e-7 as deviations).
         shift = Float32(0.0)
         row_shift = Float32(0.0)
         if cutlass.const_expr(self.moments):

@@ -31,6 +31,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from ..kernels.cross_entropy import CrossEntropyForward, CrossEntropyGradRescale
 from ..primitives.compile_cache import (
@@ -522,6 +523,7 @@ class CrossEntropyFunction(torch.autograd.Function):
         ctx.eager = eager
         ctx.ignore_index = ignore_index
         ctx.reduction = reduction
+        ctx.inplace = inplace
         ctx.save_for_backward(grad, target, held, denominator)
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # no zeros for the lse's gradient
@@ -533,6 +535,7 @@ class CrossEntropyFunction(torch.autograd.Function):
         return (total / denominator if reduction == "mean" else total), lse
 
     @staticmethod
+    @once_differentiable  # (no double backward: an error, not a silent None)
     def backward(ctx, dout, dlse):
         if dout is None:
             return (None,) * 10
@@ -550,7 +553,9 @@ class CrossEntropyFunction(torch.autograd.Function):
             # last use of the buffer: rescale in place and hand it to autograd
             rescale = _cross_entropy_rescale_grad_cuda if ctx.eager else cross_entropy_rescale_grad_
             rescale(grad, target, dloss, held, ctx.ignore_index)
-            dlogits = grad
+            # in place, the buffer is the logits: as the input tensor itself, autograd
+            # would copy it into the leaf's .grad; a view it takes over
+            dlogits = grad.view_as(grad) if ctx.inplace else grad
         return dlogits, None, None, None, None, None, None, None, None, None
 
 
@@ -612,7 +617,10 @@ def cross_entropy(logits: Tensor, target: Tensor, weight: Optional[Tensor] = Non
     if torch.is_grad_enabled() and logits.requires_grad:
         out, lse = CrossEntropyFunction.apply(rows, *args, bool(inplace_backward), reduction,
                                               eager)
-        loss = out
+        if reduction == "none":
+            # a view of the function's stats, which torch does not let callers modify
+            # in place: hand out a copy (M floats)
+            out = out.clone()
     else:
         forward = _cross_entropy_forward_cuda if eager else cross_entropy_forward
         stats, lse, _ = forward(rows, *args, False)
@@ -623,8 +631,8 @@ def cross_entropy(logits: Tensor, target: Tensor, weight: Optional[Tensor] = Non
             out = totals[0] / totals[1]
         elif reduction == "sum":
             out = loss.sum()
+        else:
+            out = loss
     if reduction == "none":
-        # the autograd function's loss is a view of its stats, which torch does not let
-        # callers modify in place: hand out a copy (M floats)
-        out = (loss.clone() if loss.requires_grad else loss).view(target.shape)
+        out = out.view(target.shape)
     return (out, lse.view(target.shape)) if return_lse else out

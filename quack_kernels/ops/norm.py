@@ -33,6 +33,7 @@ from ..primitives.config import (
     loop_grid_rows,
     norm_backward_share,
     norm_forward_share,
+    row_blocks_in_flight,
     row_config,
     sums_in_registers,
     with_prefetch,
@@ -120,7 +121,7 @@ def backward_config(n_cols: int, h_dtype, dy_dtype, out_dtypes: tuple, weight_dt
         wider = share(max_threads_per_row=SUM_THREADS_PER_ROW)
         if sums_in_registers(wider) and wider.staging != "global":
             wider = with_prefetch(wider, kernel_for)
-            if wider.stages > prefetched.stages:
+            if row_blocks_in_flight(wider, kernel_for) > row_blocks_in_flight(prefetched, kernel_for):
                 return wider
     return prefetched
 

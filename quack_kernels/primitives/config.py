@@ -419,13 +419,15 @@ def norm_backward_share(elem_bytes: int, accumulators: int, n_cols: int):
 # no room for a second staging buffer (ncu, LayerNorm backward bf16 512x262144: 199 KB
 # of shared memory, 128 of them the sums, 8 warps per SM). For those rows the backward
 # takes SUM_THREADS_PER_ROW threads per row, so that each thread's sums fit in
-# REGISTER_SUM_VALUES registers per accumulator, where that frees the room to prefetch
-# (ops.norm.backward_config). H200, same session (kernel_ab_norm_backward_register_
-# sums_H200_20261130.txt, run 2): bf16 512x262144 RMSNorm 52.1% -> 57.3% of the copy
-# ceiling, LayerNorm 38.9% -> 46.9%. Multi-chunk sums in registers at 256 threads lost where
-# they changed the CTAs per SM (2048x65536: bf16 LayerNorm 42.2% -> 30.8%, fp32 RMSNorm
-# 82.6% -> 72.3%) and also where they did not (bf16 RMSNorm 65.3% -> 49.7%), and the
-# wide share without a prefetch lost too (fp32 512x262144 RMSNorm 72.5% -> 70.3%).
+# REGISTER_SUM_VALUES registers per accumulator, where that keeps more row blocks in
+# flight per SM (ops.norm.backward_config; in practice one CTA per SM that gains the
+# prefetch: 16-bit rows of 160000+ columns, fp32 ones of 100000+). H200, same session
+# (kernel_ab_norm_backward_register_sums_H200_20261130.txt, run 2): bf16 512x262144
+# RMSNorm 52.1% -> 57.3% of the copy ceiling, LayerNorm 38.9% -> 46.9%. Multi-chunk
+# sums in registers at 256 threads lost where they changed the CTAs per SM
+# (2048x65536: bf16 LayerNorm 42.2% -> 30.8%, fp32 RMSNorm 82.6% -> 72.3%) and also
+# where they did not (bf16 RMSNorm 65.3% -> 49.7%), and the wide share without a
+# prefetch lost too (fp32 512x262144 RMSNorm 72.5% -> 70.3%).
 REGISTER_SUM_VALUES = 32
 SUM_THREADS_PER_ROW = 512
 
@@ -452,8 +454,8 @@ def with_prefetch(cfg: RowConfig, kernel_for) -> RowConfig:
     ``kernel_for(config)`` builds the kernel (a RowKernel: shared memory, CTAs per SM).
 
     Not for rows re-read from global memory (nothing staged), nor for kernels keeping
-    per-column sums in shared memory (several chunks per share) that would be left
-    with fewer than MIN_PREFETCH_CTAS_WITH_SMEM_SUMS CTAs per SM. H200 sweep of the
+    per-column sums in shared memory (not sums_in_registers) that would be left with
+    fewer than MIN_PREFETCH_CTAS_WITH_SMEM_SUMS CTAs per SM. H200 sweep of the
     RMSNorm backward with dweight (benchmarks/sweep_norm_backward.py): one-chunk shares
     (sums in registers) gained (32768x4096 bf16 67% -> 90% of the copy ceiling,
     8192x16384 58% -> 72%); the cross-entropy forward (no sums) gained with several
@@ -467,9 +469,15 @@ def with_prefetch(cfg: RowConfig, kernel_for) -> RowConfig:
         return cfg
     if kernel.smem_bytes() > SMEM_BYTES_PER_CTA:
         return cfg
-    if 2 * kernel.ctas_per_sm() >= kernel_for(cfg).ctas_per_sm():
+    if row_blocks_in_flight(double, kernel_for) >= row_blocks_in_flight(cfg, kernel_for):
         return double
     return cfg
+
+
+def row_blocks_in_flight(cfg: RowConfig, kernel_for) -> int:
+    """Row blocks a looping kernel keeps in flight per SM: resident CTAs x stages
+    (``kernel_for`` as in with_prefetch)."""
+    return kernel_for(cfg).ctas_per_sm() * cfg.stages
 
 
 # The fixed-order column sum of per-CTA partial rows (the norm backward's dweight /
