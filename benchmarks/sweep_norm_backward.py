@@ -1,10 +1,12 @@
 """Sweep for the norm backward kernels on the GPU (dx and dweight, plus dbias for
-LayerNorm): row bytes per CTA (cluster size) and one or two staging buffers (prefetch
-of the next row block), one line per variant, as % of the copy ceiling for the model
-bytes (read h and dy, write dx).
+LayerNorm): row bytes per CTA (cluster size), vectors and threads per row, rows per
+block and one or two staging buffers (prefetch of the next row block), one line per
+variant, as % of the copy ceiling for the model bytes (read h and dy, write dx). Each
+variant's dx and summed partials are checked against the default config's: a line
+ending in WRONG is a config the kernel does not handle.
 
     python benchmarks/sweep_norm_backward.py [--norm rms,layer] [--kib 16,32,64]
-        [--shapes bf16:8192x16384,...]
+        [--rpb 1,2] [--shapes bf16:8192x16384,...]
 """
 
 import argparse
@@ -32,7 +34,7 @@ def _shapes(text):
         yield DTYPES[dtype], int(m), int(n)
 
 
-def sweep_shape(dtype, m, n, rms, kibs, vecs_options, tprs, ceiling):
+def sweep_shape(dtype, m, n, rms, kibs, vecs_options, tprs, rpbs, ceiling):
     h, dy = (torch.randn(m, n, device="cuda", dtype=dtype) for _ in range(2))
     weight = torch.randn(n, device="cuda", dtype=dtype)
     rstd = torch.rand(m, device="cuda") + 0.5
@@ -40,14 +42,17 @@ def sweep_shape(dtype, m, n, rms, kibs, vecs_options, tprs, ceiling):
     dx = torch.empty_like(h)
     accumulators = 1 if rms else 2
     vec = 16 // dtype.itemsize
-    for kib, vecs, tpr in ((k, v, t) for k in kibs for v in vecs_options for t in tprs):
+    reference = None  # (dx, dweight) of the default config, the first one timed
+    for kib, vecs, tpr, rpb in ((k, v, t, r) for k in kibs for v in vecs_options
+                                for t in tprs for r in rpbs):
         # values per thread over every staged tensor and accumulator
         default = ops.backward_config(n, dtype, dtype, (dtype,), dtype, accumulators,
                                       cta_row_bytes=kib * 1024,
                                       values_per_thread=vecs * vec * (2 + accumulators),
                                       max_threads_per_row=tpr)
         for stages in (1, 2):
-            cfg = dataclasses.replace(default, stages=stages)
+            cfg = dataclasses.replace(default, stages=stages,
+                                      rows_per_block=rpb or default.rows_per_block)
             kernel = ops._backward_kernel_object(cfg, rms, dtype, dtype, True, not rms)
             if kernel.smem_bytes() > SMEM_BYTES_PER_CTA:
                 continue
@@ -61,7 +66,10 @@ def sweep_shape(dtype, m, n, rms, kibs, vecs_options, tprs, ceiling):
             def call():
                 fn(h, dy, weight, mean, rstd, None, dx, None, parts[0], db_part, 0.0, grid)
 
+            if reference is None:
+                reference = _default_result(dtype, rms, h, dy, weight, mean, rstd)
             call()
+            right = _close(dx.float(), reference[0]) and _close(parts[0].sum(0), reference[1])
             ms = triton.testing.do_bench(call, return_mode="median")
             pct = 100 * 3 * h.numel() * h.element_size() / ms / 1e6 / ceiling
             default_mark = "*" if cfg == ops.backward_config(n, dtype, dtype, (dtype,), dtype,
@@ -71,7 +79,20 @@ def sweep_shape(dtype, m, n, rms, kibs, vecs_options, tprs, ceiling):
                   f"vpt={cfg.vec * cfg.vecs_per_thread:2d} thr={cfg.threads_per_block:4d} "
                   f"{cfg.staging:9s} sums={'regs' if kernel.sums_in_registers else 'smem'} "
                   f"ctas/SM={kernel.ctas_per_sm()} {ms * 1e3:8.1f}us "
-                  f"{pct:5.1f}%{default_mark}", flush=True)
+                  f"{pct:5.1f}%{default_mark}{'' if right else ' WRONG'}", flush=True)
+
+
+def _close(got, expected, tol=2e-2):
+    """Within ``tol`` of the largest magnitude (16-bit outputs of two configs may round
+    apart; a config the kernel mishandles is off by far more)."""
+    return bool((got - expected).abs().max() <= tol * expected.abs().max())
+
+
+def _default_result(dtype, rms, h, dy, weight, mean, rstd):
+    """(dx, dweight) in fp32 from the default config through the op."""
+    dx, _, dweight, _ = ops.norm_backward(dy, h, weight, mean, rstd, None, 0.0, rms, dtype,
+                                          None, True, None if rms else dtype)
+    return dx.float(), dweight.float()
 
 
 def main(argv):
@@ -82,13 +103,17 @@ def main(argv):
     p.add_argument("--tpr", type=ints, default=[256, 512],
                    help="max threads per row (512: the per-column sums fit in registers "
                         "at long rows, config.SUM_THREADS_PER_ROW)")
+    p.add_argument("--rpb", type=ints, default=[0],
+                   help="rows per block (0: the config's; 2 on cluster rows: two rows per "
+                        "CTA share one cluster exchange)")
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help="dtype:MxN,...")
     args = p.parse_args(argv)
     ceiling = copy_ceiling_gbps()
     print(f"copy ceiling {ceiling:.0f} GB/s; * marks the default config")
     for dtype, m, n in _shapes(args.shapes):
         for norm in args.norm.split(","):
-            sweep_shape(dtype, m, n, norm == "rms", args.kib, args.vecs, args.tpr, ceiling)
+            sweep_shape(dtype, m, n, norm == "rms", args.kib, args.vecs, args.tpr, args.rpb,
+                        ceiling)
             torch.cuda.empty_cache()
 
 
