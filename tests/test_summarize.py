@@ -1,0 +1,68 @@
+"""benchmarks/summarize.py on synthetic runner CSVs (CPU)."""
+
+import csv
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "summarize.py"
+FIELDS = ["op", "dtype", "M", "N", "impl", "time_us", "gbps", "pct_of_copy", "date", "error"]
+
+
+@pytest.fixture(scope="module")
+def summarize():
+    spec = importlib.util.spec_from_file_location("summarize", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (dataclasses look their module up there)
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+def write(path, date, rows):
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, FIELDS)
+        writer.writeheader()
+        for op, m, n, impl, us, pct, error in rows:
+            writer.writerow(dict(op=op, dtype="bf16", M=m, N=n, impl=impl, time_us=us,
+                                 gbps=1.0, pct_of_copy=pct, date=date, error=error))
+
+
+def test_latest_run_fastest_baseline_and_targets(tmp_path, summarize):
+    # an older run, superseded for the norm case; a newer one where a baseline errored
+    write(tmp_path / "a.csv", "2026-11-30T01:00", [
+        ("rms_norm_bwd", 8192, 16384, "quack_kernels", 300.0, 70.0, ""),
+        ("rms_norm_bwd", 8192, 16384, "torch", 600.0, 35.0, ""),
+        ("softmax_fwd", 4096, 4096, "quack_kernels", 20.0, 72.0, ""),
+        ("softmax_fwd", 4096, 4096, "quack", 19.0, 75.0, ""),
+    ])
+    write(tmp_path / "b.csv", "2026-11-30T02:00", [
+        ("rms_norm_bwd", 8192, 16384, "quack_kernels", 250.0, 84.0, ""),
+        ("rms_norm_bwd", 8192, 16384, "liger", 500.0, 42.0, ""),
+        ("rms_norm_bwd", 8192, 16384, "torch", 400.0, 52.0, ""),
+        ("rms_norm_bwd", 8192, 16384, "quack", "", "", "RuntimeError: no"),
+    ])
+    cases = summarize.read_cases(tmp_path)
+    norm = cases[("rms_norm_bwd", "bf16", 8192, 16384)]
+    assert (norm.csv, norm.ours_pct, norm.baseline) == ("b.csv", 84.0, "torch")
+    assert norm.speedup == pytest.approx(1.6) and norm.target == 80.0 and not norm.misses
+    small = cases[("softmax_fwd", "bf16", 4096, 4096)]
+    assert small.target is None and small.misses  # off the grid: only the baselines count
+    assert "| rms_norm_bwd | bf16 | 8192x16384 | 84.0 | 80.0 | torch |" in summarize.table([norm])
+
+
+@pytest.mark.parametrize("op, m, n, target", [
+    ("softmax_bwd", 512, 262144, 92.0),
+    ("softmax_fwd", 128, 1 << 20, 85.0),
+    ("layer_norm_fwd_res", 2048, 65536, 92.0),
+    ("layer_norm_bwd", 2048, 65536, 80.0),
+    ("rms_norm_fwdbwd", 4096, 4096, None),
+    ("cross_entropy_fwd", 4096, 128256, 90.0),
+    ("cross_entropy_fwdbwd", 131072, 1024, 85.0),
+    ("cross_entropy_fwdbwd_options", 131072, 1024, None),
+    ("layer_norm_fwd", 256, 32000, None),
+])
+def test_issue_targets(summarize, op, m, n, target):
+    assert summarize.target_pct(op, m, n) == target
