@@ -92,6 +92,30 @@ def check_cross_entropy_backward_paths(x, target, weight, reduction, inplace, re
     assert_close(second, reuse_scale * ref_grad, dtype, scale=tol_scale, name="retained 2nd")
 
 
+def check_plain_backward_rescales_no_row(monkeypatch, rescale_name, x, target, weight,
+                                         reduction):
+    """The gradient quack_kernels.cross_entropy computes in its forward is the one a
+    plain backward() asks for: the rescale the backward calls (``rescale_name`` in
+    ops.cross_entropy, patched to count) sees an upstream gradient equal bit for bit to
+    the held one in every row; a scaled loss differs in every row."""
+    import quack_kernels as qk
+    from quack_kernels.ops import cross_entropy as ops
+
+    differing = []
+    original = getattr(ops, rescale_name)
+
+    def recording(grad, target_, dloss, held, ignore_index):
+        differing.append(int((dloss != held).sum()))
+        return original(grad, target_, dloss, held, ignore_index)
+
+    monkeypatch.setattr(ops, rescale_name, recording)
+    for scale, expected in ((1.0, 0), (0.37, x.shape[0])):
+        leaf = x.clone().requires_grad_()
+        out = qk.cross_entropy(leaf, target, weight, reduction=reduction)
+        (out.sum() * scale if reduction == "none" else out * scale).backward()
+        assert differing.pop() == expected
+
+
 def assert_looping_launch_fits(kernel, name, n, dtype, cfg, res) -> None:
     """A kernel looping over row blocks is launched for ``kernel.ctas_per_sm()`` CTAs
     per SM: its compiled register count must let all of them be resident at once (else

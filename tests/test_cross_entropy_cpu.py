@@ -16,6 +16,7 @@ from helpers import (
     assert_close,
     assert_looping_launch_fits,
     check_cross_entropy_backward_paths,
+    check_plain_backward_rescales_no_row,
     torch_cross_entropy,
 )
 
@@ -95,24 +96,11 @@ def test_rescale_grad_op():
 @pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_plain_backward_finds_nothing_to_rescale(monkeypatch, reduction, weighted):
-    """The gradient the forward computed is the one a plain backward() asks for: every
-    row's upstream gradient equals the held one bit for bit (on CUDA, a differing row
-    costs a pass over its gradient); a scaled loss differs in every row."""
+    """On the CPU path (on CUDA, a differing row costs a pass over its gradient):
+    helpers.check_plain_backward_rescales_no_row."""
     x, target, weight = make_case(dtype=torch.float32)
-    weight = weight if weighted else None
-    differing = []
-
-    def recording(grad, target_, dloss, held, ignore_index):
-        differing.append(int((dloss != held).sum()))
-        return rescaled(grad, target_, dloss, held, ignore_index)
-
-    rescaled = ops.rescaled_grad
-    monkeypatch.setattr(ops, "rescaled_grad", recording)
-    for scale, expected in ((1.0, 0), (0.37, x.shape[0])):
-        a = x.clone().requires_grad_()
-        out = qk.cross_entropy(a, target, weight, reduction=reduction)
-        (out.sum() * scale if reduction == "none" else out * scale).backward()
-        assert differing.pop() == expected
+    check_plain_backward_rescales_no_row(monkeypatch, "rescaled_grad", x, target,
+                                         weight if weighted else None, reduction)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

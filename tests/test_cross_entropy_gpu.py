@@ -9,7 +9,8 @@ import torch.nn.functional as F
 import quack_kernels as qk
 from quack_kernels.ops import cross_entropy as ops
 
-from helpers import (assert_close, check_cross_entropy_backward_paths, poison_allocator,
+from helpers import (assert_close, check_cross_entropy_backward_paths,
+                     check_plain_backward_rescales_no_row, poison_allocator,
                      torch_cross_entropy)
 
 pytestmark = pytest.mark.gpu
@@ -142,24 +143,13 @@ def test_backward_fast_and_rescaled_paths(reduction, inplace, dtype):
 @pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_plain_backward_moves_no_gradient_bytes(monkeypatch, reduction, weighted):
-    """On CUDA too, a plain backward() hands the rescale kernel an upstream gradient
-    equal bit for bit to the one the forward used (the mean's 1 / denominator computed
-    both ways), so no row is rescaled; a scaled loss differs in every row."""
+    """On CUDA too (the mean's 1 / denominator computed as a reciprocal in the forward
+    and as a division in the backward): helpers.check_plain_backward_rescales_no_row,
+    through the CUDA rescale."""
     x, target = fresh(64, 4096, torch.bfloat16)
     weight = torch.rand(4096, device="cuda") + 0.5 if weighted else None
-    differing = []
-    rescale = ops._cross_entropy_rescale_grad_cuda
-
-    def recording(grad, target_, dloss, held, ignore_index):
-        differing.append(int((dloss != held).sum()))
-        rescale(grad, target_, dloss, held, ignore_index)
-
-    monkeypatch.setattr(ops, "_cross_entropy_rescale_grad_cuda", recording)
-    for scale, expected in ((1.0, 0), (0.37, x.shape[0])):
-        a = x.clone().requires_grad_()
-        out = qk.cross_entropy(a, target, weight, reduction=reduction)
-        (out.sum() * scale if reduction == "none" else out * scale).backward()
-        assert differing.pop() == expected
+    check_plain_backward_rescales_no_row(monkeypatch, "_cross_entropy_rescale_grad_cuda",
+                                         x, target, weight, reduction)
 
 
 @pytest.mark.parametrize("v", [1001, 524288])
