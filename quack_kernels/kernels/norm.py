@@ -34,7 +34,7 @@ from cutlass.memory import SmemAllocator
 
 from ..primitives import reduce as red
 from ..primitives import tiling
-from ..primitives.config import RowConfig
+from ..primitives.config import RowConfig, stage_columns_once
 from ..primitives.rows import ReductionSlot, RowKernel, RowTiles
 
 ZERO = (Float32(0.0),)
@@ -222,10 +222,6 @@ class NormBackward(RowKernel):
     def __init__(self, cfg: RowConfig, rms: bool, h_dtype, dy_dtype, need_dweight: bool,
                  need_dbias: bool, weight_dtype=None):
         self.cfg = cfg
-        # The weight is read for every row: staged once in shared memory (not with
-        # vectors under 4 bytes, which cp.async cannot zero-fill past the row end).
-        staged_weight = weight_dtype is not None and weight_dtype.width * cfg.vec >= 32
-        self.column_dtypes = (weight_dtype,) if staged_weight else ()
         self.rms = rms
         self.staged_dtypes = (h_dtype, dy_dtype)
         self.values_per_reduction = 1 if rms else 2
@@ -234,6 +230,15 @@ class NormBackward(RowKernel):
         self.accumulators = int(need_dweight) + int(need_dbias)
         if self.accumulators and h_dtype.width == 16 and cfg.vec * cfg.vecs_per_thread > 8:
             self.loop_registers = self.WIDE_LOOP_REGISTERS
+        # The weight is read for every row block: staged once in shared memory where
+        # config.stage_columns_once says so (not with vectors under 4 bytes, which
+        # cp.async cannot zero-fill past the row end).
+        if weight_dtype is not None and weight_dtype.width * cfg.vec >= 32:
+            alone = self.ctas_per_sm()
+            self.column_dtypes = (weight_dtype,)
+            if not stage_columns_once(alone, self.smem_bytes()):
+                self.column_dtypes = ()
+            self._ctas_per_sm = None
 
     @cute.jit
     def __call__(self, mH: cute.Tensor, mdY: cute.Tensor, mW, mMean, mRstd: cute.Tensor,
