@@ -53,7 +53,7 @@ def sweep_shape(dtype, m, n, rms, kibs, vecs_options, tprs, rpbs, ceiling):
         for stages in (1, 2):
             cfg = dataclasses.replace(default, stages=stages,
                                       rows_per_block=rpb or default.rows_per_block)
-            kernel = ops._backward_kernel_object(cfg, rms, dtype, dtype, True, not rms)
+            kernel = ops._backward_kernel_object(cfg, rms, dtype, dtype, True, not rms, dtype)
             if kernel.smem_bytes() > SMEM_BYTES_PER_CTA:
                 continue
             fn = ops.compile_backward(cfg, rms, dtype, dtype, dtype, False, None, dtype,

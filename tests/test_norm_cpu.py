@@ -7,6 +7,7 @@ import torch
 
 import quack_kernels as qk
 from quack_kernels.ops import norm as ops
+from quack_kernels.primitives import config
 from quack_kernels.report import find_cuobjdump, measure, spills
 
 from helpers import assert_close, assert_looping_launch_fits
@@ -324,6 +325,28 @@ def test_backward_shares_by_dtype_and_sums():
     assert frozen.vec * frozen.vecs_per_thread > 8
     assert ops._backward_kernel_object(frozen, True, bf16, bf16, False, False).loop_registers \
         == config.LOOP_REGS_PER_THREAD
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_backward_stages_the_weight_only_at_one_cta_per_sm(dtype):
+    """The weight is staged once in shared memory where one CTA per SM is resident (and
+    it still fits), never where it would cost resident CTAs; its bytes are counted."""
+    for n in (1024, 4096, 16384, 65536, 131072, 262144):
+        for rms in (True, False):
+            acc = 1 if rms else 2
+            cfg = ops.backward_config(n, dtype, dtype, (dtype,), dtype, acc)
+            bare = ops._backward_kernel_object(cfg, rms, dtype, dtype, True, not rms)
+            kernel = ops._backward_kernel_object(cfg, rms, dtype, dtype, True, not rms, dtype)
+            staged = len(kernel.column_dtypes) == 1
+            weight_bytes = cfg.rows_per_block * cfg.cols_per_cta * dtype.itemsize
+            fits = bare.smem_bytes() + weight_bytes + 16 <= config.SMEM_BYTES_PER_CTA
+            assert staged == (bare.ctas_per_sm() == 1 and fits), (n, rms)
+            assert kernel.smem_bytes() - bare.smem_bytes() == (weight_bytes + 16 if staged else 0)
+            assert kernel.ctas_per_sm() == bare.ctas_per_sm()
+    bf16_long = ops.backward_config(262144, torch.bfloat16, torch.bfloat16, (torch.bfloat16,),
+                                    torch.bfloat16, 1)
+    assert ops._backward_kernel_object(bf16_long, True, torch.bfloat16, torch.bfloat16, True,
+                                       False, torch.bfloat16).column_dtypes
 
 
 def test_return_stats_gives_fp32_statistics_without_gradient():

@@ -34,7 +34,7 @@ from cutlass.memory import SmemAllocator
 
 from ..primitives import reduce as red
 from ..primitives import tiling
-from ..primitives.config import RowConfig
+from ..primitives.config import RowConfig, stage_columns_once
 from ..primitives.rows import ReductionSlot, RowKernel, RowTiles
 
 ZERO = (Float32(0.0),)
@@ -220,7 +220,7 @@ class NormBackward(RowKernel):
     WIDE_LOOP_REGISTERS = 104
 
     def __init__(self, cfg: RowConfig, rms: bool, h_dtype, dy_dtype, need_dweight: bool,
-                 need_dbias: bool):
+                 need_dbias: bool, weight_dtype=None):
         self.cfg = cfg
         self.rms = rms
         self.staged_dtypes = (h_dtype, dy_dtype)
@@ -230,6 +230,15 @@ class NormBackward(RowKernel):
         self.accumulators = int(need_dweight) + int(need_dbias)
         if self.accumulators and h_dtype.width == 16 and cfg.vec * cfg.vecs_per_thread > 8:
             self.loop_registers = self.WIDE_LOOP_REGISTERS
+        # The weight is read for every row block: staged once in shared memory where
+        # config.stage_columns_once says so (not with vectors under 4 bytes, which
+        # cp.async cannot zero-fill past the row end).
+        if weight_dtype is not None and weight_dtype.width * cfg.vec >= 32:
+            alone = self.ctas_per_sm()
+            self.column_dtypes = (weight_dtype,)
+            if not stage_columns_once(alone, self.smem_bytes()):
+                self.column_dtypes = ()
+            self._ctas_per_sm = None
 
     @cute.jit
     def __call__(self, mH: cute.Tensor, mdY: cute.Tensor, mW, mMean, mRstd: cute.Tensor,
@@ -251,12 +260,15 @@ class NormBackward(RowKernel):
                  for c in range(cfg.num_chunks)] if self.need_dweight else []
         acc_b = [home.accumulator(smem, c, self.sums_in_registers)
                  for c in range(cfg.num_chunks)] if self.need_dbias else []
+        sW = mW
+        if cutlass.const_expr(mW is not None and len(self.column_dtypes) > 0):
+            sW = home.stage_columns(smem, mW)
         if cutlass.const_expr(cfg.cluster_size > 1):
             cute.arch.cluster_wait()
         if cutlass.const_expr(cfg.stages == 2):
             home.issue_loads()  # the first block; each iteration prefetches the next
         self.for_each_row_block(mH.shape[0], grid_rows, self._row_block, home, grid_rows, slot,
-                                mW, mMean, mRstd, mdResOut, mdX, mdRes, weight_offset, acc_w, acc_b)
+                                sW, mMean, mRstd, mdResOut, mdX, mdRes, weight_offset, acc_w, acc_b)
 
         for c in cutlass.range_constexpr(cfg.num_chunks):
             if cutlass.const_expr(self.need_dweight):
@@ -275,7 +287,6 @@ class NormBackward(RowKernel):
         mean = Float32(0.0)
         if cutlass.const_expr(not self.rms):
             mean = Float32(cutlass.select_(tiles.row_in_bounds, mMean[row], Float32(0.0)))
-
         kept = []
         dot = Float32(0.0)  # sum(g * xhat)
         g_sum = Float32(0.0)  # sum(g), LayerNorm
@@ -321,7 +332,11 @@ class NormBackward(RowKernel):
             xhat = tiling.mask_out_of_row(xhat, tiles.coords[c], self.cfg.n_cols, 0.0)
         g = dy
         if cutlass.const_expr(mW is not None):
-            g = dy * (tiles.load(tiles.broadcast_rows(mW), c, guard_rows=False) + weight_offset)
+            if cutlass.const_expr(len(self.column_dtypes) > 0):
+                w = tiles.column_values(mW, c)
+            else:
+                w = tiles.load(tiles.broadcast_rows(mW), c, guard_rows=False)
+            g = dy * (w + weight_offset)
         if cutlass.const_expr(acc_w is not None and self.need_dweight):
             acc_w[c].store(acc_w[c].load() + dy * xhat)
         if cutlass.const_expr(acc_b is not None and self.need_dbias):

@@ -112,7 +112,7 @@ def backward_config(n_cols: int, h_dtype, dy_dtype, out_dtypes: tuple, weight_dt
         looping=True, cta_row_bytes=cta_row_bytes, values_per_thread=values_per_thread)
     cfg = share(max_threads_per_row=max_threads_per_row)
     kernel_for = lambda c: _backward_kernel_object(  # noqa: E731
-        c, False, h_dtype, dy_dtype, accumulators >= 1, accumulators >= 2)
+        c, False, h_dtype, dy_dtype, accumulators >= 1, accumulators >= 2, weight_dtype)
     # sized for the largest variant (LayerNorm: two values per reduction)
     prefetched = with_prefetch(cfg, kernel_for)
     if max_threads_per_row is None and accumulators and not sums_in_registers(cfg):
@@ -173,7 +173,8 @@ def backward_kernel(cfg: RowConfig, rms: bool, h_dtype, dy_dtype, weight_dtype,
     import cutlass.cute as cute
 
     vec, n, dt = cfg.vec, cfg.n_cols, cutlass_dtype
-    kernel = _backward_kernel_object(cfg, rms, h_dtype, dy_dtype, need_dweight, need_dbias)
+    kernel = _backward_kernel_object(cfg, rms, h_dtype, dy_dtype, need_dweight, need_dbias,
+                                     weight_dtype)
     rows = cute.sym_int()
     return (
         kernel,
@@ -217,9 +218,10 @@ def compile_column_sum(cfg: ColumnSumConfig, out_dtypes: tuple):
 
 @functools.lru_cache(maxsize=None)  # on every call
 def _backward_kernel_object(cfg: RowConfig, rms: bool, h_dtype, dy_dtype, need_dweight: bool,
-                            need_dbias: bool) -> NormBackward:
+                            need_dbias: bool, weight_dtype=None) -> NormBackward:
     dt = cutlass_dtype
-    return NormBackward(cfg, rms, dt(h_dtype), dt(dy_dtype), need_dweight, need_dbias)
+    return NormBackward(cfg, rms, dt(h_dtype), dt(dy_dtype), need_dweight, need_dbias,
+                        dt(weight_dtype) if weight_dtype is not None else None)
 
 
 def report_variants(n_grid, dtypes):
@@ -460,7 +462,8 @@ def _norm_backward_checked(dy, h, weight, mean, rstd, dresidual_out, weight_offs
                               dres_rows is not None,
                               dres_rows.dtype if dres_rows is not None else None,
                               dx_dtype, dresidual_dtype, need_dweight, need_dbias)
-        kernel = _backward_kernel_object(cfg, rms, h.dtype, dy.dtype, need_dweight, need_dbias)
+        kernel = _backward_kernel_object(cfg, rms, h.dtype, dy.dtype, need_dweight, need_dbias,
+                                         weight.dtype if weight is not None else None)
         sum_dtypes = tuple(d for d in (weight.dtype if need_dweight else None, dbias_dtype) if d)
         sum_cfg = column_sum_config(n_cols, len(sum_dtypes)) if sum_dtypes else None
         column_sum = compile_column_sum(sum_cfg, sum_dtypes) if sum_dtypes else None

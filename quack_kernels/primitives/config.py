@@ -441,6 +441,18 @@ def sums_in_registers(cfg: RowConfig) -> bool:
         and cfg.vec * cfg.vecs_per_thread * cfg.num_chunks <= REGISTER_SUM_VALUES)
 
 
+# A per-column vector read for every row block (a norm backward's weight) is staged once
+# per CTA in shared memory only where a single CTA per SM is resident: there nothing
+# hides the latency of a global load per row block. H200, kernels alone, same session
+# (kernel_ab_norm_backward_staged_weight_H200_20261130.txt), staged everywhere: bf16
+# 512x262144 (one CTA) RMSNorm 53.8% -> 65.3% of the copy ceiling, LayerNorm 46.2% ->
+# 54.1%; with more CTAs per SM it lost as often as it won, unexplained (RMSNorm bf16
+# 32768x4096 88.2% -> 68.3%, fp32 2048x65536 82.0% -> 70.3%; LayerNorm fp32 2048x65536
+# 59.7% -> 70.5%, bf16 32768x4096 70.5% -> 74.5%).
+def stage_columns_once(ctas_per_sm_without: int, smem_bytes_with: int) -> bool:
+    return ctas_per_sm_without == 1 and smem_bytes_with <= SMEM_BYTES_PER_CTA
+
+
 # Per-column sums in shared memory with a second staging buffer: prefetch paid where
 # two CTAs per SM stayed resident (fp32 2048x65536 RMSNorm 65% -> 83%, bf16 2048x65536
 # in 64-KiB shares 60% -> 67%) and lost at one (bf16 512x262144 53% -> 47%).

@@ -46,6 +46,7 @@ class RowKernel:
     values_per_reduction: int = 1
     scratch_buffers: int = 1  # 2 for kernels looping over row blocks
     accumulators: int = 0  # fp32 per-column accumulators (see RowTiles.accumulator)
+    column_dtypes: tuple = ()  # per-column vectors staged once (RowTiles.stage_columns)
     loop_registers: int = LOOP_REGS_PER_THREAD  # per thread, when looping over row blocks
     _ctas_per_sm = None
 
@@ -63,9 +64,12 @@ class RowKernel:
         accumulated = 0
         if not self.sums_in_registers:
             accumulated = self.accumulators * self.cfg.rows_per_block * self.cfg.cols_per_cta * 4
+        columns = self.cfg.rows_per_block * self.cfg.cols_per_cta * sum(
+            d.width // 8 for d in self.column_dtypes)
         allocations = 2 * len(self.staged_dtypes) + 2 * self.reductions \
-            + self.accumulators * self.cfg.num_chunks
-        return staged + scratch + accumulated + 16 * allocations + 64
+            + self.accumulators * self.cfg.num_chunks \
+            + len(self.column_dtypes)
+        return staged + scratch + accumulated + columns + 16 * allocations + 64
 
     def ctas_per_sm(self) -> int:
         """Resident CTAs per SM a looping launch of this kernel is sized for: the
@@ -260,6 +264,36 @@ class RowTiles:
                     if self.row_in_bounds:
                         cute.copy(self.copy_g2s[i], tXgX, tXsX, pred=self.preds[c])
                 cute.arch.cp_async_commit_group()
+
+    def stage_columns(self, smem, mV: cute.Tensor) -> cute.Tensor:
+        """This CTA's columns of the per-column vector ``mV`` (N,), every chunk, copied
+        into shared memory once (and waited for) by kernels that read it for every row
+        block; read back with ``column_values``. Call before the first ``issue_loads``."""
+        cfg = self.cfg
+        sV = smem.allocate_tensor(
+            mV.element_type,
+            cute.make_ordered_layout((*tiling.chunk_tiler(cfg), cfg.num_chunks), order=(1, 0, 2)),
+            byte_alignment=16)
+        copy = tiling.tiled_copy(tiling.g2s_copy_atom(mV.element_type, cfg), cfg)
+        thr = copy.get_slice(self.tidx)
+        rows = self.broadcast_rows(mV)
+        for c in range(cfg.num_chunks):
+            cute.copy(copy, thr.partition_S(self._gmem_tile(rows, c)),
+                      thr.partition_D(sV[None, None, c]), pred=self.preds[c])
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        return sV
+
+    @cute.jit
+    def column_values(self, sV: cute.Tensor, chunk: cutlass.Constexpr[int]) -> cute.TensorSSA:
+        """fp32 values of chunk ``chunk`` of a ``stage_columns`` vector (each thread reads
+        what it copied itself: no barrier)."""
+        thr = tiling.tiled_copy(tiling.vector_copy_atom(sV.element_type, self.cfg),
+                                self.cfg).get_slice(self.tidx)
+        src = thr.partition_S(sV[None, None, chunk])
+        values = cute.make_fragment_like(src)
+        cute.autovec_copy(src, values)
+        return values.load().to(Float32)
 
     @cute.jit
     def _pad_row_end(self, i: cutlass.Constexpr[int], chunk: cutlass.Constexpr[int]):
