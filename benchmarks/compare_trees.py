@@ -10,7 +10,8 @@ each call hides the host time, so the numbers are the kernels'.
 
 Cases (bytes per element of the row tensor moved, each input read once and each
 output written once): sm_fwd 2, sm_bwd 3 (softmax), ce_loss 1, ce_grad 2 (the
-cross-entropy forward without and with the gradient), rms_fwd / ln_fwd 2 and
+cross-entropy forward without and with the gradient), ce_loss_opts 1 and ce_grad_opts 2
+(the same with label smoothing 0.1, z-loss 1e-4 and softcap 30), rms_fwd / ln_fwd 2 and
 rms_fwd_res / ln_fwd_res 4 (norm forward of x, or of x + residual with the sum stored),
 rms_bwd / ln_bwd 3 (norm backward: dx, dweight and for LayerNorm dbias).
 """
@@ -21,8 +22,8 @@ import os
 import subprocess
 import sys
 
-CASES = ("sm_fwd", "sm_bwd", "ce_loss", "ce_grad", "rms_fwd", "ln_fwd", "rms_fwd_res",
-         "ln_fwd_res", "rms_bwd", "ln_bwd")
+CASES = ("sm_fwd", "sm_bwd", "ce_loss", "ce_grad", "ce_loss_opts", "ce_grad_opts", "rms_fwd",
+         "ln_fwd", "rms_fwd_res", "ln_fwd_res", "rms_bwd", "ln_bwd")
 DEFAULT_SHAPES = "bf16:4096x128256,bf16:8192x151936,bf16:2048x65536,bf16:512x262144"
 
 
@@ -57,12 +58,13 @@ def case_call(case, x):
     if case == "sm_bwd":
         y, dy = qk.softmax(x), torch.randn_like(x)
         return (lambda: sm_ops._softmax_backward_cuda(y, dy, False)), 3
-    if case in ("ce_loss", "ce_grad"):
+    if case.startswith("ce_"):
         target = torch.randint(0, n, (m,), device=x.device)
-        grad = case == "ce_grad"
+        grad = case.startswith("ce_grad")
+        options = (0.1, 1e-4, 30.0) if case.endswith("_opts") else (0.0, 0.0, 0.0)
         # an explicit per-row scale, so that no extra kernel fills one
         scale = torch.ones(m, device=x.device) if grad else None
-        return (lambda: ce_ops._cross_entropy_forward_cuda(x, target, None, -100, 0.0, 0.0, 0.0,
+        return (lambda: ce_ops._cross_entropy_forward_cuda(x, target, None, -100, *options,
                                                            grad, scale)), 2 if grad else 1
     weight = torch.randn(n, device=x.device, dtype=x.dtype)
     bias = torch.randn(n, device=x.device, dtype=x.dtype)

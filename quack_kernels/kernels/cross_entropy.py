@@ -147,8 +147,17 @@ class CrossEntropyForward(RowKernel):
 
     @cute.jit
     def _cap(self, x, inv_softcap: Float32, softcap: Float32):
+        """s tanh(x / s) as s - 2 s / (1 + exp(2 x / s)): the ex2 and rcp of a precise
+        tanh and three FP32 instructions per value, where the tanh's relative precision
+        near 0 took about 14 more (MUFU.TANH alone is off by 5e-4 relative). Absolute
+        error under 6e-7 s (fp32 emulation with the approximate ex2 and rcp), the
+        precision exp(z - lse) and the loss need; x = -inf gives -s, +inf gives s.
+        SASS of the gradient kernel, 4096x128256 bf16, every option on: 4744 -> 3192
+        instructions per thread (plain: 1304)."""
         if cutlass.const_expr(self.softcap):
-            x = cute.math.tanh(x * inv_softcap) * softcap
+            e = cute.math.exp2(x * (inv_softcap * Float32(2.0 * red.LOG2_E)), fastmath=True)
+            x = softcap - (softcap + softcap) * cute.math.rcp(e + Float32(1.0), approx=True,
+                                                              ftz=True)
         return x
 
     @cute.kernel
