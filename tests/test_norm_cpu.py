@@ -327,26 +327,30 @@ def test_backward_shares_by_dtype_and_sums():
         == config.LOOP_REGS_PER_THREAD
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_backward_stages_the_weight_only_at_one_cta_per_sm(dtype):
+@pytest.mark.parametrize("dtype,weight_dtype", [(torch.bfloat16, torch.bfloat16),
+                                                (torch.float32, torch.float32),
+                                                (torch.bfloat16, torch.float32)])
+def test_backward_stages_the_weight_only_at_one_cta_per_sm(dtype, weight_dtype):
     """The weight is staged once in shared memory where one CTA per SM is resident (and
-    it still fits), never where it would cost resident CTAs; its bytes are counted."""
-    for n in (1024, 4096, 16384, 65536, 131072, 262144):
+    it still fits), never where it would cost resident CTAs nor in vectors under 4 bytes
+    (odd rows); its bytes are counted."""
+    staged_rows = []
+    for n in (1024, 4096, 16384, 65536, 131072, 200000, 262144, 262145):
         for rms in (True, False):
             acc = 1 if rms else 2
-            cfg = ops.backward_config(n, dtype, dtype, (dtype,), dtype, acc)
+            cfg = ops.backward_config(n, dtype, dtype, (dtype,), weight_dtype, acc)
             bare = ops._backward_kernel_object(cfg, rms, dtype, dtype, True, not rms)
-            kernel = ops._backward_kernel_object(cfg, rms, dtype, dtype, True, not rms, dtype)
+            kernel = ops._backward_kernel_object(cfg, rms, dtype, dtype, True, not rms,
+                                                 weight_dtype)
             staged = len(kernel.column_dtypes) == 1
-            weight_bytes = cfg.rows_per_block * cfg.cols_per_cta * dtype.itemsize
+            weight_bytes = cfg.rows_per_block * cfg.cols_per_cta * weight_dtype.itemsize
             fits = bare.smem_bytes() + weight_bytes + 16 <= config.SMEM_BYTES_PER_CTA
-            assert staged == (bare.ctas_per_sm() == 1 and fits), (n, rms)
+            wide = weight_dtype.itemsize * cfg.vec >= 4
+            assert staged == (bare.ctas_per_sm() == 1 and fits and wide), (n, rms)
             assert kernel.smem_bytes() - bare.smem_bytes() == (weight_bytes + 16 if staged else 0)
             assert kernel.ctas_per_sm() == bare.ctas_per_sm()
-    bf16_long = ops.backward_config(262144, torch.bfloat16, torch.bfloat16, (torch.bfloat16,),
-                                    torch.bfloat16, 1)
-    assert ops._backward_kernel_object(bf16_long, True, torch.bfloat16, torch.bfloat16, True,
-                                       False, torch.bfloat16).column_dtypes
+            staged_rows += [n] * staged
+    assert 262144 in staged_rows  # the long rows, one CTA per SM
 
 
 def test_return_stats_gives_fp32_statistics_without_gradient():

@@ -268,8 +268,11 @@ class RowTiles:
     def stage_columns(self, smem, mV: cute.Tensor) -> cute.Tensor:
         """This CTA's columns of the per-column vector ``mV`` (N,), every chunk, copied
         into shared memory once (and waited for) by kernels that read it for every row
-        block; read back with ``column_values``. Call before the first ``issue_loads``."""
+        block; read back with ``column_values``. Call before the first ``issue_loads``.
+        Vectors past the row end read as 0 (a predicated-off cp.async zero-fills, so
+        vectors of at least 4 bytes only). Each of a block's rows holds its own copy."""
         cfg = self.cfg
+        assert mV.element_type.width * cfg.vec >= 32, "cp.async zero-fills 4+ byte vectors"
         sV = smem.allocate_tensor(
             mV.element_type,
             cute.make_ordered_layout((*tiling.chunk_tiler(cfg), cfg.num_chunks), order=(1, 0, 2)),

@@ -32,9 +32,9 @@ def chunk_tv_layout(cfg: RowConfig) -> cute.Layout:
 
 
 def g2s_copy_atom(dtype, cfg: RowConfig):
-    """cp.async global -> shared, one vector per instruction (bypasses L1 when 16 B).
-    cp.async moves 4, 8 or 16 bytes; a 2-byte vector (odd-length fp16 rows) is copied
-    with plain loads and stores instead."""
+    """cp.async global -> shared, one vector per instruction (the DSL's default cache
+    mode, cp.async.ca). cp.async moves 4, 8 or 16 bytes; a 2-byte vector (odd-length
+    fp16 rows) is copied with plain loads and stores instead."""
     bits = dtype.width * cfg.vec
     op = cute.nvgpu.cpasync.CopyG2SOp() if bits >= 32 else cute.nvgpu.CopyUniversalOp()
     return cute.make_copy_atom(op, dtype, num_bits_per_copy=bits)
