@@ -1,6 +1,7 @@
 """Cross-entropy CUDA kernel against an fp64 reference (run on an H200)."""
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -99,6 +100,30 @@ def test_every_option(v, dtype, flags):
     (loss_only, _), lse_only, _ = ops.cross_entropy_forward(x, target, weight, *options, False)
     assert_close(loss_only, ref_loss, LOSS_TOL, scale=LOSS_SCALE, name="loss only")
     assert_close(lse_only, ref_lse, LOSS_TOL, scale=LOSS_SCALE, name="lse only")
+
+
+@pytest.mark.parametrize("v,dtype", [(4096, torch.float32), (128256, torch.bfloat16),
+                                     (151936, torch.float32)])
+def test_softcap_of_infinite_and_nan_logits(v, dtype):
+    """softcap caps +-inf logits at +-s (a finite loss and gradient, as torch's tanh
+    gives: a set-aside target among them too); a NaN logit makes its row's loss, lse
+    and gradient NaN. Long rows keep their capped values in registers between passes."""
+    m, s = 8, 30.0
+    x, target = fresh(m, v, dtype)  # rows 0 and 3 confident, 1 and 6 ignored
+    x[0, (target[0] + 1) % v] = math.inf
+    x[2, 3] = -math.inf
+    x[3, target[3]] = math.inf  # the target itself
+    x[4, :5] = -math.inf
+    x[5, v - 1] = math.nan
+    options = (-100, 0.1, 1e-3, s)
+    (loss, _), lse, grad = ops.cross_entropy_forward(x, target, None, *options, True)
+    ref_loss, ref_lse, ref_grad = reference(x, target, None, *options)
+    assert torch.isnan(ref_loss[5]) and torch.isfinite(ref_loss[[0, 2, 3, 4]]).all()
+    assert_close(loss, ref_loss, LOSS_TOL, scale=LOSS_SCALE, name="loss")
+    assert_close(lse, ref_lse, LOSS_TOL, scale=LOSS_SCALE, name="lse")
+    assert_close(grad, ref_grad, dtype, scale=2.0, name="grad")
+    (loss_only, _), _, _ = ops.cross_entropy_forward(x, target, None, *options, False)
+    assert_close(loss_only, ref_loss, LOSS_TOL, scale=LOSS_SCALE, name="loss only")
 
 
 @pytest.mark.parametrize("reduction", ["none", "sum", "mean"])

@@ -92,8 +92,10 @@ class CrossEntropyForward(RowKernel):
     recompiles."""
 
     # Registers per thread of the looping grid: at 80, 16-bit rows of 1024 and 16384
-    # columns spilled.
+    # columns spilled; with softcap and the gradient, fp16 rows of 1000 columns spilled 8
+    # bytes at 96.
     loop_registers = 96
+    SOFTCAP_GRAD_LOOP_REGISTERS = 104
 
     def __init__(self, cfg: RowConfig, dtype, *, weighted: bool, smoothing: bool,
                  zloss: bool, softcap: bool, write_grad: bool):
@@ -110,6 +112,8 @@ class CrossEntropyForward(RowKernel):
         # (max, sumexp, sumexp without the target, z_t, [w_t], [sum w z], [W])
         self.values_per_reduction = 4 + int(weighted) + int(smoothing) + int(self.stage_weight)
         self.loops = loops_over_row_blocks(cfg, write_grad)
+        if softcap and write_grad:
+            self.loop_registers = self.SOFTCAP_GRAD_LOOP_REGISTERS
         # the loss alone of a share re-read from global memory: one streaming pass
         self.streams = cfg.staging == "global" and not write_grad and not self.stage_weight
         assert self.loops or cfg.stages == 1, "prefetching needs the looping grid"

@@ -580,12 +580,36 @@ def _short_loss_row_config(n_cols: int, elem: int, max_vec: int | None) -> RowCo
                           min_threads_per_block=CE_LOSS_MIN_THREADS_PER_BLOCK)
 
 
+# With softcap the gradient pass needs every capped value again: re-capped from the staged
+# logits it costs an ex2 and an rcp per value a second time (the SM's multi-function
+# unit runs 16 per clock: at 6.5 per value it held the kernel near 0.41 clock per value
+# per SM, the memory needs ~0.27). Rows a one-block share of at most KEPT_CAPPED_VALUES
+# per thread can hold (clusters of up to 16 CTAs, up to 512 threads) keep the capped
+# values in registers instead. At 64 values per thread (the 8-CTA share of 128256 bf16
+# columns) keeping them took 144 registers, one CTA per SM.
+KEPT_CAPPED_VALUES = 32
+
+
+def _kept_values_row_config(n_cols: int, elem: int, max_vec: int | None) -> RowConfig | None:
+    """The smallest cluster whose CTAs hold their share in one chunk of at most
+    KEPT_CAPPED_VALUES per thread (256 threads, else 512), or None."""
+    for threads in (MAX_THREADS_PER_ROW, 2 * MAX_THREADS_PER_ROW):
+        cfg = row_config(n_cols, elem, max_vec=max_vec, values_per_thread=KEPT_CAPPED_VALUES,
+                         max_threads_per_row=threads,
+                         cta_row_bytes=threads * KEPT_CAPPED_VALUES * elem, wide_clusters=True)
+        if cfg.staging == "registers":
+            return cfg
+    return None
+
+
 def cross_entropy_row_config(n_cols: int, elem: int, stage_weight: bool, write_grad: bool,
-                             max_vec: int | None = None) -> RowConfig:
+                             max_vec: int | None = None, softcap: bool = False) -> RowConfig:
     """Row config of the cross-entropy forward (before prefetch sizing): logits are the
     one staged row tensor; with weighted label smoothing the fp32 weight row is staged
     beside them, so accesses are sized for fp32 (4 elements). The loss alone of long
-    rows is streamed, not staged, and of short rows spread thin (CE_LOSS_*)."""
+    rows is streamed, not staged, and of short rows spread thin (CE_LOSS_*). The
+    gradient with softcap keeps the capped values in registers where a share of
+    KEPT_CAPPED_VALUES can hold them."""
     if not write_grad and not stage_weight:
         if n_cols * elem > CE_STREAM_MIN_ROW_BYTES:
             return streamed_row_config(n_cols, elem, CE_STREAM_CTA_ROW_BYTES, max_vec)
@@ -606,4 +630,7 @@ def cross_entropy_row_config(n_cols: int, elem: int, stage_weight: bool, write_g
         roomy = _ce_row_config(n_cols, elem, max_vec=max_vec, values_per_thread=32)
         if roomy.staging == "registers" or loops_over_row_blocks(roomy, write_grad):
             cfg = roomy
+    if softcap and write_grad and cfg.staging != "registers" \
+            and not loops_over_row_blocks(cfg, write_grad):
+        cfg = _kept_values_row_config(n_cols, elem, max_vec) or cfg
     return cfg
