@@ -333,7 +333,7 @@ def test_softcap_gradient_keeps_capped_values_in_registers(n, dtype):
             capped.threads_per_row * config.KEPT_CAPPED_VALUES
     kernel = ops.forward_kernel_object(capped, dtype, weighted=False, smoothing=True,
                                        zloss=True, softcap=True, write_grad=True)
-    assert not kernel.loops and not kernel.target_aside
+    assert not kernel.loops and kernel.target_aside and kernel.capped_placeholders
 
 
 @pytest.mark.parametrize("n", [2, 7, 1000, 1024, 4096, 8192])
