@@ -308,16 +308,19 @@ def test_forward_configs():
     assert ops.forward_config(65536, bf16, False, False).staging != "global"  # 128 KiB
 
 
-@pytest.mark.parametrize("n", [4096, 16384, 32000, 50257, 128256, 151936, 262144, 262145])
+@pytest.mark.parametrize("n", [4096, 16384, 32000, 50256, 50257, 128256, 151936, 262144,
+                               262145])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_softcap_gradient_keeps_capped_values_in_registers(n, dtype):
     """With softcap and the gradient, rows split over a cluster take the smallest cluster
     (up to 16 CTAs of up to 512 threads) whose CTAs hold their share in one chunk of at
     most KEPT_CAPPED_VALUES per thread, so the gradient pass reuses the capped values;
-    rows that cannot (262145 columns: one-element vectors) keep the plain config."""
+    rows that cannot (262145 columns) and rows of one-element vectors (odd lengths) keep
+    the plain config."""
     plain = ops.forward_config(n, dtype, False, True)
     capped = ops.forward_config(n, dtype, False, True, softcap=True)
-    if plain.staging == "registers" or config.loops_over_row_blocks(plain, True):
+    if plain.staging == "registers" or config.loops_over_row_blocks(plain, True) \
+            or plain.vec == 1:
         assert capped == plain
         return
     per_thread = capped.vec * capped.vecs_per_thread
@@ -363,7 +366,8 @@ SPILL_CASES = [
     for n in (2, 1000, 16384, 32000, 50257, 151936, 262145, 524288)
     for dtype in (torch.float32, torch.bfloat16, torch.float16)
     for w, s, z, c, g in ((False, False, False, False, True), (True, True, True, True, True),
-                          (False, True, False, True, False), (False, False, False, False, False))
+                          (False, True, True, True, True), (False, True, False, True, False),
+                          (False, False, False, False, False))
 ]
 
 
@@ -375,7 +379,7 @@ def test_sm90a_compile_without_spills(tmp_path):
     variants = []
     for n, dtype, flags in SPILL_CASES:
         cfg = ops.forward_config(n, dtype, flags["weighted"] and flags["smoothing"],
-                                 flags["write_grad"])
+                                 flags["write_grad"], softcap=flags["softcap"])
         variants.append(("xent", n, dtype, cfg,
                          lambda cfg=cfg, dtype=dtype, flags=flags: ops.forward_kernel(cfg, dtype, torch.int64, **flags)))
     for n, dtype in ((50257, torch.float16), (524288, torch.float32)):

@@ -592,7 +592,11 @@ KEPT_CAPPED_VALUES = 32
 
 def _kept_values_row_config(n_cols: int, elem: int, max_vec: int | None) -> RowConfig | None:
     """The smallest cluster whose CTAs hold their share in one chunk of at most
-    KEPT_CAPPED_VALUES per thread (256 threads, else 512), or None."""
+    KEPT_CAPPED_VALUES per thread (256 threads, else 512), or None; not for rows of
+    one-element vectors (262143 bf16 columns compiled to 128 registers at 512 threads:
+    one CTA per SM)."""
+    if vector_width(n_cols, elem, max_vec) == 1:
+        return None
     for threads in (MAX_THREADS_PER_ROW, 2 * MAX_THREADS_PER_ROW):
         cfg = row_config(n_cols, elem, max_vec=max_vec, values_per_thread=KEPT_CAPPED_VALUES,
                          max_threads_per_row=threads,
