@@ -31,10 +31,11 @@ current block is reduced and its epilogue runs (a CTA's life is otherwise one lo
 one short reduction and a short epilogue: its load latency would be exposed). One
 row_allreduce per row combines the online (max, sum of exp, sum of exp over the
 non-target classes) triple with plain sums of z_t (from the thread holding the target
-column, which sets it aside before the row is read, in a staged row from shared memory
-and in a streamed one in registers: ``target_aside``; with softcap the set-aside logit
-and the row-end padding become -s and are counted out, ``capped_placeholders``), of w_t
-(gathered by the row's first thread) and, for label smoothing, of sum_j w_j z_j and W. Every thread then knows lse and writes its share of
+column, which where it can sets it aside before the row is read, in a staged row from
+shared memory and in a streamed one in registers: ``target_aside``; with softcap the
+set-aside logit and the row-end padding become -s and are counted out,
+``capped_placeholders``), of w_t (gathered by the row's first thread) and, for label
+smoothing, of sum_j w_j z_j and W. Every thread then knows lse and writes its share of
 the gradient; the row's first thread writes loss and lse. A set-aside target's gradient
 is written by the thread holding its column, after that thread's vector stores
 (RowTiles.store_column). Maxima are in base-2 units (reduce.chunk_exp2).
@@ -128,12 +129,15 @@ class CrossEntropyForward(RowKernel):
         # only non-target classes and no value is compared with the target column (the
         # per-value selects of z_t and of the non-target sum were 5 of ~15 instructions
         # per bf16 logit, which held the loss alone at the issue rate). With the
-        # gradient, the set-aside target's gradient is 0 in the vector stores and its
-        # owner writes the true value once per row (RowTiles.store_column). A streamed
-        # row (loss alone) sets it aside in registers instead: one select per value
-        # replaces it by -inf, and every thread loads z_t (one broadcast word, the index
-        # clamped into the row) while the row's lead thread keeps it; not with softcap or
-        # label smoothing there (its sum of z needs every class).
+        # gradient, the vector stores write a placeholder's value at the set-aside target
+        # and its owner overwrites it with the true one once per row
+        # (RowTiles.store_column). Not with label smoothing alone (its sum of z needs
+        # every class: see capped_placeholders for smoothing with softcap). A streamed
+        # row (loss alone) sets it aside in registers instead: one select per value,
+        # after the cap, replaces it by -inf, and every thread loads z_t (one broadcast
+        # word, the index clamped into the row) while the row's lead thread keeps it; not
+        # with softcap or smoothing there (the padding of a streamed row is masked per
+        # value, and its sum of z would lose the target).
         # With softcap a staged row's placeholders, the set-aside target and the padding
         # past the row end, are -inf logits that the cap turns into exactly -s: each
         # thread counts its own and takes their terms out of its partial sums once per
@@ -182,7 +186,8 @@ class CrossEntropyForward(RowKernel):
         if cutlass.const_expr(self.stage_weight):
             staged.append(broadcast_rows(mWeight, mX.shape[0], cfg.n_cols))
         # -inf past the row end stands for the mask of the max and the sum (capped to -s
-        # and counted, see capped_placeholders), but not for smoothing's sum of z
+        # and counted with softcap, see capped_placeholders); without softcap not for
+        # smoothing's sum of z
         pad = -math.inf if self.capped_placeholders or not (self.softcap or self.smoothing) \
             else None
         home = RowTiles(cfg, staged, smem, pad=pad)
@@ -443,9 +448,11 @@ class CrossEntropyForward(RowKernel):
         placeholder's term is the smallest of the thread's, so the subtraction costs
         only the rounding of the sums."""
         count = Int32(0)
+        held = Boolean(False)
         for c in range(self.cfg.num_chunks):
-            count = count + cutlass.select_(tiles.holds_column(c, target_col)[0], Int32(1),
-                                            Int32(0))
+            held_here = tiles.holds_column(c, target_col)[0]
+            held = held | held_here
+            count = count + cutlass.select_(held_here, Int32(1), Int32(0))
             if cutlass.const_expr(tiles.pad is not None):
                 for v in range(cute.size(tiles.preds[c])):
                     count = count + cutlass.select_(tiles.preds[c][v], Int32(0),
@@ -454,7 +461,7 @@ class CrossEntropyForward(RowKernel):
         row_max, row_sum, other_sum, z_raw, sum_wz, sum_w = running
         term = cute.math.exp2(cute.math.fma(-softcap, Float32(red.LOG2_E),
                                             -red.finite_or_zero(row_max)), fastmath=True)
-        z_target = self._cap(z_raw, inv_softcap, softcap)  # 0 where nothing was taken
+        z_target = cutlass.select_(held, self._cap(z_raw, inv_softcap, softcap), Float32(0.0))
         return (row_max, row_sum - placeholders * term, other_sum - placeholders * term,
                 z_target, sum_wz + placeholders * softcap + z_target, sum_w)
 
