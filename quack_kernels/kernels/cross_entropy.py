@@ -62,6 +62,12 @@ def _combine(a, b):
     return red.online_softmax_combine(a, b, rescaled=2, base2=True)
 
 
+def _exp_below(z: Float32, base2_max: Float32) -> Float32:
+    """exp(z) / 2^base2_max for one logit z, its exponent the exact z log2 e minus the
+    max in base-2 units, as every class's exponent has it (red.chunk_exp2: one FFMA)."""
+    return cute.math.exp2(cute.math.fma(z, Float32(red.LOG2_E), -base2_max), fastmath=True)
+
+
 def _with_target(other_max: Float32, other_sumexp: Float32, z_target: Float32, valid):
     """(max, sum of exp, sum of exp over the non-target classes) of a row, max in base-2
     units as the reduction gives it, from its non-target (max, sum of exp) and the
@@ -70,9 +76,7 @@ def _with_target(other_max: Float32, other_sumexp: Float32, z_target: Float32, v
     row_max = cutlass.select_(valid, cute.arch.fmax(other_max, z_target * red.LOG2_E), other_max)
     row_max_safe = red.finite_or_zero(row_max)
     other = other_sumexp * cute.math.exp2(other_max - row_max_safe, fastmath=True)
-    # the exact z_t log2 e, as every other class's exponent has it (one FFMA each)
-    target = cute.math.exp2(cute.math.fma(z_target, Float32(red.LOG2_E), -row_max_safe),
-                            fastmath=True)
+    target = _exp_below(z_target, row_max_safe)
     return row_max, other + cutlass.select_(valid, target, Float32(0.0)), other
 
 
@@ -368,8 +372,7 @@ class CrossEntropyForward(RowKernel):
                                                                one_minus_p_target), p * coef_p)
                 tiles.store(mdX, c, self._option_terms(g, z, w, coef_w, inv_softcap))
             if cutlass.const_expr(self.target_aside):
-                p_target = cute.math.exp2(cute.math.fma(z_target, Float32(red.LOG2_E), -lse_log2),
-                                          fastmath=True)
+                p_target = _exp_below(z_target, lse_log2)
                 tiles.store_column(mdX, target_col, self._option_terms(
                     _target_gradient(p_target, coef_p, coef_t, one_minus_p_target), z_target,
                     None, coef_w, inv_softcap))
@@ -459,8 +462,7 @@ class CrossEntropyForward(RowKernel):
                                                     Int32(self.cfg.vec))
         placeholders = Float32(count)
         row_max, row_sum, other_sum, z_raw, sum_wz, sum_w = running
-        term = cute.math.exp2(cute.math.fma(-softcap, Float32(red.LOG2_E),
-                                            -red.finite_or_zero(row_max)), fastmath=True)
+        term = _exp_below(-softcap, red.finite_or_zero(row_max))
         z_target = cutlass.select_(held, self._cap(z_raw, inv_softcap, softcap), Float32(0.0))
         return (row_max, row_sum - placeholders * term, other_sum - placeholders * term,
                 z_target, sum_wz + placeholders * softcap + z_target, sum_w)
