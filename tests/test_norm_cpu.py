@@ -330,10 +330,10 @@ def test_backward_shares_by_dtype_and_sums():
 @pytest.mark.parametrize("dtype,weight_dtype", [(torch.bfloat16, torch.bfloat16),
                                                 (torch.float32, torch.float32),
                                                 (torch.bfloat16, torch.float32)])
-def test_backward_stages_the_weight_only_at_one_cta_per_sm(dtype, weight_dtype):
-    """The weight is staged once in shared memory where one CTA per SM is resident (and
-    it still fits), never where it would cost resident CTAs nor in vectors under 4 bytes
-    (odd rows); its bytes are counted."""
+def test_backward_stages_the_weight_where_it_costs_no_cta(dtype, weight_dtype):
+    """The weight is staged once in shared memory where it fits: for RMSNorm where one
+    CTA per SM is resident, for LayerNorm wherever it costs no resident CTA; never in
+    vectors under 4 bytes (odd rows). Its bytes are counted."""
     staged_rows = []
     for n in (1024, 4096, 16384, 65536, 131072, 200000, 262144, 262145):
         for rms in (True, False):
@@ -346,11 +346,16 @@ def test_backward_stages_the_weight_only_at_one_cta_per_sm(dtype, weight_dtype):
             weight_bytes = cfg.rows_per_block * cfg.cols_per_cta * weight_dtype.itemsize
             fits = bare.smem_bytes() + weight_bytes + 16 <= config.SMEM_BYTES_PER_CTA
             wide = weight_dtype.itemsize * cfg.vec >= 4
-            assert staged == (bare.ctas_per_sm() == 1 and fits and wide), (n, rms)
+            alone = bare.ctas_per_sm()
+            costless = config.loop_ctas_per_sm(cfg, bare.smem_bytes() + weight_bytes + 16,
+                                               bare.loop_registers) == alone
+            assert staged == (fits and wide and (alone == 1 or (not rms and costless))), \
+                (n, rms)
             assert kernel.smem_bytes() - bare.smem_bytes() == (weight_bytes + 16 if staged else 0)
             assert kernel.ctas_per_sm() == bare.ctas_per_sm()
             staged_rows += [n] * staged
     assert 262144 in staged_rows  # the long rows, one CTA per SM
+    assert 4096 in staged_rows  # LayerNorm's share of 4096 columns
 
 
 def test_return_stats_gives_fp32_statistics_without_gradient():

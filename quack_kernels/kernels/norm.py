@@ -236,9 +236,10 @@ class NormBackward(RowKernel):
         if weight_dtype is not None and weight_dtype.width * cfg.vec >= 32:
             alone = self.ctas_per_sm()
             self.column_dtypes = (weight_dtype,)
-            if not stage_columns_once(alone, self.smem_bytes()):
-                self.column_dtypes = ()
             self._ctas_per_sm = None
+            if not stage_columns_once(alone, self.ctas_per_sm(), self.smem_bytes(), rms):
+                self.column_dtypes = ()
+                self._ctas_per_sm = None
 
     @cute.jit
     def __call__(self, mH: cute.Tensor, mdY: cute.Tensor, mW, mMean, mRstd: cute.Tensor,
