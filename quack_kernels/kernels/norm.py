@@ -269,7 +269,8 @@ class NormBackward(RowKernel):
         if cutlass.const_expr(cfg.stages == 2):
             home.issue_loads()  # the first block; each iteration prefetches the next
         self.for_each_row_block(mH.shape[0], grid_rows, self._row_block, home, grid_rows, slot,
-                                sW, mMean, mRstd, mdResOut, mdX, mdRes, weight_offset, acc_w, acc_b)
+                                sW, mMean, mRstd, mdResOut, mdX, mdRes, weight_offset, acc_w, acc_b,
+                                carry=self._row_stats(home, mMean, mRstd))
 
         for c in cutlass.range_constexpr(cfg.num_chunks):
             if cutlass.const_expr(self.need_dweight):
@@ -277,17 +278,28 @@ class NormBackward(RowKernel):
             if cutlass.const_expr(self.need_dbias):
                 home.store(mdB, c, acc_b[c].load(), guard_rows=False)
 
-    def _row_block(self, block_row, iteration, home: RowTiles, grid_rows, slot: ReductionSlot,
-                   mW, mMean, mRstd, mdResOut, mdX, mdRes, weight_offset, acc_w, acc_b):
-        """dx / dresidual of row block ``block_row``, and its dw / db terms."""
-        cfg = self.cfg
-        inv_n = Float32(1.0 / cfg.n_cols)
-        tiles = home.begin_block(block_row, grid_rows, iteration)
+    def _row_stats(self, tiles: RowTiles, mMean, mRstd):
+        """(rstd, mean) of this thread's row of ``tiles`` (0 past the last row; mean 0
+        for RMSNorm), loaded from global memory."""
         row = cutlass.select_(tiles.row_in_bounds, tiles.row, 0)
         rstd = Float32(cutlass.select_(tiles.row_in_bounds, mRstd[row], Float32(0.0)))
         mean = Float32(0.0)
         if cutlass.const_expr(not self.rms):
             mean = Float32(cutlass.select_(tiles.row_in_bounds, mMean[row], Float32(0.0)))
+        return rstd, mean
+
+    def _row_block(self, block_row, iteration, stats, home: RowTiles, grid_rows,
+                   slot: ReductionSlot, mW, mMean, mRstd, mdResOut, mdX, mdRes, weight_offset,
+                   acc_w, acc_b):
+        """dx / dresidual of row block ``block_row``, and its dw / db terms, from its
+        statistics ``stats``; returns the next block's, loaded once this block's row sums
+        are in, so that their latency passes behind its stores and the next block's wait
+        (loaded at the block's start, it came before every row's math: the largest
+        stall of the kernel in ncu)."""
+        cfg = self.cfg
+        inv_n = Float32(1.0 / cfg.n_cols)
+        tiles = home.begin_block(block_row, grid_rows, iteration)
+        rstd, mean = stats
         kept = []
         dot = Float32(0.0)  # sum(g * xhat)
         g_sum = Float32(0.0)  # sum(g), LayerNorm
@@ -306,6 +318,7 @@ class NormBackward(RowKernel):
                                         (Float32(0.0), Float32(0.0)), iteration=iteration)
         c1 = dot * inv_n
         c2 = g_sum * inv_n
+        next_stats = self._row_stats(home.at_block(block_row + grid_rows), mMean, mRstd)
 
         for c in range(cfg.num_chunks):
             if cutlass.const_expr(cfg.staging == "registers"):
@@ -322,6 +335,7 @@ class NormBackward(RowKernel):
                 tiles.store(mdX, c, dh)
             if cutlass.const_expr(mdRes is not None):
                 tiles.store(mdRes, c, dh)
+        return next_stats
 
     def _xhat_g(self, tiles: RowTiles, c: int, mW, mean, rstd, weight_offset, acc_w, acc_b):
         """xhat and g = dy * (w + offset) of chunk ``c``, both 0 past the row end and on
