@@ -358,6 +358,22 @@ def test_backward_stages_the_weight_where_it_costs_no_cta(dtype, weight_dtype):
     assert 4096 in staged_rows  # LayerNorm's share of 4096 columns
 
 
+def test_backward_weight_staging_cases():
+    """The staging rule at a few shapes, stated directly (see the test above)."""
+    bf16, fp32 = torch.bfloat16, torch.float32
+
+    def staged(n, rms, dtype, weight_dtype):
+        acc = 1 if rms else 2
+        cfg = ops.backward_config(n, dtype, dtype, (dtype,), weight_dtype, acc)
+        return bool(ops._backward_kernel_object(cfg, rms, dtype, dtype, True, not rms,
+                                                weight_dtype).column_dtypes)
+
+    assert staged(262144, True, bf16, bf16) and staged(262144, False, bf16, bf16)
+    assert staged(4096, False, bf16, bf16) and not staged(4096, True, bf16, bf16)
+    assert not staged(65536, False, fp32, fp32)  # it would cost the second buffer
+    assert not staged(262145, True, bf16, bf16)  # one-element vectors
+
+
 def test_return_stats_gives_fp32_statistics_without_gradient():
     x = torch.randn(3, 5, 16, requires_grad=True)
     w = torch.randn(16, requires_grad=True)

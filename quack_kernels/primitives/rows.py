@@ -110,7 +110,7 @@ class RowKernel:
         called, directly in a dynamic loop body become loop-carried values). With
         ``carry`` (a tuple of scalars) the call is ``carry = body(block_row, iteration,
         carry, *args)``: values one iteration hands the next, such as loads issued an
-        iteration ahead."""
+        iteration ahead; ``body`` returns a tuple of the same structure and types."""
         first_block = cute.arch.block_idx()[0]
         num_blocks = (num_rows + self.cfg.rows_per_block - 1) // self.cfg.rows_per_block
         # counting iterations (not row blocks) keeps a division out of the loop
