@@ -233,13 +233,18 @@ class NormBackward(RowKernel):
         # The weight is read for every row block: staged once in shared memory where
         # config.stage_columns_once says so (not with vectors under 4 bytes, which
         # cp.async cannot zero-fill past the row end).
-        if weight_dtype is not None and weight_dtype.width * cfg.vec >= 32:
+        if weight_dtype is not None and tiling.copies_async(weight_dtype, cfg):
             alone = self.ctas_per_sm()
             self.column_dtypes = (weight_dtype,)
             self._ctas_per_sm = None
             if not stage_columns_once(alone, self.ctas_per_sm(), self.smem_bytes(), rms):
                 self.column_dtypes = ()
                 self._ctas_per_sm = None
+
+    @property
+    def weight_staged(self) -> bool:
+        """Whether the weight is read from shared memory (RowTiles.stage_columns)."""
+        return bool(self.column_dtypes)
 
     @cute.jit
     def __call__(self, mH: cute.Tensor, mdY: cute.Tensor, mW, mMean, mRstd: cute.Tensor,
@@ -262,7 +267,7 @@ class NormBackward(RowKernel):
         acc_b = [home.accumulator(smem, c, self.sums_in_registers)
                  for c in range(cfg.num_chunks)] if self.need_dbias else []
         sW = mW
-        if cutlass.const_expr(mW is not None and len(self.column_dtypes) > 0):
+        if cutlass.const_expr(mW is not None and self.weight_staged):
             sW = home.stage_columns(smem, mW)
         if cutlass.const_expr(cfg.cluster_size > 1):
             cute.arch.cluster_wait()
@@ -347,7 +352,7 @@ class NormBackward(RowKernel):
             xhat = tiling.mask_out_of_row(xhat, tiles.coords[c], self.cfg.n_cols, 0.0)
         g = dy
         if cutlass.const_expr(mW is not None):
-            if cutlass.const_expr(len(self.column_dtypes) > 0):
+            if cutlass.const_expr(self.weight_staged):
                 w = tiles.column_values(mW, c)
             else:
                 w = tiles.load(tiles.broadcast_rows(mW), c, guard_rows=False)

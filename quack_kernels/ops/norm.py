@@ -439,6 +439,7 @@ def _norm_backward_checked(dy, h, weight, mean, rstd, dresidual_out, weight_offs
     num_rows, n_cols = h_rows.shape
     dres_rows = as_rows(dresidual_out) if dresidual_out is not None else None
     weight_c = weight.contiguous() if weight is not None else None
+    weight_dtype = weight.dtype if weight is not None else None
     device = dy.device
     dx = torch.empty(h_rows.shape if dx_dtype is not None else EMPTY,
                      dtype=dx_dtype or dy.dtype, device=device)
@@ -446,7 +447,7 @@ def _norm_backward_checked(dy, h, weight, mean, rstd, dresidual_out, weight_offs
                        dtype=dresidual_dtype or dy.dtype, device=device)
     # with no rows the sums over rows are zero; otherwise the partials below fill them
     dweight = torch.zeros(n_cols if need_dweight and num_rows == 0 else 0,
-                          dtype=weight.dtype if weight is not None else dy.dtype, device=device)
+                          dtype=weight_dtype or dy.dtype, device=device)
     dbias = torch.zeros(n_cols if need_dbias and num_rows == 0 else 0,
                         dtype=dbias_dtype or dy.dtype, device=device)
     if num_rows > 0 and (dx_dtype or dresidual_dtype or need_dweight or need_dbias):
@@ -455,16 +456,15 @@ def _norm_backward_checked(dy, h, weight, mean, rstd, dresidual_out, weight_offs
         max_vec = min(vector_limit(h_rows, dy_rows, *outs), _pointer_vec_limit(weight_c))
         out_dtypes = tuple(t.dtype for t in outs)
         accumulators = int(need_dweight) + int(need_dbias)
-        cfg = backward_config(n_cols, h.dtype, dy.dtype, out_dtypes,
-                              weight.dtype if weight is not None else None, accumulators, max_vec)
-        fn = compile_backward(cfg, rms, h.dtype, dy.dtype,
-                              weight.dtype if weight is not None else None,
+        cfg = backward_config(n_cols, h.dtype, dy.dtype, out_dtypes, weight_dtype,
+                              accumulators, max_vec)
+        fn = compile_backward(cfg, rms, h.dtype, dy.dtype, weight_dtype,
                               dres_rows is not None,
                               dres_rows.dtype if dres_rows is not None else None,
                               dx_dtype, dresidual_dtype, need_dweight, need_dbias)
         kernel = _backward_kernel_object(cfg, rms, h.dtype, dy.dtype, need_dweight, need_dbias,
-                                         weight.dtype if weight is not None else None)
-        sum_dtypes = tuple(d for d in (weight.dtype if need_dweight else None, dbias_dtype) if d)
+                                         weight_dtype)
+        sum_dtypes = tuple(d for d in (weight_dtype if need_dweight else None, dbias_dtype) if d)
         sum_cfg = column_sum_config(n_cols, len(sum_dtypes)) if sum_dtypes else None
         column_sum = compile_column_sum(sum_cfg, sum_dtypes) if sum_dtypes else None
         plan = (fn, cfg, resident_row_blocks(kernel, device), column_sum, sum_cfg)

@@ -278,7 +278,7 @@ class RowTiles:
         Vectors past the row end read as 0 (a predicated-off cp.async zero-fills, so
         vectors of at least 4 bytes only). Each of a block's rows holds its own copy."""
         cfg = self.cfg
-        assert mV.element_type.width * cfg.vec >= 32, "cp.async zero-fills 4+ byte vectors"
+        assert tiling.copies_async(mV.element_type, cfg), "only cp.async zero-fills"
         sV = smem.allocate_tensor(
             mV.element_type,
             cute.make_ordered_layout((*tiling.chunk_tiler(cfg), cfg.num_chunks), order=(1, 0, 2)),

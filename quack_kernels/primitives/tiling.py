@@ -31,13 +31,19 @@ def chunk_tv_layout(cfg: RowConfig) -> cute.Layout:
     )
 
 
+def copies_async(dtype, cfg: RowConfig) -> bool:
+    """Whether vectors of ``dtype`` go global -> shared with cp.async, which moves 4, 8
+    or 16 bytes (and zero-fills a predicated-off vector); a 2-byte vector (odd-length
+    16-bit rows) is copied with plain loads and stores instead."""
+    return dtype.width * cfg.vec >= 32
+
+
 def g2s_copy_atom(dtype, cfg: RowConfig):
-    """cp.async global -> shared, one vector per instruction (the DSL's default cache
-    mode, cp.async.ca). cp.async moves 4, 8 or 16 bytes; a 2-byte vector (odd-length
-    fp16 rows) is copied with plain loads and stores instead."""
-    bits = dtype.width * cfg.vec
-    op = cute.nvgpu.cpasync.CopyG2SOp() if bits >= 32 else cute.nvgpu.CopyUniversalOp()
-    return cute.make_copy_atom(op, dtype, num_bits_per_copy=bits)
+    """Global -> shared, one vector per instruction: cp.async where copies_async (the
+    DSL's default cache mode, cp.async.ca), else plain loads and stores."""
+    op = cute.nvgpu.cpasync.CopyG2SOp() if copies_async(dtype, cfg) \
+        else cute.nvgpu.CopyUniversalOp()
+    return cute.make_copy_atom(op, dtype, num_bits_per_copy=dtype.width * cfg.vec)
 
 
 def vector_copy_atom(dtype, cfg: RowConfig):
