@@ -374,6 +374,25 @@ def test_backward_weight_staging_cases():
     assert not staged(262145, True, bf16, bf16)  # one-element vectors
 
 
+def test_backward_prefetches_row_stats_for_layer_norm_and_lone_rms_ctas():
+    """rstd / mean are loaded a row block ahead for LayerNorm at every share, for
+    RMSNorm only where one CTA per SM is resident (the rule's measured split)."""
+    bf16, fp32 = torch.bfloat16, torch.float32
+
+    def kernel(n, rms, dtype):
+        acc = 1 if rms else 2
+        cfg = ops.backward_config(n, dtype, dtype, (dtype,), dtype, acc)
+        return ops._backward_kernel_object(cfg, rms, dtype, dtype, True, not rms, dtype)
+
+    for n in (1024, 16384, 262144):
+        for dtype in (bf16, fp32):
+            assert kernel(n, False, dtype).prefetches_stats
+            rms = kernel(n, True, dtype)
+            assert rms.prefetches_stats == (rms.ctas_per_sm() == 1), (n, dtype)
+    assert kernel(262144, True, bf16).prefetches_stats
+    assert not kernel(1024, True, bf16).prefetches_stats
+
+
 def test_return_stats_gives_fp32_statistics_without_gradient():
     x = torch.randn(3, 5, 16, requires_grad=True)
     w = torch.randn(16, requires_grad=True)

@@ -34,7 +34,7 @@ from cutlass.memory import SmemAllocator
 
 from ..primitives import reduce as red
 from ..primitives import tiling
-from ..primitives.config import RowConfig, stage_columns_once
+from ..primitives.config import RowConfig, prefetch_row_stats, stage_columns_once
 from ..primitives.rows import ReductionSlot, RowKernel, RowTiles
 
 ZERO = (Float32(0.0),)
@@ -242,6 +242,12 @@ class NormBackward(RowKernel):
                 self._ctas_per_sm = None
 
     @property
+    def prefetches_stats(self) -> bool:
+        """Whether each row block's rstd / mean are loaded during the block before
+        (config.prefetch_row_stats)."""
+        return prefetch_row_stats(self.rms, self.ctas_per_sm())
+
+    @property
     def weight_staged(self) -> bool:
         """Whether the weight is read from shared memory (RowTiles.stage_columns)."""
         return bool(self.column_dtypes)
@@ -273,9 +279,12 @@ class NormBackward(RowKernel):
             cute.arch.cluster_wait()
         if cutlass.const_expr(cfg.stages == 2):
             home.issue_loads()  # the first block; each iteration prefetches the next
+        first_stats = None
+        if cutlass.const_expr(self.prefetches_stats):
+            first_stats = self._row_stats(home, mMean, mRstd)
         self.for_each_row_block(mH.shape[0], grid_rows, self._row_block, home, grid_rows, slot,
                                 sW, mMean, mRstd, mdResOut, mdX, mdRes, weight_offset, acc_w, acc_b,
-                                carry=self._row_stats(home, mMean, mRstd))
+                                carry=first_stats)
 
         for c in cutlass.range_constexpr(cfg.num_chunks):
             if cutlass.const_expr(self.need_dweight):
@@ -293,18 +302,21 @@ class NormBackward(RowKernel):
             mean = Float32(cutlass.select_(tiles.row_in_bounds, mMean[row], Float32(0.0)))
         return rstd, mean
 
-    def _row_block(self, block_row, iteration, stats, home: RowTiles, grid_rows,
-                   slot: ReductionSlot, mW, mMean, mRstd, mdResOut, mdX, mdRes, weight_offset,
-                   acc_w, acc_b):
-        """dx / dresidual of row block ``block_row``, and its dw / db terms, from its
-        statistics ``stats``; returns the next block's, loaded once this block's row sums
-        are in, so that their latency passes behind its stores and the next block's wait
-        (loaded at the block's start, it came before every row's math: the largest
-        stall of the kernel in ncu)."""
+    def _row_block(self, block_row, iteration, home: RowTiles, grid_rows, slot: ReductionSlot,
+                   mW, mMean, mRstd, mdResOut, mdX, mdRes, weight_offset, acc_w, acc_b,
+                   carry=None):
+        """dx / dresidual of row block ``block_row``, and its dw / db terms. Where the
+        kernel prefetches_stats, ``carry`` holds this block's statistics and the next
+        block's are returned, loaded once this block's row sums are in, so that their
+        latency passes behind its stores and the next block's wait; otherwise they are
+        loaded here."""
         cfg = self.cfg
         inv_n = Float32(1.0 / cfg.n_cols)
         tiles = home.begin_block(block_row, grid_rows, iteration)
-        rstd, mean = stats
+        if cutlass.const_expr(self.prefetches_stats):
+            rstd, mean = carry
+        else:
+            rstd, mean = self._row_stats(tiles, mMean, mRstd)
         kept = []
         dot = Float32(0.0)  # sum(g * xhat)
         g_sum = Float32(0.0)  # sum(g), LayerNorm
@@ -323,7 +335,9 @@ class NormBackward(RowKernel):
                                         (Float32(0.0), Float32(0.0)), iteration=iteration)
         c1 = dot * inv_n
         c2 = g_sum * inv_n
-        next_stats = self._row_stats(home.at_block(block_row + grid_rows), mMean, mRstd)
+        next_stats = None
+        if cutlass.const_expr(self.prefetches_stats):
+            next_stats = self._row_stats(home.at_block(block_row + grid_rows), mMean, mRstd)
 
         for c in range(cfg.num_chunks):
             if cutlass.const_expr(cfg.staging == "registers"):

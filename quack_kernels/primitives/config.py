@@ -457,6 +457,18 @@ def stage_columns_once(ctas_per_sm_without: int, ctas_per_sm_with: int, smem_byt
     return ctas_per_sm_without == 1 or (not rms and ctas_per_sm_with == ctas_per_sm_without)
 
 
+# A norm backward's per-row statistics (rstd, mean) are loaded during the row block
+# before, once its row sums are in, for LayerNorm everywhere and for RMSNorm where one
+# CTA per SM is resident. ncu had their load at the block's start as the largest stall
+# (the L1TEX scoreboard, 37-58% of stall cycles). H200, kernels alone, same session
+# (kernel_ab_norm_backward_stats_prefetch_H200_20261130.txt): LayerNorm bf16 32768x4096
+# 74.5% -> 85.8% of the copy ceiling, 131072x1024 80.0% -> 89.4%, fp32 8192x16384 78.1%
+# -> 86.2%; RMSNorm bf16 512x262144 (one CTA) 65.0% -> 76.5%, but at 2-6 CTAs per SM it
+# lost 1-7 points (bf16 131072x1024 94.9% -> 88.1%), where other CTAs hide the load.
+def prefetch_row_stats(rms: bool, ctas_per_sm: int) -> bool:
+    return not rms or ctas_per_sm == 1
+
+
 # Per-column sums in shared memory with a second staging buffer: prefetch paid where
 # two CTAs per SM stayed resident (fp32 2048x65536 RMSNorm 65% -> 83%, bf16 2048x65536
 # in 64-KiB shares 60% -> 67%) and lost at one (bf16 512x262144 53% -> 47%).

@@ -109,8 +109,8 @@ class RowKernel:
         ... (``body``: one method, since names bound, or objects whose methods are
         called, directly in a dynamic loop body become loop-carried values). With
         ``carry`` (a tuple of scalars) the call is ``carry = body(block_row, iteration,
-        carry, *args)``: values one iteration hands the next, such as loads issued an
-        iteration ahead; ``body`` returns a tuple of the same structure and types."""
+        *args, carry=carry)``: values one iteration hands the next, such as loads issued
+        an iteration ahead; ``body`` returns a tuple of the same structure and types."""
         first_block = cute.arch.block_idx()[0]
         num_blocks = (num_rows + self.cfg.rows_per_block - 1) // self.cfg.rows_per_block
         # counting iterations (not row blocks) keeps a division out of the loop
@@ -119,7 +119,7 @@ class RowKernel:
             if cutlass.const_expr(carry is None):
                 body(first_block + iteration * grid_rows, iteration, *args)
             else:
-                carry = body(first_block + iteration * grid_rows, iteration, carry, *args)
+                carry = body(first_block + iteration * grid_rows, iteration, *args, carry=carry)
 
 
 class ReductionSlot:
