@@ -330,10 +330,10 @@ def test_backward_shares_by_dtype_and_sums():
 @pytest.mark.parametrize("dtype,weight_dtype", [(torch.bfloat16, torch.bfloat16),
                                                 (torch.float32, torch.float32),
                                                 (torch.bfloat16, torch.float32)])
-def test_backward_stages_the_weight_only_at_one_cta_per_sm(dtype, weight_dtype):
-    """The weight is staged once in shared memory where one CTA per SM is resident (and
-    it still fits), never where it would cost resident CTAs nor in vectors under 4 bytes
-    (odd rows); its bytes are counted."""
+def test_backward_stages_the_weight_where_it_costs_no_cta(dtype, weight_dtype):
+    """The weight is staged once in shared memory where it fits: for RMSNorm where one
+    CTA per SM is resident, for LayerNorm wherever it costs no resident CTA; never in
+    vectors under 4 bytes (odd rows). Its bytes are counted."""
     staged_rows = []
     for n in (1024, 4096, 16384, 65536, 131072, 200000, 262144, 262145):
         for rms in (True, False):
@@ -346,11 +346,51 @@ def test_backward_stages_the_weight_only_at_one_cta_per_sm(dtype, weight_dtype):
             weight_bytes = cfg.rows_per_block * cfg.cols_per_cta * weight_dtype.itemsize
             fits = bare.smem_bytes() + weight_bytes + 16 <= config.SMEM_BYTES_PER_CTA
             wide = weight_dtype.itemsize * cfg.vec >= 4
-            assert staged == (bare.ctas_per_sm() == 1 and fits and wide), (n, rms)
+            alone = bare.ctas_per_sm()
+            costless = config.loop_ctas_per_sm(cfg, bare.smem_bytes() + weight_bytes + 16,
+                                               bare.loop_registers) == alone
+            assert staged == (fits and wide and (alone == 1 or (not rms and costless))), \
+                (n, rms)
             assert kernel.smem_bytes() - bare.smem_bytes() == (weight_bytes + 16 if staged else 0)
             assert kernel.ctas_per_sm() == bare.ctas_per_sm()
             staged_rows += [n] * staged
     assert 262144 in staged_rows  # the long rows, one CTA per SM
+    assert 4096 in staged_rows  # LayerNorm's share of 4096 columns
+
+
+def test_backward_weight_staging_cases():
+    """The staging rule at a few shapes, stated directly (see the test above)."""
+    bf16, fp32 = torch.bfloat16, torch.float32
+
+    def staged(n, rms, dtype, weight_dtype):
+        acc = 1 if rms else 2
+        cfg = ops.backward_config(n, dtype, dtype, (dtype,), weight_dtype, acc)
+        return bool(ops._backward_kernel_object(cfg, rms, dtype, dtype, True, not rms,
+                                                weight_dtype).column_dtypes)
+
+    assert staged(262144, True, bf16, bf16) and staged(262144, False, bf16, bf16)
+    assert staged(4096, False, bf16, bf16) and not staged(4096, True, bf16, bf16)
+    assert not staged(65536, False, fp32, fp32)  # it would cost the second buffer
+    assert not staged(262145, True, bf16, bf16)  # one-element vectors
+
+
+def test_backward_prefetches_row_stats_for_layer_norm_and_lone_rms_ctas():
+    """rstd / mean are loaded a row block ahead for LayerNorm at every share, for
+    RMSNorm only where one CTA per SM is resident (the rule's measured split)."""
+    bf16, fp32 = torch.bfloat16, torch.float32
+
+    def kernel(n, rms, dtype):
+        acc = 1 if rms else 2
+        cfg = ops.backward_config(n, dtype, dtype, (dtype,), dtype, acc)
+        return ops._backward_kernel_object(cfg, rms, dtype, dtype, True, not rms, dtype)
+
+    for n in (1024, 16384, 262144):
+        for dtype in (bf16, fp32):
+            assert kernel(n, False, dtype).prefetches_stats
+            rms = kernel(n, True, dtype)
+            assert rms.prefetches_stats == (rms.ctas_per_sm() == 1), (n, dtype)
+    assert kernel(262144, True, bf16).prefetches_stats
+    assert not kernel(1024, True, bf16).prefetches_stats
 
 
 def test_return_stats_gives_fp32_statistics_without_gradient():

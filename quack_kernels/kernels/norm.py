@@ -34,7 +34,7 @@ from cutlass.memory import SmemAllocator
 
 from ..primitives import reduce as red
 from ..primitives import tiling
-from ..primitives.config import RowConfig, stage_columns_once
+from ..primitives.config import RowConfig, prefetch_row_stats, stage_columns_once
 from ..primitives.rows import ReductionSlot, RowKernel, RowTiles
 
 ZERO = (Float32(0.0),)
@@ -236,9 +236,16 @@ class NormBackward(RowKernel):
         if weight_dtype is not None and tiling.copies_async(weight_dtype, cfg):
             alone = self.ctas_per_sm()
             self.column_dtypes = (weight_dtype,)
-            if not stage_columns_once(alone, self.smem_bytes()):
-                self.column_dtypes = ()
             self._ctas_per_sm = None
+            if not stage_columns_once(alone, self.ctas_per_sm(), self.smem_bytes(), rms):
+                self.column_dtypes = ()
+                self._ctas_per_sm = None
+
+    @property
+    def prefetches_stats(self) -> bool:
+        """Whether each row block's rstd / mean are loaded during the block before
+        (config.prefetch_row_stats)."""
+        return prefetch_row_stats(self.rms, self.ctas_per_sm())
 
     @property
     def weight_staged(self) -> bool:
@@ -272,8 +279,12 @@ class NormBackward(RowKernel):
             cute.arch.cluster_wait()
         if cutlass.const_expr(cfg.stages == 2):
             home.issue_loads()  # the first block; each iteration prefetches the next
+        first_stats = None
+        if cutlass.const_expr(self.prefetches_stats):
+            first_stats = self._row_stats(home, mMean, mRstd)
         self.for_each_row_block(mH.shape[0], grid_rows, self._row_block, home, grid_rows, slot,
-                                sW, mMean, mRstd, mdResOut, mdX, mdRes, weight_offset, acc_w, acc_b)
+                                sW, mMean, mRstd, mdResOut, mdX, mdRes, weight_offset, acc_w, acc_b,
+                                carry=first_stats)
 
         for c in cutlass.range_constexpr(cfg.num_chunks):
             if cutlass.const_expr(self.need_dweight):
@@ -281,17 +292,31 @@ class NormBackward(RowKernel):
             if cutlass.const_expr(self.need_dbias):
                 home.store(mdB, c, acc_b[c].load(), guard_rows=False)
 
-    def _row_block(self, block_row, iteration, home: RowTiles, grid_rows, slot: ReductionSlot,
-                   mW, mMean, mRstd, mdResOut, mdX, mdRes, weight_offset, acc_w, acc_b):
-        """dx / dresidual of row block ``block_row``, and its dw / db terms."""
-        cfg = self.cfg
-        inv_n = Float32(1.0 / cfg.n_cols)
-        tiles = home.begin_block(block_row, grid_rows, iteration)
+    def _row_stats(self, tiles: RowTiles, mMean, mRstd):
+        """(rstd, mean) of this thread's row of ``tiles`` (0 past the last row; mean 0
+        for RMSNorm), loaded from global memory."""
         row = cutlass.select_(tiles.row_in_bounds, tiles.row, 0)
         rstd = Float32(cutlass.select_(tiles.row_in_bounds, mRstd[row], Float32(0.0)))
         mean = Float32(0.0)
         if cutlass.const_expr(not self.rms):
             mean = Float32(cutlass.select_(tiles.row_in_bounds, mMean[row], Float32(0.0)))
+        return rstd, mean
+
+    def _row_block(self, block_row, iteration, home: RowTiles, grid_rows, slot: ReductionSlot,
+                   mW, mMean, mRstd, mdResOut, mdX, mdRes, weight_offset, acc_w, acc_b,
+                   carry=None):
+        """dx / dresidual of row block ``block_row``, and its dw / db terms. Where the
+        kernel prefetches_stats, ``carry`` holds this block's statistics and the next
+        block's are returned, loaded once this block's row sums are in, so that their
+        latency passes behind its stores and the next block's wait; otherwise they are
+        loaded here."""
+        cfg = self.cfg
+        inv_n = Float32(1.0 / cfg.n_cols)
+        tiles = home.begin_block(block_row, grid_rows, iteration)
+        if cutlass.const_expr(self.prefetches_stats):
+            rstd, mean = carry
+        else:
+            rstd, mean = self._row_stats(tiles, mMean, mRstd)
         kept = []
         dot = Float32(0.0)  # sum(g * xhat)
         g_sum = Float32(0.0)  # sum(g), LayerNorm
@@ -310,6 +335,9 @@ class NormBackward(RowKernel):
                                         (Float32(0.0), Float32(0.0)), iteration=iteration)
         c1 = dot * inv_n
         c2 = g_sum * inv_n
+        next_stats = None
+        if cutlass.const_expr(self.prefetches_stats):
+            next_stats = self._row_stats(home.at_block(block_row + grid_rows), mMean, mRstd)
 
         for c in range(cfg.num_chunks):
             if cutlass.const_expr(cfg.staging == "registers"):
@@ -326,6 +354,7 @@ class NormBackward(RowKernel):
                 tiles.store(mdX, c, dh)
             if cutlass.const_expr(mdRes is not None):
                 tiles.store(mdRes, c, dh)
+        return next_stats
 
     def _xhat_g(self, tiles: RowTiles, c: int, mW, mean, rstd, weight_offset, acc_w, acc_b):
         """xhat and g = dy * (w + offset) of chunk ``c``, both 0 past the row end and on

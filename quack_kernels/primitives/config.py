@@ -442,16 +442,31 @@ def sums_in_registers(cfg: RowConfig) -> bool:
 
 
 # A per-column vector read for every row block (a norm backward's weight) is staged once
-# per CTA in shared memory only where a single CTA per SM is resident: there nothing
-# hides the latency of a global load per row block. H200, kernels alone, same session
+# per CTA in shared memory, where it fits, (1) where a single CTA per SM is resident:
+# there nothing hides the latency of a global load per row block; (2) for LayerNorm
+# wherever it costs no resident CTA. H200, kernels alone, same session
 # (kernel_ab_norm_backward_staged_weight_H200_20261130.txt), staged everywhere: bf16
 # 512x262144 (one CTA) RMSNorm 53.8% -> 65.3% of the copy ceiling, LayerNorm 46.2% ->
 # 54.1%. With more CTAs per SM, RMSNorm lost at 5 of 6 shapes (bf16 32768x4096 88.2% ->
 # 68.3%, fp32 2048x65536 82.0% -> 70.3%) and LayerNorm gained at 4 of 5, flat at the
-# fifth (fp32 2048x65536 59.7% -> 70.5%, bf16 32768x4096 70.5% -> 74.5%), unexplained;
-# a LayerNorm-only rule for those is not yet GPU-tested.
-def stage_columns_once(ctas_per_sm_without: int, smem_bytes_with: int) -> bool:
-    return ctas_per_sm_without == 1 and smem_bytes_with <= SMEM_BYTES_PER_CTA
+# fifth (fp32 2048x65536 59.7% -> 70.5%, bf16 32768x4096 70.5% -> 74.5%), unexplained.
+def stage_columns_once(ctas_per_sm_without: int, ctas_per_sm_with: int, smem_bytes_with: int,
+                       rms: bool) -> bool:
+    if smem_bytes_with > SMEM_BYTES_PER_CTA:
+        return False
+    return ctas_per_sm_without == 1 or (not rms and ctas_per_sm_with == ctas_per_sm_without)
+
+
+# A norm backward's per-row statistics (rstd, mean) are loaded during the row block
+# before, once its row sums are in, for LayerNorm everywhere and for RMSNorm where one
+# CTA per SM is resident. ncu had their load at the block's start as the largest stall
+# (the L1TEX scoreboard, 37-58% of stall cycles). H200, kernels alone, same session
+# (kernel_ab_norm_backward_stats_prefetch_H200_20261130.txt): LayerNorm bf16 32768x4096
+# 74.5% -> 85.8% of the copy ceiling, 131072x1024 80.0% -> 89.4%, fp32 8192x16384 78.1%
+# -> 86.2%; RMSNorm bf16 512x262144 (one CTA) 65.0% -> 76.5%, but at 2-6 CTAs per SM it
+# lost 1-7 points (bf16 131072x1024 94.9% -> 88.1%), where other CTAs hide the load.
+def prefetch_row_stats(rms: bool, ctas_per_sm: int) -> bool:
+    return not rms or ctas_per_sm == 1
 
 
 # Per-column sums in shared memory with a second staging buffer: prefetch paid where

@@ -103,17 +103,23 @@ class RowKernel:
         )
 
     @cute.jit
-    def for_each_row_block(self, num_rows, grid_rows, body, *args):
+    def for_each_row_block(self, num_rows, grid_rows, body, *args, carry=None):
         """The loop of a looping grid of ``grid_rows`` row blocks: this CTA calls
         ``body(block_row, iteration, *args)`` for row blocks block_idx.x, + grid_rows,
         ... (``body``: one method, since names bound, or objects whose methods are
-        called, directly in a dynamic loop body become loop-carried values)."""
+        called, directly in a dynamic loop body become loop-carried values). With
+        ``carry`` (a tuple of scalars) the call is ``carry = body(block_row, iteration,
+        *args, carry=carry)``: values one iteration hands the next, such as loads issued
+        an iteration ahead; ``body`` returns a tuple of the same structure and types."""
         first_block = cute.arch.block_idx()[0]
         num_blocks = (num_rows + self.cfg.rows_per_block - 1) // self.cfg.rows_per_block
         # counting iterations (not row blocks) keeps a division out of the loop
         iterations = (num_blocks - first_block + grid_rows - 1) // grid_rows
         for iteration in cutlass.range(iterations, unroll=1):
-            body(first_block + iteration * grid_rows, iteration, *args)
+            if cutlass.const_expr(carry is None):
+                body(first_block + iteration * grid_rows, iteration, *args)
+            else:
+                carry = body(first_block + iteration * grid_rows, iteration, *args, carry=carry)
 
 
 class ReductionSlot:
