@@ -313,10 +313,10 @@ def test_forward_configs():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_softcap_gradient_keeps_capped_values_in_registers(n, dtype):
     """With softcap and the gradient, rows split over a cluster take the smallest cluster
-    (up to 16 CTAs of up to 512 threads) whose CTAs hold their share in one chunk of at
-    most KEPT_CAPPED_VALUES per thread, so the gradient pass reuses the capped values;
-    rows that cannot (262145 columns) and rows of one-element vectors (odd lengths) keep
-    the plain config."""
+    (up to 16 CTAs of MAX_THREADS_PER_ROW threads) whose CTAs hold their share in one
+    chunk of at most KEPT_CAPPED_VALUES per thread, so the gradient pass reuses the
+    capped values; rows that cannot (151936 bf16 columns) and rows of one-element vectors
+    (odd lengths) keep the plain config."""
     plain = ops.forward_config(n, dtype, False, True)
     capped = ops.forward_config(n, dtype, False, True, softcap=True)
     if plain.staging == "registers" or config.loops_over_row_blocks(plain, True) \
@@ -325,11 +325,12 @@ def test_softcap_gradient_keeps_capped_values_in_registers(n, dtype):
         return
     per_thread = capped.vec * capped.vecs_per_thread
     if capped == plain:
-        # no one-chunk share fits: 16 CTAs of 512 threads hold too few values
-        assert -(-n // 16) > 2 * config.MAX_THREADS_PER_ROW * config.KEPT_CAPPED_VALUES
+        # no one-chunk share fits: 16 CTAs of 256 threads hold too few values
+        assert -(-n // 16) > config.MAX_THREADS_PER_ROW * config.KEPT_CAPPED_VALUES
         return
     assert capped.staging == "registers" and capped.num_chunks == 1
     assert per_thread <= config.KEPT_CAPPED_VALUES and capped.cluster_size <= 16
+    assert capped.threads_per_row == config.MAX_THREADS_PER_ROW or capped.cluster_size == 1
     assert capped.cols_covered >= n
     if capped.cluster_size > 1:  # the smallest cluster: half of it would not hold the row
         assert -(-n // (capped.cluster_size // 2)) > \

@@ -599,26 +599,27 @@ def _short_loss_row_config(n_cols: int, elem: int, max_vec: int | None) -> RowCo
 # logits it costs an ex2 and an rcp per value a second time (the SM's multi-function
 # unit runs 16 per clock: at 6.5 per value it held the kernel near 0.41 clock per value
 # per SM, the memory needs ~0.27). Rows a one-block share of at most KEPT_CAPPED_VALUES
-# per thread can hold (clusters of up to 16 CTAs, up to 512 threads) keep the capped
-# values in registers instead. At 64 values per thread (the 8-CTA share of 128256 bf16
-# columns) keeping them took 144 registers, one CTA per SM.
+# per thread in MAX_THREADS_PER_ROW threads can hold (clusters of up to 16 CTAs) keep
+# the capped values in registers instead. H200, kernels alone, smoothing 0.1 + z-loss +
+# softcap 30 (kernel_ab_cross_entropy_softcap_placeholders_H200_20261130.txt): bf16
+# 4096x128256 48.5% -> 51.2% of the copy ceiling, 2048x65536 50.7% -> 54.2%, fp32
+# 4096x128256 76.5% -> 82.3%. Shares of 512 threads (the 104 registers of the softcap
+# gradient leave one such CTA per SM) lost: bf16 8192x151936 47.7% -> 25.8%, 512x262144
+# 45.3% -> 25.6%; at 64 values per thread keeping them took 144 registers.
 KEPT_CAPPED_VALUES = 32
 
 
 def _kept_values_row_config(n_cols: int, elem: int, max_vec: int | None) -> RowConfig | None:
-    """The smallest cluster whose CTAs hold their share in one chunk of at most
-    KEPT_CAPPED_VALUES per thread (256 threads, else 512), or None; not for rows of
-    one-element vectors (262143 bf16 columns compiled to 128 registers at 512 threads:
-    one CTA per SM)."""
+    """The smallest cluster whose CTAs of MAX_THREADS_PER_ROW threads hold their share
+    in one chunk of at most KEPT_CAPPED_VALUES per thread, or None; not for rows of
+    one-element vectors (262143 bf16 columns compiled to 128 registers)."""
     if vector_width(n_cols, elem, max_vec) == 1:
         return None
-    for threads in (MAX_THREADS_PER_ROW, 2 * MAX_THREADS_PER_ROW):
-        cfg = row_config(n_cols, elem, max_vec=max_vec, values_per_thread=KEPT_CAPPED_VALUES,
-                         max_threads_per_row=threads,
-                         cta_row_bytes=threads * KEPT_CAPPED_VALUES * elem, wide_clusters=True)
-        if cfg.staging == "registers":
-            return cfg
-    return None
+    cfg = row_config(n_cols, elem, max_vec=max_vec, values_per_thread=KEPT_CAPPED_VALUES,
+                     max_threads_per_row=MAX_THREADS_PER_ROW,
+                     cta_row_bytes=MAX_THREADS_PER_ROW * KEPT_CAPPED_VALUES * elem,
+                     wide_clusters=True)
+    return cfg if cfg.staging == "registers" else None
 
 
 def cross_entropy_row_config(n_cols: int, elem: int, stage_weight: bool, write_grad: bool,
