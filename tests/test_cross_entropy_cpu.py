@@ -308,6 +308,38 @@ def test_forward_configs():
     assert ops.forward_config(65536, bf16, False, False).staging != "global"  # 128 KiB
 
 
+@pytest.mark.parametrize("n", [4096, 16384, 32000, 50256, 50257, 128256, 151936, 262144,
+                               262145])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softcap_gradient_keeps_capped_values_in_registers(n, dtype):
+    """With softcap and the gradient, rows split over a cluster take the smallest cluster
+    (up to 16 CTAs of MAX_THREADS_PER_ROW threads) whose CTAs hold their share in one
+    chunk of at most KEPT_CAPPED_VALUES per thread, so the gradient pass reuses the
+    capped values; rows that cannot (151936 bf16 columns) and rows of one-element vectors
+    (odd lengths) keep the plain config."""
+    plain = ops.forward_config(n, dtype, False, True)
+    capped = ops.forward_config(n, dtype, False, True, softcap=True)
+    if plain.staging == "registers" or config.loops_over_row_blocks(plain, True) \
+            or plain.vec == 1:
+        assert capped == plain
+        return
+    per_thread = capped.vec * capped.vecs_per_thread
+    if capped == plain:
+        # no one-chunk share fits: 16 CTAs of 256 threads hold too few values
+        assert -(-n // 16) > config.MAX_THREADS_PER_ROW * config.KEPT_CAPPED_VALUES
+        return
+    assert capped.staging == "registers" and capped.num_chunks == 1
+    assert per_thread <= config.KEPT_CAPPED_VALUES and capped.cluster_size <= 16
+    assert capped.threads_per_row == config.MAX_THREADS_PER_ROW or capped.cluster_size == 1
+    assert capped.cols_covered >= n
+    if capped.cluster_size > 1:  # the smallest cluster: half of it would not hold the row
+        assert -(-n // (capped.cluster_size // 2)) > \
+            capped.threads_per_row * config.KEPT_CAPPED_VALUES
+    kernel = ops.forward_kernel_object(capped, dtype, weighted=False, smoothing=True,
+                                       zloss=True, softcap=True, write_grad=True)
+    assert not kernel.loops and kernel.target_aside and kernel.capped_placeholders
+
+
 @pytest.mark.parametrize("n", [2, 7, 1000, 1024, 4096, 8192])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_short_loss_only_rows_keep_threads_busy(n, dtype):
@@ -335,7 +367,8 @@ SPILL_CASES = [
     for n in (2, 1000, 16384, 32000, 50257, 151936, 262145, 524288)
     for dtype in (torch.float32, torch.bfloat16, torch.float16)
     for w, s, z, c, g in ((False, False, False, False, True), (True, True, True, True, True),
-                          (False, True, False, True, False), (False, False, False, False, False))
+                          (False, True, True, True, True), (False, True, False, True, False),
+                          (False, False, False, False, False))
 ]
 
 
@@ -347,7 +380,7 @@ def test_sm90a_compile_without_spills(tmp_path):
     variants = []
     for n, dtype, flags in SPILL_CASES:
         cfg = ops.forward_config(n, dtype, flags["weighted"] and flags["smoothing"],
-                                 flags["write_grad"])
+                                 flags["write_grad"], softcap=flags["softcap"])
         variants.append(("xent", n, dtype, cfg,
                          lambda cfg=cfg, dtype=dtype, flags=flags: ops.forward_kernel(cfg, dtype, torch.int64, **flags)))
     for n, dtype in ((50257, torch.float16), (524288, torch.float32)):

@@ -1,6 +1,7 @@
 """Cross-entropy CUDA kernel against an fp64 reference (run on an H200)."""
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -97,6 +98,56 @@ def test_every_option(v, dtype, flags):
     assert_close(grad, ref_grad, dtype, scale=2.0, name="grad")
     # loss only (long rows are streamed from global memory instead of staged)
     (loss_only, _), lse_only, _ = ops.cross_entropy_forward(x, target, weight, *options, False)
+    assert_close(loss_only, ref_loss, LOSS_TOL, scale=LOSS_SCALE, name="loss only")
+    assert_close(lse_only, ref_lse, LOSS_TOL, scale=LOSS_SCALE, name="lse only")
+
+
+@pytest.mark.parametrize("v,dtype", [(4096, torch.float32), (128256, torch.bfloat16),
+                                     (151936, torch.float32)])
+def test_softcap_of_infinite_and_nan_logits(v, dtype):
+    """softcap caps +-inf logits at +-s (a finite loss and gradient, as torch's tanh
+    gives: a set-aside target among them too); a NaN logit makes its row's loss, lse
+    and gradient NaN. Long rows keep their capped values in registers between passes."""
+    m, s = 8, 30.0
+    x, target = fresh(m, v, dtype)  # rows 0 and 3 confident, 1 and 6 ignored
+    x[0, (target[0] + 1) % v] = math.inf
+    x[2, 3] = -math.inf
+    x[3, target[3]] = math.inf  # the target itself
+    x[4, :5] = -math.inf
+    x[5, v - 1] = math.nan
+    options = (-100, 0.1, 1e-3, s)
+    (loss, _), lse, grad = ops.cross_entropy_forward(x, target, None, *options, True)
+    ref_loss, ref_lse, ref_grad = reference(x, target, None, *options)
+    assert torch.isnan(ref_loss[5]) and torch.isfinite(ref_loss[[0, 2, 3, 4]]).all()
+    assert_close(loss, ref_loss, LOSS_TOL, scale=LOSS_SCALE, name="loss")
+    assert_close(lse, ref_lse, LOSS_TOL, scale=LOSS_SCALE, name="lse")
+    assert_close(grad, ref_grad, dtype, scale=2.0, name="grad")
+    (loss_only, _), _, _ = ops.cross_entropy_forward(x, target, None, *options, False)
+    assert_close(loss_only, ref_loss, LOSS_TOL, scale=LOSS_SCALE, name="loss only")
+
+
+@pytest.mark.parametrize("v,dtype", [(1000, torch.float16), (1000, torch.bfloat16),
+                                     (4000, torch.float32), (128256, torch.bfloat16),
+                                     (151936, torch.float32)])
+def test_softcap_counts_its_placeholders(v, dtype):
+    """With softcap the set-aside target and the padding past the row end cap to -s and
+    are counted out of each thread's sums (kernels.cross_entropy, capped_placeholders).
+    Rows whose every logit caps to -s weigh each class as much as a placeholder, so one
+    miscounted placeholder moves lse by 1/C and the smoothing term by 3/C at C = 1000;
+    rows of one large logit over such a floor, at the target or elsewhere, too."""
+    m, s = 12, 30.0
+    x, target = fresh(m, v, dtype)  # rows 1, 6 and 11 ignored
+    x[:] = -1e4
+    x[4, target[4]] = 5.0  # the target alone above the floor
+    x[5, (target[5] + 7) % v] = 5.0  # another class alone above it
+    x[8:] = torch.randn(m - 8, v, device="cuda").to(dtype) - 40.0  # all below -s/2
+    options = (-100, 0.1, 1e-3, s)
+    (loss, _), lse, grad = ops.cross_entropy_forward(x, target, None, *options, True)
+    ref_loss, ref_lse, ref_grad = reference(x, target, None, *options)
+    assert_close(loss, ref_loss, LOSS_TOL, scale=LOSS_SCALE, name="loss")
+    assert_close(lse, ref_lse, LOSS_TOL, scale=LOSS_SCALE, name="lse")
+    assert_close(grad, ref_grad, dtype, scale=2.0, name="grad")
+    (loss_only, _), lse_only, _ = ops.cross_entropy_forward(x, target, None, *options, False)
     assert_close(loss_only, ref_loss, LOSS_TOL, scale=LOSS_SCALE, name="loss only")
     assert_close(lse_only, ref_lse, LOSS_TOL, scale=LOSS_SCALE, name="lse only")
 

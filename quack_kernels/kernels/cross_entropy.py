@@ -31,9 +31,10 @@ current block is reduced and its epilogue runs (a CTA's life is otherwise one lo
 one short reduction and a short epilogue: its load latency would be exposed). One
 row_allreduce per row combines the online (max, sum of exp, sum of exp over the
 non-target classes) triple with plain sums of z_t (from the thread holding the target
-column, which without softcap or smoothing sets it aside before the row is read, in a
-staged row from shared memory and in a streamed one in registers: ``target_aside``), of
-w_t (gathered by the row's first thread) and, for label
+column, which where it can sets it aside before the row is read, in a staged row from
+shared memory and in a streamed one in registers: ``target_aside``; with softcap the
+set-aside logit and the row-end padding become -s and are counted out,
+``capped_placeholders``), of w_t (gathered by the row's first thread) and, for label
 smoothing, of sum_j w_j z_j and W. Every thread then knows lse and writes its share of
 the gradient; the row's first thread writes loss and lse. A set-aside target's gradient
 is written by the thread holding its column, after that thread's vector stores
@@ -61,6 +62,12 @@ def _combine(a, b):
     return red.online_softmax_combine(a, b, rescaled=2, base2=True)
 
 
+def _exp_below(z: Float32, base2_max: Float32) -> Float32:
+    """exp(z) / 2^base2_max for one logit z, its exponent the exact z log2 e minus the
+    max in base-2 units, as every class's exponent has it (red.chunk_exp2: one FFMA)."""
+    return cute.math.exp2(cute.math.fma(z, Float32(red.LOG2_E), -base2_max), fastmath=True)
+
+
 def _with_target(other_max: Float32, other_sumexp: Float32, z_target: Float32, valid):
     """(max, sum of exp, sum of exp over the non-target classes) of a row, max in base-2
     units as the reduction gives it, from its non-target (max, sum of exp) and the
@@ -69,9 +76,7 @@ def _with_target(other_max: Float32, other_sumexp: Float32, z_target: Float32, v
     row_max = cutlass.select_(valid, cute.arch.fmax(other_max, z_target * red.LOG2_E), other_max)
     row_max_safe = red.finite_or_zero(row_max)
     other = other_sumexp * cute.math.exp2(other_max - row_max_safe, fastmath=True)
-    # the exact z_t log2 e, as every other class's exponent has it (one FFMA each)
-    target = cute.math.exp2(cute.math.fma(z_target, Float32(red.LOG2_E), -row_max_safe),
-                            fastmath=True)
+    target = _exp_below(z_target, row_max_safe)
     return row_max, other + cutlass.select_(valid, target, Float32(0.0)), other
 
 
@@ -92,8 +97,10 @@ class CrossEntropyForward(RowKernel):
     recompiles."""
 
     # Registers per thread of the looping grid: at 80, 16-bit rows of 1024 and 16384
-    # columns spilled.
+    # columns spilled; with softcap and the gradient, fp16 rows of 1000 columns spilled 8
+    # bytes at 96.
     loop_registers = 96
+    SOFTCAP_GRAD_LOOP_REGISTERS = 104
 
     def __init__(self, cfg: RowConfig, dtype, *, weighted: bool, smoothing: bool,
                  zloss: bool, softcap: bool, write_grad: bool):
@@ -110,6 +117,8 @@ class CrossEntropyForward(RowKernel):
         # (max, sumexp, sumexp without the target, z_t, [w_t], [sum w z], [W])
         self.values_per_reduction = 4 + int(weighted) + int(smoothing) + int(self.stage_weight)
         self.loops = loops_over_row_blocks(cfg, write_grad)
+        if softcap and write_grad:
+            self.loop_registers = self.SOFTCAP_GRAD_LOOP_REGISTERS
         # the loss alone of a share re-read from global memory: one streaming pass
         self.streams = cfg.staging == "global" and not write_grad and not self.stage_weight
         assert self.loops or cfg.stages == 1, "prefetching needs the looping grid"
@@ -123,15 +132,25 @@ class CrossEntropyForward(RowKernel):
         # shared memory once and leaves -inf in its place, so the row's max and sum see
         # only non-target classes and no value is compared with the target column (the
         # per-value selects of z_t and of the non-target sum were 5 of ~15 instructions
-        # per bf16 logit, which held the loss alone at the issue rate). Not with softcap
-        # (-inf would be capped) or label smoothing (its sum of z needs every class).
-        # With the gradient, the set-aside target's gradient is 0 in the vector stores
-        # and its owner writes the true value once per row (RowTiles.store_column). A
-        # streamed row (loss alone) sets it aside in registers instead: one select per
-        # value replaces it by -inf, and every thread loads z_t (one broadcast word, the
-        # index clamped into the row) while the row's lead thread keeps it.
-        self.target_aside = not softcap and not smoothing and (
-            cfg.staging != "global" or self.streams)
+        # per bf16 logit, which held the loss alone at the issue rate). With the
+        # gradient, the vector stores write a placeholder's value at the set-aside target
+        # and its owner overwrites it with the true one once per row
+        # (RowTiles.store_column). Not with label smoothing alone (its sum of z needs
+        # every class: see capped_placeholders for smoothing with softcap). A streamed
+        # row (loss alone) sets it aside in registers instead: one select per value,
+        # after the cap, replaces it by -inf, and every thread loads z_t (one broadcast
+        # word, the index clamped into the row) while the row's lead thread keeps it; not
+        # with softcap or smoothing there (the padding of a streamed row is masked per
+        # value, and its sum of z would lose the target).
+        # With softcap a staged row's placeholders, the set-aside target and the padding
+        # past the row end, are -inf logits that the cap turns into exactly -s: each
+        # thread counts its own and takes their terms out of its partial sums once per
+        # row (capped_placeholders) instead of masking and comparing every value. Not
+        # with the weight row staged (its sum of w z would need w_t as well).
+        self.capped_placeholders = softcap and not self.stage_weight \
+            and cfg.staging != "global"
+        self.target_aside = self.capped_placeholders or (
+            not softcap and not smoothing and (cfg.staging != "global" or self.streams))
         self.scratch_buffers = 2 if self.loops else 1  # alternate per row block
 
     @cute.jit
@@ -170,9 +189,11 @@ class CrossEntropyForward(RowKernel):
         staged = [mX]
         if cutlass.const_expr(self.stage_weight):
             staged.append(broadcast_rows(mWeight, mX.shape[0], cfg.n_cols))
-        # -inf past the row end stands for the mask of the max and the sum, unless
-        # softcap (it would cap -inf) or smoothing (its sum of z needs 0 there)
-        pad = None if self.softcap or self.smoothing else -math.inf
+        # -inf past the row end stands for the mask of the max and the sum (capped to -s
+        # and counted with softcap, see capped_placeholders); without softcap not for
+        # smoothing's sum of z
+        pad = -math.inf if self.capped_placeholders or not (self.softcap or self.smoothing) \
+            else None
         home = RowTiles(cfg, staged, smem, pad=pad)
         slot = ReductionSlot(smem, cfg, self.values_per_reduction, buffers=self.scratch_buffers)
         if cutlass.const_expr(cfg.stages == 2):
@@ -256,6 +277,9 @@ class CrossEntropyForward(RowKernel):
                 running, w = self._chunk_stats(z, tiles, c, tiles.coords[c], target_col, running)
                 if cutlass.const_expr(cfg.staging == "registers" and self.write_grad):
                     kept.append((z, w))
+            if cutlass.const_expr(self.capped_placeholders):
+                running = self._without_placeholders(running, tiles, target_col, inv_softcap,
+                                                     softcap)
         stats = running[:3]
         z_target, sum_wz, sum_w = running[3], running[4], running[5]
 
@@ -341,16 +365,17 @@ class CrossEntropyForward(RowKernel):
                         w = tiles.values(1, c)
                 p = cute.math.exp2(z * red.LOG2_E - lse_log2, fastmath=True)
                 if cutlass.const_expr(self.target_aside):
-                    g = p * coef_p  # 0 at the set-aside target, written below
+                    g = p * coef_p  # the set-aside target's gradient is written below
                 else:
-                    g = self._gradient(p, z, w, tiles.coords[c], target_col, coef_p, coef_t,
-                                       coef_w, one_minus_p_target, inv_softcap)
-                tiles.store(mdX, c, g)
+                    is_target = tiling.is_column(tiles.coords[c], target_col, self.column_offsets)
+                    g = cute.where(is_target, _target_gradient(p, coef_p, coef_t,
+                                                               one_minus_p_target), p * coef_p)
+                tiles.store(mdX, c, self._option_terms(g, z, w, coef_w, inv_softcap))
             if cutlass.const_expr(self.target_aside):
-                p_target = cute.math.exp2(cute.math.fma(z_target, Float32(red.LOG2_E), -lse_log2),
-                                          fastmath=True)
-                tiles.store_column(mdX, target_col, _target_gradient(
-                    p_target, coef_p, coef_t, one_minus_p_target))
+                p_target = _exp_below(z_target, lse_log2)
+                tiles.store_column(mdX, target_col, self._option_terms(
+                    _target_gradient(p_target, coef_p, coef_t, one_minus_p_target), z_target,
+                    None, coef_w, inv_softcap))
 
     @cute.jit
     def _streamed_chunk_stats(self, tiles: RowTiles, chunk: Int32, target_col: Int32,
@@ -406,15 +431,9 @@ class CrossEntropyForward(RowKernel):
         return (*stats, z_target, sum_wz, sum_w), w
 
     @cute.jit
-    def _gradient(self, p: cute.TensorSSA, z: cute.TensorSSA, w, tXcX: cute.Tensor,
-                  target_col: Int32, coef_p: Float32, coef_t: Float32, coef_w: Float32,
-                  one_minus_p_target: Float32, inv_softcap: Float32) -> cute.TensorSSA:
-        """(A p - B onehot(t) - (eps/C) w) times the softcap chain, for one chunk. At the
-        target, A p_t - B is formed as (A - B) p_t - B (1 - p_t) so that a confident
-        row's tiny true-class gradient keeps its relative precision."""
-        is_target = tiling.is_column(tXcX, target_col, self.column_offsets)
-        g = cute.where(is_target, _target_gradient(p, coef_p, coef_t, one_minus_p_target),
-                       p * coef_p)
+    def _option_terms(self, g, z, w, coef_w: Float32, inv_softcap: Float32):
+        """The gradient wrt the logits from ``g`` = A p - B onehot(t) (values or one
+        value): minus (eps/C) w for label smoothing, times the softcap chain."""
         if cutlass.const_expr(self.stage_weight):
             g = g - w * coef_w
         elif cutlass.const_expr(self.smoothing):
@@ -423,6 +442,30 @@ class CrossEntropyForward(RowKernel):
             y = z * inv_softcap
             g = g * (Float32(1.0) - y * y)
         return g
+
+    def _without_placeholders(self, running: tuple, tiles: RowTiles, target_col: Int32,
+                              inv_softcap: Float32, softcap: Float32) -> tuple:
+        """``running`` with this thread's placeholders taken out (capped_placeholders):
+        each is the value -s, whose exp term leaves both sums and whose -s leaves the sum
+        of z; the set-aside target's capped z_t is kept and joins the sum of z. A
+        placeholder's term is the smallest of the thread's, so the subtraction costs
+        only the rounding of the sums."""
+        count = Int32(0)
+        held = Boolean(False)
+        for c in range(self.cfg.num_chunks):
+            held_here = tiles.holds_column(c, target_col)[0]
+            held = held | held_here
+            count = count + cutlass.select_(held_here, Int32(1), Int32(0))
+            if cutlass.const_expr(tiles.pad is not None):
+                for v in range(cute.size(tiles.preds[c])):
+                    count = count + cutlass.select_(tiles.preds[c][v], Int32(0),
+                                                    Int32(self.cfg.vec))
+        placeholders = Float32(count)
+        row_max, row_sum, other_sum, z_raw, sum_wz, sum_w = running
+        term = _exp_below(-softcap, red.finite_or_zero(row_max))
+        z_target = cutlass.select_(held, self._cap(z_raw, inv_softcap, softcap), Float32(0.0))
+        return (row_max, row_sum - placeholders * term, other_sum - placeholders * term,
+                z_target, sum_wz + placeholders * softcap + z_target, sum_w)
 
 
 class CrossEntropyGradRescale(RowKernel):

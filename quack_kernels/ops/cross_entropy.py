@@ -70,11 +70,11 @@ TARGET_DTYPES = (torch.int32, torch.int64)
 # ----------------------------------------------------------------------------- configs
 @functools.lru_cache(maxsize=None)
 def forward_config(n_cols: int, dtype: torch.dtype, stage_weight: bool, write_grad: bool,
-                   max_vec: int | None = None) -> RowConfig:
+                   max_vec: int | None = None, softcap: bool = False) -> RowConfig:
     """config.cross_entropy_row_config; rows one CTA holds loop with two staging buffers
     where they fit (prefetch of the next row block)."""
     cfg = cross_entropy_row_config(n_cols, torch.finfo(dtype).bits // 8, stage_weight,
-                                   write_grad, max_vec)
+                                   write_grad, max_vec, softcap)
     if not loops_over_row_blocks(cfg, write_grad):
         return cfg
     # sized for the variant with the most reduced values (every option on)
@@ -160,23 +160,24 @@ def compile_rescale(cfg: RowConfig, dtype: torch.dtype, target_dtype: torch.dtyp
                     lambda: compile_kernel(*rescale_kernel(cfg, dtype, target_dtype)))
 
 
-# flag sets in the resource report: plain loss + gradient, every option on, and
-# smoothing + softcap without the gradient
-REPORT_FLAGS = (
-    dict(weighted=False, smoothing=False, zloss=False, softcap=False, write_grad=True),
-    dict(weighted=True, smoothing=True, zloss=True, softcap=True, write_grad=True),
-    dict(weighted=False, smoothing=True, zloss=False, softcap=True, write_grad=False),
-)
+# flag sets in the resource report, by name: plain loss + gradient, every option on
+# (the weight row staged), every option but class weights (the capped values kept in
+# registers, config.KEPT_CAPPED_VALUES), and smoothing + softcap without the gradient
+REPORT_FLAGS = {
+    "_grad": dict(weighted=False, smoothing=False, zloss=False, softcap=False, write_grad=True),
+    "_all": dict(weighted=True, smoothing=True, zloss=True, softcap=True, write_grad=True),
+    "_capped": dict(weighted=False, smoothing=True, zloss=True, softcap=True, write_grad=True),
+    "_loss": dict(weighted=False, smoothing=True, zloss=False, softcap=True, write_grad=False),
+}
 
 
 def report_variants(n_grid, dtypes):
     """Kernel variants for the sm_90a resource report: (name, n, dtype, cfg, build)."""
     for dtype in dtypes:
         for n in n_grid:
-            for flags in REPORT_FLAGS:
+            for suffix, flags in REPORT_FLAGS.items():
                 cfg = forward_config(n, dtype, flags["weighted"] and flags["smoothing"],
-                                     flags["write_grad"])
-                suffix = "_all" if flags["zloss"] else ("_grad" if flags["write_grad"] else "_loss")
+                                     flags["write_grad"], softcap=flags["softcap"])
                 yield (f"xent_fwd{suffix}", n, dtype, cfg,
                        lambda n=n, dtype=dtype, cfg=cfg, flags=flags:
                        forward_kernel(cfg, dtype, torch.int64, **flags))
@@ -305,7 +306,7 @@ def _launch(rows: Tensor, target: Tensor, weight: Optional[Tensor], stats: Tenso
     target = target.contiguous()
     grad_out = rows if grad is None else grad
     cfg = forward_config(n_cols, rows.dtype, stage_weight, grad is not None,
-                         vector_limit(rows, grad_out))
+                         vector_limit(rows, grad_out), softcap != 0.0)
     flags = dict(weighted=weight is not None, smoothing=smoothing,
                  zloss=lse_square_scale != 0.0, softcap=softcap != 0.0,
                  write_grad=grad is not None)

@@ -595,12 +595,41 @@ def _short_loss_row_config(n_cols: int, elem: int, max_vec: int | None) -> RowCo
                           min_threads_per_block=CE_LOSS_MIN_THREADS_PER_BLOCK)
 
 
+# With softcap the gradient pass needs every capped value again: re-capped from the staged
+# logits it costs an ex2 and an rcp per value a second time (the SM's multi-function
+# unit runs 16 per clock: at 6.5 per value it held the kernel near 0.41 clock per value
+# per SM, the memory needs ~0.27). Rows a one-block share of at most KEPT_CAPPED_VALUES
+# per thread in MAX_THREADS_PER_ROW threads can hold (clusters of up to 16 CTAs) keep
+# the capped values in registers instead. H200, kernels alone, smoothing 0.1 + z-loss +
+# softcap 30 (kernel_ab_cross_entropy_softcap_placeholders_H200_20261130.txt): bf16
+# 4096x128256 48.5% -> 51.2% of the copy ceiling, 2048x65536 50.7% -> 54.2%, fp32
+# 4096x128256 76.5% -> 82.3%. Shares of 512 threads (the 104 registers of the softcap
+# gradient leave one such CTA per SM) lost: bf16 8192x151936 47.7% -> 25.8%, 512x262144
+# 45.3% -> 25.6%; at 64 values per thread keeping them took 144 registers.
+KEPT_CAPPED_VALUES = 32
+
+
+def _kept_values_row_config(n_cols: int, elem: int, max_vec: int | None) -> RowConfig | None:
+    """The smallest cluster whose CTAs of MAX_THREADS_PER_ROW threads hold their share
+    in one chunk of at most KEPT_CAPPED_VALUES per thread, or None; not for rows of
+    one-element vectors (262143 bf16 columns compiled to 128 registers)."""
+    if vector_width(n_cols, elem, max_vec) == 1:
+        return None
+    cfg = row_config(n_cols, elem, max_vec=max_vec, values_per_thread=KEPT_CAPPED_VALUES,
+                     max_threads_per_row=MAX_THREADS_PER_ROW,
+                     cta_row_bytes=MAX_THREADS_PER_ROW * KEPT_CAPPED_VALUES * elem,
+                     wide_clusters=True)
+    return cfg if cfg.staging == "registers" else None
+
+
 def cross_entropy_row_config(n_cols: int, elem: int, stage_weight: bool, write_grad: bool,
-                             max_vec: int | None = None) -> RowConfig:
+                             max_vec: int | None = None, softcap: bool = False) -> RowConfig:
     """Row config of the cross-entropy forward (before prefetch sizing): logits are the
     one staged row tensor; with weighted label smoothing the fp32 weight row is staged
     beside them, so accesses are sized for fp32 (4 elements). The loss alone of long
-    rows is streamed, not staged, and of short rows spread thin (CE_LOSS_*)."""
+    rows is streamed, not staged, and of short rows spread thin (CE_LOSS_*). The
+    gradient with softcap keeps the capped values in registers where a share of
+    KEPT_CAPPED_VALUES can hold them."""
     if not write_grad and not stage_weight:
         if n_cols * elem > CE_STREAM_MIN_ROW_BYTES:
             return streamed_row_config(n_cols, elem, CE_STREAM_CTA_ROW_BYTES, max_vec)
@@ -621,4 +650,7 @@ def cross_entropy_row_config(n_cols: int, elem: int, stage_weight: bool, write_g
         roomy = _ce_row_config(n_cols, elem, max_vec=max_vec, values_per_thread=32)
         if roomy.staging == "registers" or loops_over_row_blocks(roomy, write_grad):
             cfg = roomy
+    if softcap and write_grad and cfg.staging != "registers" \
+            and not loops_over_row_blocks(cfg, write_grad):
+        cfg = _kept_values_row_config(n_cols, elem, max_vec) or cfg
     return cfg

@@ -353,7 +353,7 @@ class RowTiles:
                 assert fill == self.pad, "values() past the row end are the staging pad"
         return x
 
-    def _holds_column(self, chunk: int, col: Int32):
+    def holds_column(self, chunk: int, col: Int32):
         """(does this thread hold column ``col`` of its row in ``chunk``, the column's
         offset from the thread's first value). A thread holds vectors t, t +
         threads_per_row, ... (tiling.chunk_tv_layout)."""
@@ -372,7 +372,7 @@ class RowTiles:
         buffer by ``fill``, so that ``values`` reads ``fill`` there. Call after
         ``wait_chunk(chunk)``; no barrier is needed, since each thread reads back only
         what it copied itself."""
-        held, offset = self._holds_column(chunk, col)
+        held, offset = self.holds_column(chunk, col)
         value = Float32(0.0)
         if held:
             cfg = self.cfg
@@ -390,7 +390,7 @@ class RowTiles:
         what the vector store wrote there (same thread, same address: program order)."""
         held = Boolean(False)
         for c in cutlass.range_constexpr(self.cfg.num_chunks):
-            held = held | self._holds_column(c, col)[0]
+            held = held | self.holds_column(c, col)[0]
         if held & self.row_in_bounds:
             mY[self.row, col] = value.to(mY.element_type)
 
