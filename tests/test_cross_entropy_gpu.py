@@ -58,6 +58,20 @@ def check_true_class_gradient(grad, ref_grad, x, target, rel):
                            f"{got[bad][:5].tolist()} vs {want[bad][:5].tolist()}")
 
 
+
+def check_fused_forward(x, target, weight, options, dtype):
+    """The forward with the gradient, and the loss alone (long rows are streamed from
+    global memory instead of staged), against the reference; returns the row weights."""
+    (loss, weights), lse, grad = ops.cross_entropy_forward(x, target, weight, *options, True)
+    ref_loss, ref_lse, ref_grad = reference(x, target, weight, *options)
+    assert_close(loss, ref_loss, LOSS_TOL, scale=LOSS_SCALE, name="loss")
+    assert_close(lse, ref_lse, LOSS_TOL, scale=LOSS_SCALE, name="lse")
+    assert_close(grad, ref_grad, dtype, scale=2.0, name="grad")
+    (loss_only, _), lse_only, _ = ops.cross_entropy_forward(x, target, weight, *options, False)
+    assert_close(loss_only, ref_loss, LOSS_TOL, scale=LOSS_SCALE, name="loss only")
+    assert_close(lse_only, ref_lse, LOSS_TOL, scale=LOSS_SCALE, name="lse only")
+    return weights
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("v", VOCABS)
 def test_loss_and_gradient(v, dtype):
@@ -90,16 +104,8 @@ def test_every_option(v, dtype, flags):
     x, target = fresh(m, v, dtype)
     weight = torch.rand(v, device="cuda") + 0.5 if weighted else None
     options = (-100, 0.1 if smoothing else 0.0, 1e-3 if zloss else 0.0, 30.0 if softcap else 0.0)
-    (loss, weights), lse, grad = ops.cross_entropy_forward(x, target, weight, *options, True)
-    ref_loss, ref_lse, ref_grad = reference(x, target, weight, *options)
+    weights = check_fused_forward(x, target, weight, options, dtype)
     assert torch.equal(weights, ops.row_weights(target, weight, -100, v, torch.float32))
-    assert_close(loss, ref_loss, LOSS_TOL, scale=LOSS_SCALE, name="loss")
-    assert_close(lse, ref_lse, LOSS_TOL, scale=LOSS_SCALE, name="lse")
-    assert_close(grad, ref_grad, dtype, scale=2.0, name="grad")
-    # loss only (long rows are streamed from global memory instead of staged)
-    (loss_only, _), lse_only, _ = ops.cross_entropy_forward(x, target, weight, *options, False)
-    assert_close(loss_only, ref_loss, LOSS_TOL, scale=LOSS_SCALE, name="loss only")
-    assert_close(lse_only, ref_lse, LOSS_TOL, scale=LOSS_SCALE, name="lse only")
 
 
 @pytest.mark.parametrize("v,dtype", [(4096, torch.float32), (128256, torch.bfloat16),
@@ -142,14 +148,7 @@ def test_softcap_counts_its_placeholders(v, dtype):
     x[5, (target[5] + 7) % v] = 5.0  # another class alone above it
     x[8:] = torch.randn(m - 8, v, device="cuda").to(dtype) - 40.0  # all below -s/2
     options = (-100, 0.1, 1e-3, s)
-    (loss, _), lse, grad = ops.cross_entropy_forward(x, target, None, *options, True)
-    ref_loss, ref_lse, ref_grad = reference(x, target, None, *options)
-    assert_close(loss, ref_loss, LOSS_TOL, scale=LOSS_SCALE, name="loss")
-    assert_close(lse, ref_lse, LOSS_TOL, scale=LOSS_SCALE, name="lse")
-    assert_close(grad, ref_grad, dtype, scale=2.0, name="grad")
-    (loss_only, _), lse_only, _ = ops.cross_entropy_forward(x, target, None, *options, False)
-    assert_close(loss_only, ref_loss, LOSS_TOL, scale=LOSS_SCALE, name="loss only")
-    assert_close(lse_only, ref_lse, LOSS_TOL, scale=LOSS_SCALE, name="lse only")
+    check_fused_forward(x, target, None, options, dtype)
 
 
 @pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
