@@ -82,14 +82,16 @@ def online_softmax_combine(a: Values, b: Values, rescaled: int = 1, *, base2: bo
 
 
 class OnlineSoftmax:
-    """online_softmax_combine as a combine object, ``combine(a, b)``, that also reduces
-    across lanes in two phases (``warp_allreduce``): the max first, then each lane's
-    sums rescaled to it once and added. Merging pairwise rescales with two exp2 per
-    butterfly step; two phases take one per lane and the same shuffles."""
+    """online_softmax_combine as a combine object, ``combine(a, b)``; with
+    ``two_phase`` it also reduces across lanes in two phases (``warp_allreduce``): the
+    max first, then each lane's sums rescaled to it once and added. Merging pairwise
+    rescales with two exp2 per butterfly step; two phases take one per lane and the
+    same shuffles, but hold a few more values live across the shuffles."""
 
-    def __init__(self, rescaled: int = 1, *, base2: bool):
+    def __init__(self, rescaled: int = 1, *, base2: bool, two_phase: bool = True):
         self.rescaled = rescaled
         self.base2 = base2
+        self.two_phase = two_phase
 
     def __call__(self, a: Values, b: Values) -> Values:
         return online_softmax_combine(a, b, self.rescaled, base2=self.base2)
@@ -122,10 +124,11 @@ def warp_allreduce(values: Values, combine: Callable, width: int) -> Values:
 
 def _two_phase(combine: Callable) -> bool:
     """Whether ``combine`` reduces across lanes in its own two phases (OnlineSoftmax).
-    Only the softmax uses one: in the cross-entropy kernels it (and skipping the
-    identity in _reduce_slots) moved the every-option fp32 kernel at 128256 columns
-    from 64 to 80 registers, 4 to 3 CTAs per SM, and lost 8 points there."""
-    return hasattr(combine, "warp_allreduce")
+    Only the softmax forward of rows staged in shared memory uses one: in the
+    cross-entropy kernels it (and skipping the identity in _reduce_slots) moved the
+    every-option fp32 kernel at 128256 columns from 64 to 80 registers, 4 to 3 CTAs
+    per SM, and lost 8 points there."""
+    return getattr(combine, "two_phase", False)
 
 
 def chunk_exp2(x: cute.TensorSSA, x_max: Float32, *, base2: bool):
