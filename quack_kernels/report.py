@@ -8,8 +8,8 @@ is visible, see compile_cache.compile_for_hopper_without_gpu) lets
 ``nvidia-cuda-cuobjdump``) reads registers, stack and local memory from it. Our
 kernels call no functions, so a stack frame (STACK > 0) holds spilled registers
 (nvdisasm marks its loads and stores "SpillRefill"), as does local memory (LOCAL > 0);
-``cuobjdump -sass`` (with ``nvidia-cuda-nvdisasm``) shows any WARPSYNC (see warp_syncs). The report exits 1 when it
-sees a spill or a warp sync.
+``cuobjdump -sass`` (with ``nvidia-cuda-nvdisasm``) shows any WARPSYNC (see
+warp_syncs). The report exits 1 when it sees a spill or a warp sync.
 """
 
 from __future__ import annotations
