@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from quack_kernels.report import _RES, find_cuobjdump, resource_usage, warp_syncs
+from quack_kernels.report import _RES, find_cuobjdump, resource_usage
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -64,15 +64,15 @@ def test_resource_parser_reads_cuobjdump(tmp_path):
 
 def test_warp_syncs_are_counted_in_the_sass(tmp_path):
     """A kernel whose lane-0 branch calls cute.arch.warp_idx() (a full-warp shuffle)
-    compiles to WARPSYNC, which the report counts; the same store with the index read
-    before the branch has none."""
+    compiles to WARPSYNC, which the report's measure() counts; the same store with the
+    index read before the branch has none."""
     if find_cuobjdump() is None:
         pytest.skip("cuobjdump not installed")
     import cutlass
     import cutlass.cute as cute
 
-    from quack_kernels.primitives.compile_cache import compile_kernel, fake_rows
-    from quack_kernels.report import _cubin_file
+    from quack_kernels.primitives.compile_cache import fake_rows
+    from quack_kernels.report import measure
 
     class LaneZeroStore:
         def __init__(self, hoisted):
@@ -96,13 +96,10 @@ def test_warp_syncs_are_counted_in_the_sass(tmp_path):
                     mOut[0, cute.arch.warp_idx()] = mOut.element_type(1.0)
             cute.arch.barrier()
 
-    counts = []
-    for hoisted in (False, True):
-        folder = tmp_path / str(hoisted)
-        folder.mkdir()
-        fn = compile_kernel(LaneZeroStore(hoisted), fake_rows(cutlass.Float32, 8, 1),
-                            keep_cubin_in=str(folder))
-        counts.append(warp_syncs(_cubin_file(fn.__cubin__, str(folder)), find_cuobjdump()))
+    variants = [(f"hoisted={hoisted}", 8, torch.float32, None,
+                 lambda hoisted=hoisted: (LaneZeroStore(hoisted), fake_rows(cutlass.Float32, 8, 1)))
+                for hoisted in (False, True)]
+    counts = [res["warp_syncs"] for *_, res in measure(variants, str(tmp_path), find_cuobjdump())]
     assert counts[0] > 0 and counts[1] == 0
 
 
