@@ -369,6 +369,7 @@ SPILL_CASES = [
     for dtype in (torch.float32, torch.bfloat16, torch.float16)
     for w, s, z, c, g in ((False, False, False, 0.0, True), (True, True, True, 30.0, True),
                           (False, True, True, 30.0, True), (False, True, True, 50.0, True),
+                          (True, False, True, 30.0, True), (False, False, False, 30.0, True),
                           (False, True, False, 30.0, False), (False, False, False, 0.0, False))
 ]
 

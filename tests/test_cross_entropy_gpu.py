@@ -152,6 +152,23 @@ def test_softcap_counts_its_placeholders(v, dtype):
         check_fused_forward(x, target, None, (-100, 0.1, 1e-3, s), dtype)
 
 
+@pytest.mark.parametrize("v,dtype", [(128256, torch.bfloat16), (151936, torch.float32)])
+def test_softcapped_confident_rows_keep_relative_precision(v, dtype):
+    """Losses of 1e-8 to 1e-3 (targets 10 to 25 over a floor of -10) to 1e-3 relative,
+    with a softcap taken as the row max (30, 40: the loss from the non-target share)
+    and past that bound (50: the running max)."""
+    m = 8
+    x = torch.full((m, v), -10.0, device="cuda", dtype=dtype)
+    target = torch.arange(m, device="cuda") * 997 % v
+    x[torch.arange(m), target] = torch.linspace(10.0, 25.0, m, device="cuda").to(dtype)
+    for s in (30.0, config.CE_FIXED_MAX_SOFTCAP, config.CE_FIXED_MAX_SOFTCAP + 10.0):
+        for grad in (False, True):
+            (loss, _), _, _ = ops.cross_entropy_forward(x, target, None, -100, 0.0, 0.0, s, grad)
+            ref = reference(x, target, None, -100, 0.0, 0.0, s)[0]
+            assert (ref > 0).all() and (ref < 1e-3).all()
+            torch.testing.assert_close(loss.double(), ref, rtol=1e-3, atol=0.0)
+
+
 @pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
 @pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

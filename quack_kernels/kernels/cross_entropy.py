@@ -132,7 +132,9 @@ class CrossEntropyForward(RowKernel):
         self.loops = loops_over_row_blocks(cfg, write_grad)
         if softcap and write_grad:
             self.loop_registers = self.SOFTCAP_GRAD_LOOP_REGISTERS
-        if fixed_max and write_grad and cfg.staging == "registers" and not self.loops:
+        # (with class weights 64 spilled 16 bytes; unbounded they take the running max's 80)
+        if fixed_max and write_grad and cfg.staging == "registers" and not self.loops \
+                and not weighted:
             self.block_registers = KEPT_CAPPED_REGISTERS
         # the loss alone of a share re-read from global memory: one streaming pass
         self.streams = cfg.staging == "global" and not write_grad and not self.stage_weight
@@ -344,7 +346,14 @@ class CrossEntropyForward(RowKernel):
             # the second form keeps the precision of a small loss (confident row)
             gap_log2 = cute.math.fma(z_target, Float32(-red.LOG2_E), row_max)
             nll = gap_log2 * red.LN_2 + log_sumexp
-            if gap_log2 < Float32(20.0 * red.LOG2_E):
+            if cutlass.const_expr(self.fixed_max):
+                # the max is the cap, not the row's, so a confident row's gap is not
+                # small: its loss is -log1p(-q) of the non-target share q = 1 - p_t, which
+                # keeps its relative precision (both sums share one max)
+                non_target_share = other_sumexp / row_sumexp
+                if non_target_share < Float32(0.5):
+                    nll = -cute.math.log1p(-non_target_share)
+            elif gap_log2 < Float32(20.0 * red.LOG2_E):
                 nll = cute.math.log1p(other_sumexp * cute.math.exp2(gap_log2))
             loss = nll_scale * nll
             if cutlass.const_expr(self.smoothing):
