@@ -2,6 +2,7 @@
 ops (opcheck, fake kernels, gradcheck), errors, and the sm_90a compile with no spills."""
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -366,9 +367,10 @@ SPILL_CASES = [
     (n, dtype, dict(weighted=w, smoothing=s, zloss=z, softcap=c, write_grad=g))
     for n in (2, 1000, 16384, 32000, 50257, 151936, 262145, 524288)
     for dtype in (torch.float32, torch.bfloat16, torch.float16)
-    for w, s, z, c, g in ((False, False, False, False, True), (True, True, True, True, True),
-                          (False, True, True, True, True), (False, True, False, True, False),
-                          (False, False, False, False, False))
+    for w, s, z, c, g in ((False, False, False, 0.0, True), (True, True, True, 30.0, True),
+                          (False, True, True, 30.0, True), (False, True, True, 50.0, True),
+                          (True, False, True, 30.0, True), (False, False, False, 30.0, True),
+                          (False, True, False, 30.0, False), (False, False, False, 0.0, False))
 ]
 
 
@@ -378,9 +380,8 @@ def test_sm90a_compile_without_spills(tmp_path):
     if cuobjdump is None:
         pytest.skip("cuobjdump not installed")
     variants = []
-    for n, dtype, flags in SPILL_CASES:
-        cfg = ops.forward_config(n, dtype, flags["weighted"] and flags["smoothing"],
-                                 flags["write_grad"], softcap=flags["softcap"])
+    for n, dtype, options in SPILL_CASES:
+        cfg, flags = ops.variant(n, dtype, **options)
         variants.append(("xent", n, dtype, cfg,
                          lambda cfg=cfg, dtype=dtype, flags=flags: ops.forward_kernel(cfg, dtype, torch.int64, **flags)))
     for n, dtype in ((50257, torch.float16), (524288, torch.float32)):
@@ -410,3 +411,34 @@ def test_per_row_losses_can_be_modified_in_place():
         if requires_grad:
             loss.sum().backward()
             assert torch.isfinite(leaf.grad).all()
+
+
+def test_softcap_takes_the_fixed_max_up_to_its_bound():
+    """config.ce_fixed_max: softcaps of either sign up to CE_FIXED_MAX_SOFTCAP (where
+    exp(-2 s) is still a normal fp32), not 0 (no cap) nor larger ones; with the gradient
+    and for the streamed loss alone, not with the weight row staged, in the looping grid
+    or for the loss alone of short rows. The kernel refuses a fixed max without softcap
+    and holds the kept-values gradient share to KEPT_CAPPED_REGISTERS."""
+    bound = config.CE_FIXED_MAX_SOFTCAP
+    assert torch.finfo(torch.float32).tiny < math.exp(-2 * bound)
+    kept = ops.forward_config(128256, torch.float32, False, True, softcap=True)
+    looping = ops.forward_config(16384, torch.bfloat16, False, True, softcap=True)
+    streamed = ops.forward_config(128256, torch.bfloat16, False, False, softcap=True)
+    short = ops.forward_config(32000, torch.float32, False, False, softcap=True)
+    assert config.ce_fixed_max(30.0, kept, False, True)
+    assert config.ce_fixed_max(-bound, kept, False, True)
+    assert config.ce_fixed_max(30.0, streamed, False, False) and streamed.staging == "global"
+    assert not config.ce_fixed_max(0.0, kept, False, True)
+    assert not config.ce_fixed_max(bound * 1.001, kept, False, True)
+    assert not config.ce_fixed_max(30.0, kept, True, True)
+    assert not config.ce_fixed_max(30.0, looping, False, True)
+    assert not config.ce_fixed_max(30.0, short, False, False)
+    plain = dict(weighted=False, smoothing=True, zloss=True, write_grad=True)
+    with pytest.raises(AssertionError):
+        ops.forward_kernel_object(kept, torch.float32, softcap=False, fixed_max=True, **plain)
+    held = ops.forward_kernel_object(kept, torch.float32, softcap=True, fixed_max=True, **plain)
+    running = ops.forward_kernel_object(kept, torch.float32, softcap=True, fixed_max=False,
+                                        **plain)
+    assert kept.staging == "registers" and not held.loops
+    assert held.block_registers == config.KEPT_CAPPED_REGISTERS
+    assert running.block_registers is None

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 import quack_kernels as qk
 from quack_kernels.ops import cross_entropy as ops
+from quack_kernels.primitives import config
 
 from helpers import (assert_close, check_cross_entropy_backward_paths,
                      check_plain_backward_rescales_no_row, poison_allocator,
@@ -115,7 +116,8 @@ def test_softcap_of_infinite_and_nan_logits(v, dtype):
     gives: a set-aside target among them too); a NaN logit makes its row's loss, lse
     and gradient NaN. bf16 128256 columns keep their capped values in registers between
     the passes; fp32 151936 re-cap them from shared memory. A negative softcap is the
-    same cap (s tanh(x / s) is even in s)."""
+    same cap (s tanh(x / s) is even in s); one above config.CE_FIXED_MAX_SOFTCAP keeps
+    the running max (kernels.cross_entropy, fixed_max)."""
     m, s = 8, 30.0
     x, target = fresh(m, v, dtype)  # rows 0 and 3 confident, 1 and 6 ignored
     x[0, (target[0] + 1) % v] = math.inf
@@ -125,7 +127,7 @@ def test_softcap_of_infinite_and_nan_logits(v, dtype):
     x[5, v - 1] = math.nan
     ref_loss = reference(x, target, None, -100, 0.1, 1e-3, s)[0]
     assert torch.isnan(ref_loss[5]) and torch.isfinite(ref_loss[[0, 2, 3, 4]]).all()
-    for cap in (s, -s):
+    for cap in (s, -s, config.CE_FIXED_MAX_SOFTCAP + 10.0):
         check_fused_forward(x, target, None, (-100, 0.1, 1e-3, cap), dtype)
 
 
@@ -137,15 +139,34 @@ def test_softcap_counts_its_placeholders(v, dtype):
     are counted out of each thread's sums (kernels.cross_entropy, capped_placeholders).
     Rows whose every logit caps to -s weigh each class as much as a placeholder, so one
     miscounted placeholder moves lse by 1/C and the smoothing term by 3/C at C = 1000;
-    rows of one large logit over such a floor, at the target or elsewhere, too."""
-    m, s = 12, 30.0
+    rows of one large logit over such a floor, at the target or elsewhere, too. The
+    largest softcap that takes s as the row max (config.CE_FIXED_MAX_SOFTCAP, floor
+    terms exp(-2 s) ~ 1e-35) and one above it, too."""
+    m = 12
     x, target = fresh(m, v, dtype)  # rows 1, 6 and 11 ignored
     x[:] = -1e4
     x[4, target[4]] = 5.0  # the target alone above the floor
     x[5, (target[5] + 7) % v] = 5.0  # another class alone above it
-    x[8:] = torch.randn(m - 8, v, device="cuda").to(dtype) - 40.0  # all below -s/2
-    options = (-100, 0.1, 1e-3, s)
-    check_fused_forward(x, target, None, options, dtype)
+    x[8:] = torch.randn(m - 8, v, device="cuda").to(dtype) - 60.0  # all below -s/2
+    for s in (30.0, config.CE_FIXED_MAX_SOFTCAP, config.CE_FIXED_MAX_SOFTCAP + 10.0):
+        check_fused_forward(x, target, None, (-100, 0.1, 1e-3, s), dtype)
+
+
+@pytest.mark.parametrize("v,dtype", [(128256, torch.bfloat16), (151936, torch.float32)])
+def test_softcapped_confident_rows_keep_relative_precision(v, dtype):
+    """Losses of 1e-8 to 1e-3 (targets 10 to 25 over a floor of -10) to 1e-3 relative,
+    with a softcap taken as the row max (30, 40: the loss from the non-target share)
+    and past that bound (50: the running max)."""
+    m = 8
+    x = torch.full((m, v), -10.0, device="cuda", dtype=dtype)
+    target = torch.arange(m, device="cuda") * 997 % v
+    x[torch.arange(m), target] = torch.linspace(10.0, 25.0, m, device="cuda").to(dtype)
+    for s in (30.0, config.CE_FIXED_MAX_SOFTCAP, config.CE_FIXED_MAX_SOFTCAP + 10.0):
+        for grad in (False, True):
+            (loss, _), _, _ = ops.cross_entropy_forward(x, target, None, -100, 0.0, 0.0, s, grad)
+            ref = reference(x, target, None, -100, 0.0, 0.0, s)[0]
+            assert (ref > 0).all() and (ref < 1e-3).all()
+            torch.testing.assert_close(loss.double(), ref, rtol=1e-3, atol=0.0)
 
 
 @pytest.mark.parametrize("reduction", ["none", "sum", "mean"])

@@ -52,7 +52,8 @@ from cutlass.memory import SmemAllocator
 
 from ..primitives import reduce as red
 from ..primitives import tiling
-from ..primitives.config import STREAM_UNROLL, RowConfig, loops_over_row_blocks
+from ..primitives.config import (KEPT_CAPPED_REGISTERS, STREAM_UNROLL, RowConfig,
+                                 loops_over_row_blocks)
 from ..primitives.rows import ReductionSlot, RowKernel, RowTiles, broadcast_rows
 
 
@@ -60,6 +61,12 @@ def _combine(a, b):
     """(max, sum of exp, sum of exp over the non-target classes) merged online, both
     sums rescaled to the new max; every further value is a plain sum."""
     return red.online_softmax_combine(a, b, rescaled=2, base2=True)
+
+
+def _fixed_max_combine(a, b):
+    """_combine of partials that share one max (``fixed_max``: each side's is the cap s,
+    or -inf with empty sums): plain sums, no exp2."""
+    return (cute.arch.fmax(a[0], b[0]),) + red.sum_combine(a[1:], b[1:])
 
 
 def _exp_below(z: Float32, base2_max: Float32) -> Float32:
@@ -92,7 +99,11 @@ class CrossEntropyForward(RowKernel):
     finishes the current one (cfg.stages == 2); every other variant runs one row block
     per CTA.
     Compile-time switches: ``weighted`` (class weights), ``smoothing`` (label
-    smoothing > 0), ``zloss`` (lse_square_scale != 0), ``softcap``, ``write_grad``.
+    smoothing > 0), ``zloss`` (lse_square_scale != 0), ``softcap``, ``write_grad``, and
+    ``fixed_max`` (softcap only; the host sets it where s is at most
+    config.CE_FIXED_MAX_SOFTCAP): capped logits lie in [-s, s], so the exp sums take s as
+    the row's max, exp(z - s) >= exp(-2 s) staying a normal fp32, instead of a running
+    max: no max per value and plain sums where the online merges rescale with exp2.
     The matching float values are runtime arguments, so changing them never
     recompiles."""
 
@@ -103,8 +114,10 @@ class CrossEntropyForward(RowKernel):
     SOFTCAP_GRAD_LOOP_REGISTERS = 104
 
     def __init__(self, cfg: RowConfig, dtype, *, weighted: bool, smoothing: bool,
-                 zloss: bool, softcap: bool, write_grad: bool):
+                 zloss: bool, softcap: bool, write_grad: bool, fixed_max: bool = False):
         self.cfg = cfg
+        assert softcap or not fixed_max, "only capped logits have a fixed bound"
+        self.fixed_max = fixed_max
         self.weighted = weighted
         self.smoothing = smoothing
         self.zloss = zloss
@@ -119,6 +132,10 @@ class CrossEntropyForward(RowKernel):
         self.loops = loops_over_row_blocks(cfg, write_grad)
         if softcap and write_grad:
             self.loop_registers = self.SOFTCAP_GRAD_LOOP_REGISTERS
+        # (with class weights 64 spilled 16 bytes; unbounded they take the running max's 80)
+        if fixed_max and write_grad and cfg.staging == "registers" and not self.loops \
+                and not weighted:
+            self.block_registers = KEPT_CAPPED_REGISTERS
         # the loss alone of a share re-read from global memory: one streaming pass
         self.streams = cfg.staging == "global" and not write_grad and not self.stage_weight
         assert self.loops or cfg.stages == 1, "prefetching needs the looping grid"
@@ -274,7 +291,8 @@ class CrossEntropyForward(RowKernel):
                     z_target = running[3] + tiles.take_column(0, c, target_col, -math.inf)
                     running = (*running[:3], z_target, *running[4:])
                 z = self._cap(tiles.values(0, c), inv_softcap, softcap)
-                running, w = self._chunk_stats(z, tiles, c, tiles.coords[c], target_col, running)
+                running, w = self._chunk_stats(z, tiles, c, tiles.coords[c], target_col, running,
+                                               softcap)
                 if cutlass.const_expr(cfg.staging == "registers" and self.write_grad):
                     kept.append((z, w))
             if cutlass.const_expr(self.capped_placeholders):
@@ -294,7 +312,8 @@ class CrossEntropyForward(RowKernel):
         if cutlass.const_expr(self.stage_weight):
             partials = partials + (sum_w,)
             identity = identity + (Float32(0.0),)
-        totals = slot.allreduce(partials, _combine, identity, iteration=iteration)
+        totals = slot.allreduce(partials, _fixed_max_combine if self.fixed_max else _combine,
+                                identity, iteration=iteration)
         row_max, row_sumexp, other_sumexp, z_target = totals[0], totals[1], totals[2], totals[3]
         if cutlass.const_expr(self.target_aside):
             row_max, row_sumexp, other_sumexp = _with_target(row_max, other_sumexp, z_target, valid)
@@ -327,7 +346,14 @@ class CrossEntropyForward(RowKernel):
             # the second form keeps the precision of a small loss (confident row)
             gap_log2 = cute.math.fma(z_target, Float32(-red.LOG2_E), row_max)
             nll = gap_log2 * red.LN_2 + log_sumexp
-            if gap_log2 < Float32(20.0 * red.LOG2_E):
+            if cutlass.const_expr(self.fixed_max):
+                # the max is the cap, not the row's, so a confident row's gap is not
+                # small: its loss is -log1p(-q) of the non-target share q = 1 - p_t, which
+                # keeps its relative precision (both sums share one max)
+                non_target_share = other_sumexp / row_sumexp
+                if non_target_share < Float32(0.5):
+                    nll = -cute.math.log1p(-non_target_share)
+            elif gap_log2 < Float32(20.0 * red.LOG2_E):
                 nll = cute.math.log1p(other_sumexp * cute.math.exp2(gap_log2))
             loss = nll_scale * nll
             if cutlass.const_expr(self.smoothing):
@@ -386,29 +412,32 @@ class CrossEntropyForward(RowKernel):
         tXcX = tiles.chunk_coords(chunk)
         if cutlass.const_expr(self.target_aside):
             z = cute.where(tiling.is_column(tXcX, target_col, self.column_offsets), -math.inf, z)
-        return self._chunk_stats(z, tiles, chunk, tXcX, target_col, running)[0]
+        return self._chunk_stats(z, tiles, chunk, tXcX, target_col, running, softcap)[0]
 
     @cute.jit
     def _chunk_stats(self, z: cute.TensorSSA, tiles: RowTiles, chunk, tXcX: cute.Tensor,
-                     target_col: Int32, running: tuple) -> tuple:
+                     target_col: Int32, running: tuple, softcap: Float32) -> tuple:
         """(``running`` (max, sumexp, sumexp over the non-target classes, z_t, sum w z,
         W) with chunk ``chunk``'s (capped) logits ``z`` added, the chunk's staged class
         weights or None). The weights are read only after the logits' terms: loaded
-        earlier they stay live through them and spilled (151936 fp32 columns)."""
+        earlier they stay live through them and spilled (151936 fp32 columns). With
+        ``fixed_max`` the max is the cap ``softcap``."""
         n_cols = self.cfg.n_cols
         z_max_in = z
         z_sum_in = z
         if cutlass.const_expr(self.cfg.needs_col_predicate and tiles.pad is None):
             z_max_in = tiling.mask_out_of_row(z, tXcX, n_cols, -math.inf)
             z_sum_in = tiling.mask_out_of_row(z, tXcX, n_cols, 0.0)
-        chunk_max, e = red.chunk_exp2(
-            z_max_in, red.thread_reduce(z_max_in, cute.ReductionOp.MAX, -math.inf), base2=True)
+        bound = softcap if self.fixed_max \
+            else red.thread_reduce(z_max_in, cute.ReductionOp.MAX, -math.inf)
+        chunk_max, e = red.chunk_exp2(z_max_in, bound, base2=True)
         chunk_sum = red.thread_reduce(e, cute.ReductionOp.ADD, 0.0)
+        merge = _fixed_max_combine if self.fixed_max else _combine
         z_target = running[3]
         if cutlass.const_expr(self.target_aside):
             # the target was set aside (take_column, or -inf in a streamed chunk): every
             # value is a non-target one
-            stats = _combine(running[:3], (chunk_max, chunk_sum, chunk_sum))
+            stats = merge(running[:3], (chunk_max, chunk_sum, chunk_sum))
         else:
             # z_t comes from the registers of the thread holding the target column, not
             # from a global load that depends on the target
@@ -418,8 +447,8 @@ class CrossEntropyForward(RowKernel):
             # the non-target sum keeps 1 - p_t = sumexp_other / sumexp exact for a
             # confident row, where 1 - exp(z_t - lse) would be mostly rounding
             e_other = cute.where(at_target, 0.0, e)
-            stats = _combine(running[:3], (chunk_max, chunk_sum,
-                                           red.thread_reduce(e_other, cute.ReductionOp.ADD, 0.0)))
+            stats = merge(running[:3], (chunk_max, chunk_sum,
+                                        red.thread_reduce(e_other, cute.ReductionOp.ADD, 0.0)))
         sum_wz, sum_w = running[4], running[5]
         w = None
         if cutlass.const_expr(self.stage_weight):

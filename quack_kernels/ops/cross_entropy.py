@@ -43,6 +43,7 @@ from ..primitives.compile_cache import (
 )
 from ..primitives.config import (
     RowConfig,
+    ce_fixed_max,
     cross_entropy_row_config,
     elementwise_row_config,
     loop_grid_rows,
@@ -90,7 +91,7 @@ def forward_kernel_object(cfg: RowConfig, dtype: torch.dtype, **flags) -> CrossE
 
 def forward_kernel(cfg: RowConfig, dtype: torch.dtype, target_dtype: torch.dtype, *,
                    weighted: bool, smoothing: bool, zloss: bool, softcap: bool,
-                   write_grad: bool):
+                   write_grad: bool, fixed_max: bool = False):
     """(kernel object, *fake arguments it compiles against)."""
     import cutlass
     import cutlass.cute as cute
@@ -98,7 +99,8 @@ def forward_kernel(cfg: RowConfig, dtype: torch.dtype, target_dtype: torch.dtype
     dt = cutlass_dtype(dtype)
     tt = cutlass.Int32 if target_dtype == torch.int32 else cutlass.Int64
     kernel = forward_kernel_object(cfg, dtype, weighted=weighted, smoothing=smoothing,
-                                   zloss=zloss, softcap=softcap, write_grad=write_grad)
+                                   zloss=zloss, softcap=softcap, write_grad=write_grad,
+                                   fixed_max=fixed_max)
     stage_weight = weighted and smoothing
     rows = cute.sym_int()
     return (
@@ -122,9 +124,9 @@ def forward_kernel(cfg: RowConfig, dtype: torch.dtype, target_dtype: torch.dtype
 @functools.lru_cache(maxsize=None)  # on every call: skip building the key
 def compile_forward(cfg: RowConfig, dtype: torch.dtype, target_dtype: torch.dtype, *,
                     weighted: bool, smoothing: bool, zloss: bool, softcap: bool,
-                    write_grad: bool):
+                    write_grad: bool, fixed_max: bool = False):
     flags = dict(weighted=weighted, smoothing=smoothing, zloss=zloss, softcap=softcap,
-                 write_grad=write_grad)
+                 write_grad=write_grad, fixed_max=fixed_max)
 
     def build():
         return compile_kernel(*forward_kernel(cfg, dtype, target_dtype, **flags))
@@ -160,14 +162,35 @@ def compile_rescale(cfg: RowConfig, dtype: torch.dtype, target_dtype: torch.dtyp
                     lambda: compile_kernel(*rescale_kernel(cfg, dtype, target_dtype)))
 
 
-# flag sets in the resource report, by name: plain loss + gradient, every option on
+def kernel_flags(cfg: RowConfig, *, weighted: bool, smoothing: bool, zloss: bool,
+                 softcap: float, write_grad: bool) -> dict:
+    """The compile-time switches of the forward kernel launched with these options
+    (``softcap`` the value, 0 for none) on rows of config ``cfg``."""
+    return dict(weighted=weighted, smoothing=smoothing, zloss=zloss, softcap=softcap != 0.0,
+                write_grad=write_grad,
+                fixed_max=ce_fixed_max(softcap, cfg, weighted and smoothing, write_grad))
+
+
+def variant(n_cols: int, dtype: torch.dtype, **options) -> tuple[RowConfig, dict]:
+    """(config, kernel flags) of the forward launched with ``options`` (kernel_flags'
+    keywords) on rows of ``n_cols`` ``dtype`` logits."""
+    cfg = forward_config(n_cols, dtype, options["weighted"] and options["smoothing"],
+                         options["write_grad"], softcap=options["softcap"] != 0.0)
+    return cfg, kernel_flags(cfg, **options)
+
+
+# option sets in the resource report, by name: plain loss + gradient, every option on
 # (the weight row staged), every option but class weights (the capped values kept in
-# registers, config.KEPT_CAPPED_VALUES), and smoothing + softcap without the gradient
-REPORT_FLAGS = {
-    "_grad": dict(weighted=False, smoothing=False, zloss=False, softcap=False, write_grad=True),
-    "_all": dict(weighted=True, smoothing=True, zloss=True, softcap=True, write_grad=True),
-    "_capped": dict(weighted=False, smoothing=True, zloss=True, softcap=True, write_grad=True),
-    "_loss": dict(weighted=False, smoothing=True, zloss=False, softcap=True, write_grad=False),
+# registers, config.KEPT_CAPPED_VALUES), and smoothing + softcap without the gradient,
+# with Gemma's softcap 30 (a fixed max, config.CE_FIXED_MAX_SOFTCAP); "_capped_wide" with
+# a softcap past that bound (the running max)
+REPORT_OPTIONS = {
+    "_grad": dict(weighted=False, smoothing=False, zloss=False, softcap=0.0, write_grad=True),
+    "_all": dict(weighted=True, smoothing=True, zloss=True, softcap=30.0, write_grad=True),
+    "_capped": dict(weighted=False, smoothing=True, zloss=True, softcap=30.0, write_grad=True),
+    "_capped_wide": dict(weighted=False, smoothing=True, zloss=True, softcap=50.0,
+                         write_grad=True),
+    "_loss": dict(weighted=False, smoothing=True, zloss=False, softcap=30.0, write_grad=False),
 }
 
 
@@ -175,9 +198,8 @@ def report_variants(n_grid, dtypes):
     """Kernel variants for the sm_90a resource report: (name, n, dtype, cfg, build)."""
     for dtype in dtypes:
         for n in n_grid:
-            for suffix, flags in REPORT_FLAGS.items():
-                cfg = forward_config(n, dtype, flags["weighted"] and flags["smoothing"],
-                                     flags["write_grad"], softcap=flags["softcap"])
+            for suffix, options in REPORT_OPTIONS.items():
+                cfg, flags = variant(n, dtype, **options)
                 yield (f"xent_fwd{suffix}", n, dtype, cfg,
                        lambda n=n, dtype=dtype, cfg=cfg, flags=flags:
                        forward_kernel(cfg, dtype, torch.int64, **flags))
@@ -307,9 +329,9 @@ def _launch(rows: Tensor, target: Tensor, weight: Optional[Tensor], stats: Tenso
     grad_out = rows if grad is None else grad
     cfg = forward_config(n_cols, rows.dtype, stage_weight, grad is not None,
                          vector_limit(rows, grad_out), softcap != 0.0)
-    flags = dict(weighted=weight is not None, smoothing=smoothing,
-                 zloss=lse_square_scale != 0.0, softcap=softcap != 0.0,
-                 write_grad=grad is not None)
+    flags = kernel_flags(cfg, weighted=weight is not None, smoothing=smoothing,
+                         zloss=lse_square_scale != 0.0, softcap=softcap,
+                         write_grad=grad is not None)
     fn = compile_forward(cfg, rows.dtype, target.dtype, **flags)
     kernel = forward_kernel_object(cfg, rows.dtype, **flags)
     grid_rows = loop_grid_rows(cfg, rows.shape[0], resident_row_blocks(kernel, rows.device)) \

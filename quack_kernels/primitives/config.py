@@ -611,6 +611,31 @@ def _short_loss_row_config(n_cols: int, elem: int, max_vec: int | None) -> RowCo
 # 45.3% -> 25.6%; at 64 values per thread keeping them took 144 registers.
 KEPT_CAPPED_VALUES = 32
 
+# Softcaps up to this bound take s as every row's max (kernels.cross_entropy, fixed_max):
+# capped logits lie in [-s, s], so exp(z - s) >= exp(-2 s) >= e^-80 ~ 1.8e-35 stays a
+# normal fp32 (the exp2 flushes subnormals) and a row of C terms sums to at most C.
+# Gemma's caps are 30 (final logits) and 50 (attention); larger ones keep the running max.
+CE_FIXED_MAX_SOFTCAP = 40.0
+
+
+def ce_fixed_max(softcap: float, cfg: RowConfig, stage_weight: bool, write_grad: bool) -> bool:
+    """Whether the cross-entropy kernel on rows of config ``cfg`` takes the softcap (0:
+    none) as the row max: with the gradient and for the streamed loss alone of long rows
+    (sm_90a: as many or fewer registers than the running max, 9-18% fewer instructions
+    and MUFU); not with the weight row staged (that gradient kernel took 94 registers
+    instead of 80, 2 instead of 3 CTAs of 256 threads per SM at bf16 128256 columns),
+    in the looping grid (bf16 rows of 16384 columns spilled 8 bytes at its 128
+    registers), nor for the loss alone of short rows (fp32 32000 columns: 48 -> 64)."""
+    return 0.0 < abs(softcap) <= CE_FIXED_MAX_SOFTCAP and not stage_weight \
+        and not loops_over_row_blocks(cfg, write_grad) \
+        and (write_grad or cfg.staging == "global")
+
+
+# Registers per thread the kept-values share of the fixed-max gradient is held to (4
+# CTAs of 256 threads per SM): unbounded, fp32 rows of 128256 columns compiled to 80 (3
+# CTAs), the count at which the every-option kernel lost 8 points (fourteenth session).
+KEPT_CAPPED_REGISTERS = 64
+
 
 def _kept_values_row_config(n_cols: int, elem: int, max_vec: int | None) -> RowConfig | None:
     """The smallest cluster whose CTAs of MAX_THREADS_PER_ROW threads hold their share

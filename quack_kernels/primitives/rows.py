@@ -48,6 +48,7 @@ class RowKernel:
     accumulators: int = 0  # fp32 per-column accumulators (see RowTiles.accumulator)
     column_dtypes: tuple = ()  # per-column vectors staged once (RowTiles.stage_columns)
     loop_registers: int = LOOP_REGS_PER_THREAD  # per thread, when looping over row blocks
+    block_registers: int | None = None  # per thread of a one-block-per-CTA launch, if held
     _ctas_per_sm = None
 
     @property
@@ -83,13 +84,17 @@ class RowKernel:
         """``grid_rows``: blocks of rows to launch when the kernel loops over row blocks
         (default one block per rows_per_block rows). A looping grid is sized for
         ``ctas_per_sm`` resident CTAs, so the compiler is held to the registers that
-        many need (a CTA that does not fit would run as a second, mostly idle wave)."""
+        many need (a CTA that does not fit would run as a second, mostly idle wave); a
+        one-block launch only where the kernel sets ``block_registers``."""
         cfg = self.cfg
         occupancy = {}
+        # carveout given so that the DSL does not query a device for it (CPU builds)
         if grid_rows is None:
             grid_rows = cute.ceil_div(num_rows, cfg.rows_per_block)
+            if self.block_registers is not None:
+                occupancy = dict(min_blocks_per_mp=loop_ctas_per_sm(
+                    cfg, self.smem_bytes(), self.block_registers), preferred_smem_carveout=100)
         else:
-            # carveout given so that the DSL does not query a device for it (CPU builds)
             occupancy = dict(min_blocks_per_mp=self.ctas_per_sm(), preferred_smem_carveout=100)
         kernel.launch(
             grid=[grid_rows, cfg.cluster_size, 1],
