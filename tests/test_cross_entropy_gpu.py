@@ -15,6 +15,7 @@ from helpers import (assert_close, check_cross_entropy_backward_paths,
                      torch_cross_entropy)
 
 pytestmark = pytest.mark.gpu
+REDUCED_LOSS_CUDA = ops.reduced_loss_cuda  # (before any test patches it)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 VOCABS = [2, 7, 1000, 4096, 32000, 50257, 128256, 131073, 151936, 262145, 524288]
 # The loss is fp32 whatever the logits; its error grows with the row's sums.
@@ -280,6 +281,40 @@ def test_loss_alone_bad_and_in_row_ignored_targets(v):
     ref_loss, ref_lse, _ = reference(x[~bad], target[~bad], ignore_index=5)
     assert_close(loss[~bad], ref_loss, LOSS_TOL, scale=LOSS_SCALE)
     assert_close(lse[~bad], ref_lse, LOSS_TOL, scale=LOSS_SCALE)
+
+
+@pytest.mark.parametrize("m,v,dtype", [(20000, 7, torch.float16), (512, 4096, torch.bfloat16),
+                                        (3, 151936, torch.bfloat16), (40, 262145, torch.float32)])
+@pytest.mark.parametrize("options", ["plain", "weighted_smoothing", "zloss_softcap"])
+def test_loss_alone_reduced_in_one_launch(monkeypatch, m, v, dtype, options):
+    """The eager loss alone with a sum or mean is reduced by the kernel's last CTA
+    (reduced_loss_cuda): many CTAs of short rows, streamed rows split over a cluster,
+    staged weights; against torch in fp64 and the op path's reduction of the row
+    losses, bitwise the same on a second call, NaN / 0 when every target is ignored."""
+    calls = []
+    monkeypatch.setattr(ops, "reduced_loss_cuda",
+                        lambda *a: calls.append(a[-1]) or REDUCED_LOSS_CUDA(*a))
+    x, target = fresh(m, v, dtype)
+    weight = torch.rand(v, device="cuda") + 0.5 if options == "weighted_smoothing" else None
+    kw = dict(weighted_smoothing=dict(label_smoothing=0.1),
+              zloss_softcap=dict(lse_square_scale=1e-3, softcap=20.0)).get(options, {})
+    op_args = (-100, kw.get("label_smoothing", 0.0), kw.get("lse_square_scale", 0.0),
+               kw.get("softcap", 0.0), False)
+    (losses, row_weights), _, _ = ops.cross_entropy_forward(x, target, weight, *op_args)
+    for reduction in ("sum", "mean"):
+        ours, lse = qk.cross_entropy(x, target, weight, reduction=reduction, return_lse=True,
+                                     **kw)
+        ref = torch_cross_entropy(x.double(), target, None if weight is None else weight.double(),
+                                  reduction=reduction, **kw)
+        assert_close(ours, ref, LOSS_TOL, scale=LOSS_SCALE, name=reduction)
+        by_op = losses.sum() / (row_weights.sum() if reduction == "mean" else 1.0)
+        assert_close(ours, by_op, LOSS_TOL, scale=LOSS_SCALE, name=f"{reduction} vs the op")
+        assert torch.equal(ours, qk.cross_entropy(x, target, weight, reduction=reduction, **kw))
+        assert ours.shape == () and lse.shape == (m,)
+    ignored = torch.full_like(target, -100)
+    assert torch.isnan(qk.cross_entropy(x, ignored, weight, **kw))
+    assert qk.cross_entropy(x, ignored, weight, reduction="sum", **kw) == 0
+    assert calls == ["sum", "mean", "sum", "mean", "mean", "sum"]
 
 
 def test_outputs_fully_written():

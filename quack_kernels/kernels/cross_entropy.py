@@ -103,8 +103,13 @@ class CrossEntropyForward(RowKernel):
     SOFTCAP_GRAD_LOOP_REGISTERS = 104
 
     def __init__(self, cfg: RowConfig, dtype, *, weighted: bool, smoothing: bool,
-                 zloss: bool, softcap: bool, write_grad: bool):
+                 zloss: bool, softcap: bool, write_grad: bool, reduce: str = "none"):
         self.cfg = cfg
+        # "sum" / "mean": the loss alone, reduced over the rows by the grid's last CTA
+        # (_reduce_rows) instead of by two more launches after this one
+        assert reduce in ("none", "sum", "mean") and (reduce == "none" or not write_grad)
+        self.reduce = reduce
+        self.grid_sums = 0 if reduce == "none" else 2
         self.weighted = weighted
         self.smoothing = smoothing
         self.zloss = zloss
@@ -156,12 +161,13 @@ class CrossEntropyForward(RowKernel):
     @cute.jit
     def __call__(self, mX: cute.Tensor, mTarget: cute.Tensor, mWeight: cute.Tensor,
                  mLoss: cute.Tensor, mRowWeight: cute.Tensor, mLse: cute.Tensor,
-                 mdX: cute.Tensor, mGradScale: cute.Tensor, ignore_index: Int64,
-                 smoothing: Float32, lse_square_scale: Float32, softcap: Float32,
-                 grid_rows: Int32, stream):
+                 mdX: cute.Tensor, mGradScale: cute.Tensor, mReduced: cute.Tensor,
+                 ignore_index: Int64, smoothing: Float32, lse_square_scale: Float32,
+                 softcap: Float32, grid_rows: Int32, stream):
         self.launch(
             self.kernel(mX, mTarget, mWeight, mLoss, mRowWeight, mLse, mdX, mGradScale,
-                        ignore_index, smoothing, lse_square_scale, softcap, grid_rows),
+                        mReduced, ignore_index, smoothing, lse_square_scale, softcap,
+                        grid_rows),
             mX.shape[0], stream, grid_rows=grid_rows if self.loops else None)
 
     @cute.jit
@@ -182,8 +188,9 @@ class CrossEntropyForward(RowKernel):
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mTarget: cute.Tensor, mWeight: cute.Tensor,
                mLoss: cute.Tensor, mRowWeight: cute.Tensor, mLse: cute.Tensor, mdX: cute.Tensor,
-               mGradScale: cute.Tensor, ignore_index: Int64, smoothing: Float32,
-               lse_square_scale: Float32, softcap: Float32, grid_rows: Int32):
+               mGradScale: cute.Tensor, mReduced: cute.Tensor, ignore_index: Int64,
+               smoothing: Float32, lse_square_scale: Float32, softcap: Float32,
+               grid_rows: Int32):
         cfg = self.cfg
         smem = SmemAllocator()
         staged = [mX]
@@ -210,6 +217,38 @@ class CrossEntropyForward(RowKernel):
             self.for_each_row_block(mX.shape[0], grid_rows, self._row_block, *options)
         else:
             self._row_block(cute.arch.block_idx()[0], None, *options)
+        if cutlass.const_expr(self.reduce != "none"):
+            self._reduce_rows(smem, mLoss, mRowWeight, mReduced, mX.shape[0])
+
+    @cute.jit
+    def _reduce_rows(self, smem, mLoss: cute.Tensor, mRowWeight: cute.Tensor,
+                     mReduced: cute.Tensor, num_rows: Int32):
+        """mReduced[0] = the sum of the row losses (over the sum of the row weights for
+        a mean: NaN when every row is ignored, as torch), added by the grid's last CTA
+        in an order fixed by M and the block size; mReduced[1] is its ticket (0 at
+        launch). The rows' sums are read back from global memory (8 bytes a row, in
+        L2), which costs the last CTA about what a second reduction launch would at
+        M = 131072 and far less for fewer rows."""
+        warps = self.cfg.threads_per_block // 32
+        scratch = smem.allocate_tensor(Float32, cute.make_layout((warps, 2), stride=(2, 1)),
+                                       byte_alignment=16)
+        flag = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=16)
+        ticket = cute.make_tensor(cute.recast_ptr(mReduced.iterator + 1, dtype=Int32),
+                                  cute.make_layout(1))
+        last = self.ends_last_cta(ticket, flag)
+        tidx = cute.arch.thread_idx()[0]
+        loss = Float32(0.0)
+        weight = Float32(0.0)
+        # (every CTA runs the loop, the others for no rows: no loads under a branch)
+        for r in cutlass.range(tidx, cutlass.select_(last, num_rows, Int32(0)),
+                               self.cfg.threads_per_block, unroll=1):
+            loss = loss + mLoss[r]
+            weight = weight + mRowWeight[r]
+        loss, weight = red.block_sum((loss, weight), scratch)
+        if last & (tidx == 0):
+            if cutlass.const_expr(self.reduce == "mean"):
+                loss = loss / weight
+            mReduced[0] = loss
 
     @cute.jit
     def _row_block(self, block_row: Int32, iteration, home: RowTiles, grid_rows: Int32,

@@ -90,7 +90,7 @@ def forward_kernel_object(cfg: RowConfig, dtype: torch.dtype, **flags) -> CrossE
 
 def forward_kernel(cfg: RowConfig, dtype: torch.dtype, target_dtype: torch.dtype, *,
                    weighted: bool, smoothing: bool, zloss: bool, softcap: bool,
-                   write_grad: bool):
+                   write_grad: bool, reduce: str = "none"):
     """(kernel object, *fake arguments it compiles against)."""
     import cutlass
     import cutlass.cute as cute
@@ -98,7 +98,8 @@ def forward_kernel(cfg: RowConfig, dtype: torch.dtype, target_dtype: torch.dtype
     dt = cutlass_dtype(dtype)
     tt = cutlass.Int32 if target_dtype == torch.int32 else cutlass.Int64
     kernel = forward_kernel_object(cfg, dtype, weighted=weighted, smoothing=smoothing,
-                                   zloss=zloss, softcap=softcap, write_grad=write_grad)
+                                   zloss=zloss, softcap=softcap, write_grad=write_grad,
+                                   reduce=reduce)
     stage_weight = weighted and smoothing
     rows = cute.sym_int()
     return (
@@ -111,6 +112,7 @@ def forward_kernel(cfg: RowConfig, dtype: torch.dtype, target_dtype: torch.dtype
         fake_vector(cutlass.Float32, rows),
         fake_rows(dt, cfg.n_cols, cfg.vec, rows),
         fake_strided_vector(cutlass.Float32, rows),
+        fake_vector(cutlass.Float32, cute.sym_int()),
         cutlass.Int64(-100),
         cutlass.Float32(0.0),
         cutlass.Float32(0.0),
@@ -122,9 +124,9 @@ def forward_kernel(cfg: RowConfig, dtype: torch.dtype, target_dtype: torch.dtype
 @functools.lru_cache(maxsize=None)  # on every call: skip building the key
 def compile_forward(cfg: RowConfig, dtype: torch.dtype, target_dtype: torch.dtype, *,
                     weighted: bool, smoothing: bool, zloss: bool, softcap: bool,
-                    write_grad: bool):
+                    write_grad: bool, reduce: str = "none"):
     flags = dict(weighted=weighted, smoothing=smoothing, zloss=zloss, softcap=softcap,
-                 write_grad=write_grad)
+                 write_grad=write_grad, reduce=reduce)
 
     def build():
         return compile_kernel(*forward_kernel(cfg, dtype, target_dtype, **flags))
@@ -168,6 +170,8 @@ REPORT_FLAGS = {
     "_all": dict(weighted=True, smoothing=True, zloss=True, softcap=True, write_grad=True),
     "_capped": dict(weighted=False, smoothing=True, zloss=True, softcap=True, write_grad=True),
     "_loss": dict(weighted=False, smoothing=True, zloss=False, softcap=True, write_grad=False),
+    "_mean": dict(weighted=True, smoothing=False, zloss=False, softcap=False, write_grad=False,
+                  reduce="mean"),
 }
 
 
@@ -288,10 +292,13 @@ def _check_grad_scale(grad_scale: Optional[Tensor], logits: Tensor, name: str = 
 # ----------------------------------------------------------------------------- CUDA
 def _launch(rows: Tensor, target: Tensor, weight: Optional[Tensor], stats: Tensor, lse: Tensor,
             grad: Optional[Tensor], grad_scale: Optional[Tensor], ignore_index: int,
-            label_smoothing: float, lse_square_scale: float, softcap: float) -> None:
+            label_smoothing: float, lse_square_scale: float, softcap: float,
+            reduced: Optional[Tensor] = None, reduce: str = "none") -> None:
     """Run the kernel; ``stats`` (2, M) receives the per-row losses and row weights (see
     cross_entropy_forward), ``grad`` the gradient (may be ``rows`` itself; None for loss
-    only), scaled per row by ``grad_scale`` (None: 1)."""
+    only), scaled per row by ``grad_scale`` (None: 1). With ``reduce`` "sum" or "mean"
+    (loss only), ``reduced`` (2 zeros) receives the reduced loss in its first element
+    (the second is the kernel's ticket)."""
     loss, row_weight = stats
     check_gpu(rows)
     n_cols = rows.shape[1]
@@ -309,14 +316,15 @@ def _launch(rows: Tensor, target: Tensor, weight: Optional[Tensor], stats: Tenso
                          vector_limit(rows, grad_out), softcap != 0.0)
     flags = dict(weighted=weight is not None, smoothing=smoothing,
                  zloss=lse_square_scale != 0.0, softcap=softcap != 0.0,
-                 write_grad=grad is not None)
+                 write_grad=grad is not None, reduce=reduce)
     fn = compile_forward(cfg, rows.dtype, target.dtype, **flags)
     kernel = forward_kernel_object(cfg, rows.dtype, **flags)
     grid_rows = loop_grid_rows(cfg, rows.shape[0], resident_row_blocks(kernel, rows.device)) \
         if kernel.loops else rows.shape[0]  # (unused without the loop)
     # fp32 vectors the variant does not read (no weights, no gradient) are filled by loss
     fn(rows, target, loss if weight is None else weight, loss, row_weight, lse, grad_out,
-       loss if grad_scale is None else grad_scale, ignore_index,
+       loss if grad_scale is None else grad_scale, loss if reduced is None else reduced,
+       ignore_index,
        label_smoothing, lse_square_scale, softcap if softcap else 1.0, grid_rows)
 
 
@@ -369,16 +377,36 @@ def cross_entropy_forward(logits: Tensor, target: Tensor, weight: Optional[Tenso
 def _cross_entropy_forward_cuda(logits, target, weight, ignore_index, label_smoothing,
                                 lse_square_scale, softcap, compute_grad, grad_scale=None):
     _check_op_inputs(logits, target, weight, grad_scale, cuda=True)
-    rows = logits if logits.stride(-1) == 1 or logits.shape[0] == 0 else logits.contiguous()
-    m = rows.shape[0]
-    stats = torch.empty(2, m, dtype=torch.float32, device=logits.device)
-    lse = torch.empty(m, dtype=torch.float32, device=logits.device)
+    rows, stats, lse = _rows_and_outputs(logits)
     grad = torch.empty(rows.shape, dtype=logits.dtype, device=logits.device) if compute_grad \
         else logits.new_empty(0)
-    if m > 0:
+    if rows.shape[0] > 0:
         _launch(rows, target, weight, stats, lse, grad if compute_grad else None, grad_scale,
                 ignore_index, label_smoothing, lse_square_scale, softcap)
     return stats, lse, grad
+
+
+def _rows_and_outputs(logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(logits with unit column stride, stats (2, M), lse (M,)) for a CUDA launch."""
+    rows = logits if logits.stride(-1) == 1 or logits.shape[0] == 0 else logits.contiguous()
+    m = rows.shape[0]
+    stats = torch.empty(2, m, dtype=torch.float32, device=logits.device)
+    return rows, stats, torch.empty(m, dtype=torch.float32, device=logits.device)
+
+
+def reduced_loss_cuda(logits: Tensor, target: Tensor, weight: Optional[Tensor],
+                      ignore_index: int, label_smoothing: float, lse_square_scale: float,
+                      softcap: float, reduction: str) -> tuple[Tensor, Tensor]:
+    """(the loss alone reduced over the rows, "sum" or "mean", as a 0-d fp32 tensor;
+    the per-row lse) of (M, C) CUDA logits with M > 0, in one launch: the kernel's last
+    CTA adds the row losses (the eager path of cross_entropy without the gradient; the
+    ops and torch.compile reduce cross_entropy_forward's stats instead)."""
+    _check_op_inputs(logits, target, weight, None, cuda=True)
+    rows, stats, lse = _rows_and_outputs(logits)
+    reduced = torch.zeros(2, dtype=torch.float32, device=logits.device)
+    _launch(rows, target, weight, stats, lse, None, None, ignore_index, label_smoothing,
+            lse_square_scale, softcap, reduced, reduction)
+    return reduced[0], lse
 
 
 @cross_entropy_forward.register_fake
@@ -622,6 +650,8 @@ def cross_entropy(logits: Tensor, target: Tensor, weight: Optional[Tensor] = Non
             # a view of the function's stats, which torch does not let callers modify
             # in place: hand out a copy (M floats)
             out = out.clone()
+    elif eager and reduction != "none" and rows.shape[0] > 0:
+        out, lse = reduced_loss_cuda(rows, *args, reduction)
     else:
         forward = _cross_entropy_forward_cuda if eager else cross_entropy_forward
         stats, lse, _ = forward(rows, *args, False)
