@@ -24,8 +24,7 @@ import subprocess
 import sys
 
 CASES = ("sm_fwd", "sm_bwd", "ce_loss", "ce_grad", "ce_loss_opts", "ce_grad_opts", "ce_mean",
-         "rms_fwd",
-         "ln_fwd", "rms_fwd_res", "ln_fwd_res", "rms_bwd", "ln_bwd")
+         "rms_fwd", "ln_fwd", "rms_fwd_res", "ln_fwd_res", "rms_bwd", "ln_bwd")
 DEFAULT_SHAPES = "bf16:4096x128256,bf16:8192x151936,bf16:2048x65536,bf16:512x262144"
 
 
