@@ -363,12 +363,15 @@ def test_short_loss_only_rows_keep_threads_busy(n, dtype):
 
 # ------------------------------------------------------------- sm_90a compile, no spills
 SPILL_CASES = [
-    (n, dtype, dict(weighted=w, smoothing=s, zloss=z, softcap=c, write_grad=g))
+    (n, dtype, dict(weighted=w, smoothing=s, zloss=z, softcap=c, write_grad=g, reduce=r))
     for n in (2, 1000, 16384, 32000, 50257, 151936, 262145, 524288)
     for dtype in (torch.float32, torch.bfloat16, torch.float16)
-    for w, s, z, c, g in ((False, False, False, False, True), (True, True, True, True, True),
-                          (False, True, True, True, True), (False, True, False, True, False),
-                          (False, False, False, False, False))
+    for w, s, z, c, g, r in ((False, False, False, False, True, "none"),
+                             (True, True, True, True, True, "none"),
+                             (False, True, True, True, True, "none"),
+                             (False, True, False, True, False, "none"),
+                             (False, False, False, False, False, "none"),
+                             (True, True, True, True, False, "mean"))
 ]
 
 

@@ -290,7 +290,9 @@ def test_loss_alone_reduced_in_one_launch(monkeypatch, m, v, dtype, options):
     """The eager loss alone with a sum or mean is reduced by the kernel's last CTA
     (reduced_loss_cuda): many CTAs of short rows, streamed rows split over a cluster,
     staged weights; against torch in fp64 and the op path's reduction of the row
-    losses, bitwise the same on a second call, NaN / 0 when every target is ignored."""
+    losses, bitwise the same on a second call, NaN / 0 when every target is ignored.
+    The row stats it reads back are allocated from NaN-poisoned blocks, so a row read
+    before its CTA's write was visible shows."""
     calls = []
     monkeypatch.setattr(ops, "reduced_loss_cuda",
                         lambda *a: calls.append(a[-1]) or REDUCED_LOSS_CUDA(*a))
@@ -300,8 +302,10 @@ def test_loss_alone_reduced_in_one_launch(monkeypatch, m, v, dtype, options):
               zloss_softcap=dict(lse_square_scale=1e-3, softcap=20.0)).get(options, {})
     op_args = (-100, kw.get("label_smoothing", 0.0), kw.get("lse_square_scale", 0.0),
                kw.get("softcap", 0.0), False)
-    (losses, row_weights), _, _ = ops.cross_entropy_forward(x, target, weight, *op_args)
+    (losses, row_weights), lse_like, _ = ops.cross_entropy_forward(x, target, weight, *op_args)
+    stats_like = torch.stack([losses, row_weights])  # (kept alive: only the poisoned blocks are free)
     for reduction in ("sum", "mean"):
+        poison_allocator(stats_like, lse_like)
         ours, lse = qk.cross_entropy(x, target, weight, reduction=reduction, return_lse=True,
                                      **kw)
         ref = torch_cross_entropy(x.double(), target, None if weight is None else weight.double(),
@@ -309,12 +313,13 @@ def test_loss_alone_reduced_in_one_launch(monkeypatch, m, v, dtype, options):
         assert_close(ours, ref, LOSS_TOL, scale=LOSS_SCALE, name=reduction)
         by_op = losses.sum() / (row_weights.sum() if reduction == "mean" else 1.0)
         assert_close(ours, by_op, LOSS_TOL, scale=LOSS_SCALE, name=f"{reduction} vs the op")
+        poison_allocator(stats_like, lse_like)
         assert torch.equal(ours, qk.cross_entropy(x, target, weight, reduction=reduction, **kw))
         assert ours.shape == () and lse.shape == (m,)
     ignored = torch.full_like(target, -100)
     assert torch.isnan(qk.cross_entropy(x, ignored, weight, **kw))
     assert qk.cross_entropy(x, ignored, weight, reduction="sum", **kw) == 0
-    assert calls == ["sum", "mean", "sum", "mean", "mean", "sum"]
+    assert calls == ["sum", "sum", "mean", "mean", "mean", "sum"]
 
 
 def test_outputs_fully_written():

@@ -16,7 +16,9 @@ not ignore_index: loss NaN and gradient row NaN (never an out-of-bounds access: 
 target column is only used as an address for a target inside the row: by the thread
 holding it, for the class weight, and as the clamped index of z_t in a streamed row). lse is written for every row, and each row's
 weight in a mean over rows: w_t (1 without class weights), 0 for an ignored row or a
-bad target. The loss is per row; the reduction over rows is the torch layer's.
+bad target. The loss is per row; its sum or mean over rows is the torch layer's, or,
+for the loss alone of up to config.CE_REDUCED_MAX_ROWS rows (``reduce``), the grid's
+last CTA's.
 
 The gradient row i is scaled by ``grad_scale[i]``, the upstream gradient of loss i the
 caller expects (e.g. 1 / count for a mean), so that the backward has nothing to do when
@@ -92,7 +94,8 @@ class CrossEntropyForward(RowKernel):
     finishes the current one (cfg.stages == 2); every other variant runs one row block
     per CTA.
     Compile-time switches: ``weighted`` (class weights), ``smoothing`` (label
-    smoothing > 0), ``zloss`` (lse_square_scale != 0), ``softcap``, ``write_grad``.
+    smoothing > 0), ``zloss`` (lse_square_scale != 0), ``softcap``, ``write_grad``,
+    ``reduce`` (the loss alone also summed over the rows: "sum" or "mean").
     The matching float values are runtime arguments, so changing them never
     recompiles."""
 
@@ -101,6 +104,7 @@ class CrossEntropyForward(RowKernel):
     # bytes at 96.
     loop_registers = 96
     SOFTCAP_GRAD_LOOP_REGISTERS = 104
+    REDUCED_ROWS_IN_FLIGHT = 8  # rows a thread of the last CTA loads at once (reduce)
 
     def __init__(self, cfg: RowConfig, dtype, *, weighted: bool, smoothing: bool,
                  zloss: bool, softcap: bool, write_grad: bool, reduce: str = "none"):
@@ -226,29 +230,34 @@ class CrossEntropyForward(RowKernel):
         """mReduced[0] = the sum of the row losses (over the sum of the row weights for
         a mean: NaN when every row is ignored, as torch), added by the grid's last CTA
         in an order fixed by M and the block size; mReduced[1] is its ticket (0 at
-        launch). The rows' sums are read back from global memory (8 bytes a row, in
-        L2), which costs the last CTA about what a second reduction launch would at
-        M = 131072 and far less for fewer rows."""
-        warps = self.cfg.threads_per_block // 32
-        scratch = smem.allocate_tensor(Float32, cute.make_layout((warps, 2), stride=(2, 1)),
-                                       byte_alignment=16)
+        launch). The last CTA reads the rows' sums back from L2 (8 bytes a row) with
+        REDUCED_ROWS_IN_FLIGHT rows of loads in flight per thread: about M / 2048 L2
+        round trips, hence config.CE_REDUCED_MAX_ROWS."""
+        threads = self.cfg.threads_per_block
+        scratch = smem.allocate_tensor(
+            Float32, cute.make_layout((threads // 32, self.grid_sums), stride=(self.grid_sums, 1)),
+            byte_alignment=16)
         flag = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=16)
         ticket = cute.make_tensor(cute.recast_ptr(mReduced.iterator + 1, dtype=Int32),
                                   cute.make_layout(1))
-        last = self.ends_last_cta(ticket, flag)
-        tidx = cute.arch.thread_idx()[0]
-        loss = Float32(0.0)
-        weight = Float32(0.0)
-        # (every CTA runs the loop, the others for no rows: no loads under a branch)
-        for r in cutlass.range(tidx, cutlass.select_(last, num_rows, Int32(0)),
-                               self.cfg.threads_per_block, unroll=1):
-            loss = loss + mLoss[r]
-            weight = weight + mRowWeight[r]
-        loss, weight = red.block_sum((loss, weight), scratch)
-        if last & (tidx == 0):
-            if cutlass.const_expr(self.reduce == "mean"):
-                loss = loss / weight
-            mReduced[0] = loss
+        if self.ends_last_cta(ticket, flag):
+            tidx = cute.arch.thread_idx()[0]
+            loss = Float32(0.0)
+            weight = Float32(0.0)
+            for first in cutlass.range(tidx, num_rows, threads * self.REDUCED_ROWS_IN_FLIGHT,
+                                       unroll=1):
+                for k in cutlass.range_constexpr(self.REDUCED_ROWS_IN_FLIGHT):
+                    # independent loads, the index clamped into the rows and masked
+                    row = first + k * threads
+                    inside = row < num_rows
+                    at = cutlass.select_(inside, row, Int32(0))
+                    loss = loss + cutlass.select_(inside, mLoss[at], Float32(0.0))
+                    weight = weight + cutlass.select_(inside, mRowWeight[at], Float32(0.0))
+            loss, weight = red.block_sum((loss, weight), scratch)
+            if tidx == 0:
+                if cutlass.const_expr(self.reduce == "mean"):
+                    loss = loss / weight
+                mReduced[0] = loss
 
     @cute.jit
     def _row_block(self, block_row: Int32, iteration, home: RowTiles, grid_rows: Int32,

@@ -15,7 +15,8 @@ actual upstream gradient differs: the expected case moves no gradient bytes, and
 other (non-uniform per-row gradients, scaled losses) is still exact. The reduction
 over rows is plain torch on the (M,) loss vector, so autograd delivers the per-row
 upstream gradient for every reduction, weighting and use of the result; without a
-gradient a mean is one reduction of the stats (losses and row weights).
+gradient a mean is one reduction of the stats (losses and row weights), or, eagerly
+for up to config.CE_REDUCED_MAX_ROWS rows, the kernel's own (reduced_loss_cuda).
 
 Bad targets (outside [0, C) and not ignore_index): the CPU op raises ValueError; the
 CUDA op does not synchronize to check them and gives that row loss NaN and a NaN
@@ -42,6 +43,7 @@ from ..primitives.compile_cache import (
     fake_vector,
 )
 from ..primitives.config import (
+    CE_REDUCED_MAX_ROWS,
     RowConfig,
     cross_entropy_row_config,
     elementwise_row_config,
@@ -164,7 +166,8 @@ def compile_rescale(cfg: RowConfig, dtype: torch.dtype, target_dtype: torch.dtyp
 
 # flag sets in the resource report, by name: plain loss + gradient, every option on
 # (the weight row staged), every option but class weights (the capped values kept in
-# registers, config.KEPT_CAPPED_VALUES), and smoothing + softcap without the gradient
+# registers, config.KEPT_CAPPED_VALUES), smoothing + softcap without the gradient, and
+# the weighted loss alone with its mean reduced in the kernel
 REPORT_FLAGS = {
     "_grad": dict(weighted=False, smoothing=False, zloss=False, softcap=False, write_grad=True),
     "_all": dict(weighted=True, smoothing=True, zloss=True, softcap=True, write_grad=True),
@@ -299,6 +302,7 @@ def _launch(rows: Tensor, target: Tensor, weight: Optional[Tensor], stats: Tenso
     only), scaled per row by ``grad_scale`` (None: 1). With ``reduce`` "sum" or "mean"
     (loss only), ``reduced`` (2 zeros) receives the reduced loss in its first element
     (the second is the kernel's ticket)."""
+    assert (reduced is None) == (reduce == "none"), "a reduced loss needs its buffer"
     loss, row_weight = stats
     check_gpu(rows)
     n_cols = rows.shape[1]
@@ -398,12 +402,14 @@ def reduced_loss_cuda(logits: Tensor, target: Tensor, weight: Optional[Tensor],
                       ignore_index: int, label_smoothing: float, lse_square_scale: float,
                       softcap: float, reduction: str) -> tuple[Tensor, Tensor]:
     """(the loss alone reduced over the rows, "sum" or "mean", as a 0-d fp32 tensor;
-    the per-row lse) of (M, C) CUDA logits with M > 0, in one launch: the kernel's last
-    CTA adds the row losses (the eager path of cross_entropy without the gradient; the
-    ops and torch.compile reduce cross_entropy_forward's stats instead)."""
+    the per-row lse) of (M, C) CUDA logits with 0 < M <= CE_REDUCED_MAX_ROWS: the
+    kernel's last CTA adds the row losses, so nothing runs after the kernel (before
+    it, the fill of its 2-float buffer). The eager path of cross_entropy without the
+    gradient; the ops and torch.compile reduce cross_entropy_forward's stats."""
+    assert 0 < logits.shape[0] <= CE_REDUCED_MAX_ROWS, "see cross_entropy"
     _check_op_inputs(logits, target, weight, None, cuda=True)
     rows, stats, lse = _rows_and_outputs(logits)
-    reduced = torch.zeros(2, dtype=torch.float32, device=logits.device)
+    reduced = torch.zeros(2, dtype=torch.float32, device=logits.device)  # (and the ticket)
     _launch(rows, target, weight, stats, lse, None, None, ignore_index, label_smoothing,
             lse_square_scale, softcap, reduced, reduction)
     return reduced[0], lse
@@ -440,10 +446,8 @@ def _cross_entropy_forward_inplace_cuda(logits, target, weight, ignore_index, la
     if logits.stride(-1) != 1 and logits.shape[0] > 0:
         raise ValueError("quack_kernels: inplace cross_entropy needs logits with unit "
                          "column stride")
-    m = logits.shape[0]
-    stats = torch.empty(2, m, dtype=torch.float32, device=logits.device)
-    lse = torch.empty(m, dtype=torch.float32, device=logits.device)
-    if m > 0:
+    _, stats, lse = _rows_and_outputs(logits)
+    if logits.shape[0] > 0:
         _launch(logits, target, weight, stats, lse, logits, grad_scale, ignore_index,
                 label_smoothing, lse_square_scale, softcap)
     return stats, lse
@@ -650,7 +654,7 @@ def cross_entropy(logits: Tensor, target: Tensor, weight: Optional[Tensor] = Non
             # a view of the function's stats, which torch does not let callers modify
             # in place: hand out a copy (M floats)
             out = out.clone()
-    elif eager and reduction != "none" and rows.shape[0] > 0:
+    elif eager and reduction != "none" and 0 < rows.shape[0] <= CE_REDUCED_MAX_ROWS:
         out, lse = reduced_loss_cuda(rows, *args, reduction)
     else:
         forward = _cross_entropy_forward_cuda if eager else cross_entropy_forward

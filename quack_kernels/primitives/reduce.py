@@ -188,14 +188,15 @@ def row_allreduce(values: Values, combine: Callable, identity: Values,
 def block_sum(values: Values, scratch: cute.Tensor) -> Values:
     """The sum of ``values`` over every thread of the CTA, in every thread, added in an
     order fixed by the thread count alone (bitwise reproducible). ``scratch``: fp32
-    shared memory of shape (warps per CTA, len(values)); ends with the CTA barrier."""
+    shared memory of shape (warps per CTA, len(values)); a CTA barrier separates its
+    writes from its reads (a second call on the same scratch needs one before it)."""
     values = _shuffle_allreduce(values, sum_combine, 32)
     if cute.arch.lane_idx() == 0:
         for k in cutlass.range_constexpr(len(values)):
             scratch[cute.arch.warp_idx(), k] = values[k]
     cute.arch.barrier()
-    total = tuple(Float32(0.0) for _ in values)
-    for w in cutlass.range_constexpr(cute.size(scratch, mode=[0])):
+    total = tuple(scratch[0, k] for k in range(len(values)))
+    for w in cutlass.range_constexpr(1, cute.size(scratch, mode=[0])):
         total = sum_combine(total, tuple(scratch[w, k] for k in range(len(values))))
     return total
 

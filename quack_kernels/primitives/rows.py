@@ -59,20 +59,19 @@ class RowKernel:
     @cute.jit
     def ends_last_cta(self, ticket: cute.Tensor, flag: cute.Tensor) -> Boolean:
         """Whether this CTA is the last of the grid to get here, for a grid-wide result
-        computed once with no second launch: each CTA takes a ticket (an atomic add on
-        ``ticket``, one int32 that is 0 at launch) after a release fence over its
-        threads' global writes, and the last one then sees every other CTA's writes
-        (acquire fence). ``flag``: one int32 of shared memory. Every thread calls it."""
-        cute.arch.fence_acq_rel_gpu()
+        computed with no second launch: after a CTA barrier over its threads' global
+        writes, thread 0 takes a ticket (an acq_rel atomic add on ``ticket``, one int32
+        that is 0 at launch and is left at the grid size: zero it before each launch);
+        the last one sees every other CTA's writes. ``flag``: one int32 of shared
+        memory. Every thread calls it; the result is the same in all of a CTA's."""
         cute.arch.barrier()
         if cute.arch.thread_idx()[0] == 0:
+            cute.arch.fence_acq_rel_gpu()
             grid = cute.arch.grid_dim()
             taken = cute.arch.atomic_add(ticket.iterator, Int32(1), sem="acq_rel", scope="gpu")
             flag[0] = cutlass.select_(taken == grid[0] * grid[1] * grid[2] - 1, Int32(1), Int32(0))
         cute.arch.barrier()
-        last = flag[0] == Int32(1)
-        cute.arch.fence_acq_rel_gpu()
-        return last
+        return flag[0] == Int32(1)
 
     def smem_bytes(self) -> int:
         staged = self.cfg.staging_smem_bytes(sum(d.width // 8 for d in self.staged_dtypes))
