@@ -90,7 +90,7 @@ def main(argv=None):
                     kernel = ops.forward_kernel_object(cfg, dtype, write_grad=write_grad, **FLAGS)
                     grid = loop_grid_rows(cfg, m, resident_row_blocks(kernel, x.device))
                     call = lambda: fn(x, target, loss, loss, row_weight, lse, grad, scale,  # noqa: E731
-                                      loss, -100, 0.0, 0.0, 1.0, grid)
+                                      loss, loss, -100, 0.0, 0.0, 1.0, grid)
                     call()
                     ms = time_device_ms(call)
                 except Exception as e:  # a variant that does not compile or launch

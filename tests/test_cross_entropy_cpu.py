@@ -371,7 +371,8 @@ SPILL_CASES = [
                              (False, True, True, True, True, "none"),
                              (False, True, False, True, False, "none"),
                              (False, False, False, False, False, "none"),
-                             (True, True, True, True, False, "mean"))
+                             (True, True, True, True, False, "mean"),
+                             (False, False, False, False, True, "sum"))
 ]
 
 

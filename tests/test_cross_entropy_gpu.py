@@ -286,16 +286,16 @@ def test_loss_alone_bad_and_in_row_ignored_targets(v):
 @pytest.mark.parametrize("m,v,dtype", [(20000, 7, torch.float16), (512, 4096, torch.bfloat16),
                                         (3, 151936, torch.bfloat16), (40, 262145, torch.float32)])
 @pytest.mark.parametrize("options", ["plain", "weighted_smoothing", "zloss_softcap"])
-def test_loss_alone_reduced_in_one_launch(monkeypatch, m, v, dtype, options):
-    """The eager loss alone with a sum or mean is reduced by the kernel's last CTA
-    (reduced_loss_cuda): many CTAs of short rows, streamed rows split over a cluster,
-    staged weights; against torch in fp64 and the op path's reduction of the row
-    losses, bitwise the same on a second call, NaN / 0 when every target is ignored.
-    The row stats it reads back are allocated from NaN-poisoned blocks, so a row read
-    before its CTA's write was visible shows."""
+def test_loss_reduced_in_the_kernel(monkeypatch, m, v, dtype, options):
+    """The eager loss with a sum or mean is reduced by the kernel's last CTA
+    (reduced_loss_cuda), alone and with the gradient: many CTAs of short rows, streamed
+    rows split over a cluster, staged weights; against torch in fp64 and the op path's
+    reduction of the row losses, bitwise the same on a second call, NaN / 0 when every
+    target is ignored. The row stats it reads back are allocated from NaN-poisoned
+    blocks, so a row read before its CTA's write was visible shows."""
     calls = []
     monkeypatch.setattr(ops, "reduced_loss_cuda",
-                        lambda *a: calls.append(a[-1]) or REDUCED_LOSS_CUDA(*a))
+                        lambda *a: calls.append(a[7]) or REDUCED_LOSS_CUDA(*a))  # (reduction)
     x, target = fresh(m, v, dtype)
     weight = torch.rand(v, device="cuda") + 0.5 if options == "weighted_smoothing" else None
     kw = dict(weighted_smoothing=dict(label_smoothing=0.1),
@@ -316,10 +316,16 @@ def test_loss_alone_reduced_in_one_launch(monkeypatch, m, v, dtype, options):
         poison_allocator(stats_like, lse_like)
         assert torch.equal(ours, qk.cross_entropy(x, target, weight, reduction=reduction, **kw))
         assert ours.shape == () and lse.shape == (m,)
+    leaf, xr = x.clone().requires_grad_(), x.double().requires_grad_()
+    trained = qk.cross_entropy(leaf, target, weight, **kw)
+    trained.backward()
+    torch_cross_entropy(xr, target, None if weight is None else weight.double(), **kw).backward()
+    assert_close(trained, ref, LOSS_TOL, scale=LOSS_SCALE, name="mean with the gradient")
+    assert_close(leaf.grad, xr.grad, dtype, scale=2.0, name="grad")
     ignored = torch.full_like(target, -100)
     assert torch.isnan(qk.cross_entropy(x, ignored, weight, **kw))
     assert qk.cross_entropy(x, ignored, weight, reduction="sum", **kw) == 0
-    assert calls == ["sum", "sum", "mean", "mean", "mean", "sum"]
+    assert calls == ["sum", "sum", "mean", "mean", "mean", "mean", "sum"]
 
 
 def test_outputs_fully_written():

@@ -17,8 +17,7 @@ target column is only used as an address for a target inside the row: by the thr
 holding it, for the class weight, and as the clamped index of z_t in a streamed row). lse is written for every row, and each row's
 weight in a mean over rows: w_t (1 without class weights), 0 for an ignored row or a
 bad target. The loss is per row; its sum or mean over rows is the torch layer's, or,
-for the loss alone of up to config.CE_REDUCED_MAX_ROWS rows (``reduce``), the grid's
-last CTA's.
+eagerly for up to config.CE_REDUCED_MAX_ROWS rows (``reduce``), the grid's last CTA's.
 
 The gradient row i is scaled by ``grad_scale[i]``, the upstream gradient of loss i the
 caller expects (e.g. 1 / count for a mean), so that the backward has nothing to do when
@@ -95,7 +94,7 @@ class CrossEntropyForward(RowKernel):
     per CTA.
     Compile-time switches: ``weighted`` (class weights), ``smoothing`` (label
     smoothing > 0), ``zloss`` (lse_square_scale != 0), ``softcap``, ``write_grad``,
-    ``reduce`` (the loss alone also summed over the rows: "sum" or "mean").
+    ``reduce`` (the loss also summed over the rows: "sum" or "mean").
     The matching float values are runtime arguments, so changing them never
     recompiles."""
 
@@ -109,9 +108,9 @@ class CrossEntropyForward(RowKernel):
     def __init__(self, cfg: RowConfig, dtype, *, weighted: bool, smoothing: bool,
                  zloss: bool, softcap: bool, write_grad: bool, reduce: str = "none"):
         self.cfg = cfg
-        # "sum" / "mean": the loss alone, reduced over the rows by the grid's last CTA
+        # "sum" / "mean": the loss also reduced over the rows by the grid's last CTA
         # (_reduce_rows) instead of by two more launches after this one
-        assert reduce in ("none", "sum", "mean") and (reduce == "none" or not write_grad)
+        assert reduce in ("none", "sum", "mean")
         self.reduce = reduce
         self.grid_sums = 0 if reduce == "none" else 2
         self.weighted = weighted
@@ -166,11 +165,11 @@ class CrossEntropyForward(RowKernel):
     def __call__(self, mX: cute.Tensor, mTarget: cute.Tensor, mWeight: cute.Tensor,
                  mLoss: cute.Tensor, mRowWeight: cute.Tensor, mLse: cute.Tensor,
                  mdX: cute.Tensor, mGradScale: cute.Tensor, mReduced: cute.Tensor,
-                 ignore_index: Int64, smoothing: Float32, lse_square_scale: Float32,
-                 softcap: Float32, grid_rows: Int32, stream):
+                 mTicket: cute.Tensor, ignore_index: Int64, smoothing: Float32,
+                 lse_square_scale: Float32, softcap: Float32, grid_rows: Int32, stream):
         self.launch(
             self.kernel(mX, mTarget, mWeight, mLoss, mRowWeight, mLse, mdX, mGradScale,
-                        mReduced, ignore_index, smoothing, lse_square_scale, softcap,
+                        mReduced, mTicket, ignore_index, smoothing, lse_square_scale, softcap,
                         grid_rows),
             mX.shape[0], stream, grid_rows=grid_rows if self.loops else None)
 
@@ -192,9 +191,9 @@ class CrossEntropyForward(RowKernel):
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mTarget: cute.Tensor, mWeight: cute.Tensor,
                mLoss: cute.Tensor, mRowWeight: cute.Tensor, mLse: cute.Tensor, mdX: cute.Tensor,
-               mGradScale: cute.Tensor, mReduced: cute.Tensor, ignore_index: Int64,
-               smoothing: Float32, lse_square_scale: Float32, softcap: Float32,
-               grid_rows: Int32):
+               mGradScale: cute.Tensor, mReduced: cute.Tensor, mTicket: cute.Tensor,
+               ignore_index: Int64, smoothing: Float32, lse_square_scale: Float32,
+               softcap: Float32, grid_rows: Int32):
         cfg = self.cfg
         smem = SmemAllocator()
         staged = [mX]
@@ -222,15 +221,15 @@ class CrossEntropyForward(RowKernel):
         else:
             self._row_block(cute.arch.block_idx()[0], None, *options)
         if cutlass.const_expr(self.reduce != "none"):
-            self._reduce_rows(smem, mLoss, mRowWeight, mReduced, mX.shape[0])
+            self._reduce_rows(smem, mLoss, mRowWeight, mReduced, mTicket, mX.shape[0])
 
     @cute.jit
     def _reduce_rows(self, smem, mLoss: cute.Tensor, mRowWeight: cute.Tensor,
-                     mReduced: cute.Tensor, num_rows: Int32):
+                     mReduced: cute.Tensor, mTicket: cute.Tensor, num_rows: Int32):
         """mReduced[0] = the sum of the row losses (over the sum of the row weights for
         a mean: NaN when every row is ignored, as torch), added by the grid's last CTA
-        in an order fixed by M and the block size; mReduced[1] is its ticket (0 at
-        launch). The last CTA reads the rows' sums back from L2 (8 bytes a row) with
+        in an order fixed by M and the block size; mTicket (one fp32 0 at launch) holds
+        the int32 ticket of ends_last_cta. The last CTA reads the rows' sums back from L2 (8 bytes a row) with
         REDUCED_ROWS_IN_FLIGHT rows of loads in flight per thread: about M / 2048 L2
         round trips, hence config.CE_REDUCED_MAX_ROWS."""
         threads = self.cfg.threads_per_block
@@ -238,7 +237,7 @@ class CrossEntropyForward(RowKernel):
             Float32, cute.make_layout((threads // 32, self.grid_sums), stride=(self.grid_sums, 1)),
             byte_alignment=16)
         flag = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=16)
-        ticket = cute.make_tensor(cute.recast_ptr(mReduced.iterator + 1, dtype=Int32),
+        ticket = cute.make_tensor(cute.recast_ptr(mTicket.iterator, dtype=Int32),
                                   cute.make_layout(1))
         if self.ends_last_cta(ticket, flag):
             tidx = cute.arch.thread_idx()[0]

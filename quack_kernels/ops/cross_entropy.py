@@ -115,6 +115,7 @@ def forward_kernel(cfg: RowConfig, dtype: torch.dtype, target_dtype: torch.dtype
         fake_rows(dt, cfg.n_cols, cfg.vec, rows),
         fake_strided_vector(cutlass.Float32, rows),
         fake_vector(cutlass.Float32, cute.sym_int()),
+        fake_vector(cutlass.Float32, cute.sym_int()),
         cutlass.Int64(-100),
         cutlass.Float32(0.0),
         cutlass.Float32(0.0),
@@ -167,7 +168,7 @@ def compile_rescale(cfg: RowConfig, dtype: torch.dtype, target_dtype: torch.dtyp
 # flag sets in the resource report, by name: plain loss + gradient, every option on
 # (the weight row staged), every option but class weights (the capped values kept in
 # registers, config.KEPT_CAPPED_VALUES), smoothing + softcap without the gradient, and
-# the weighted loss alone with its mean reduced in the kernel
+# the mean reduced in the kernel (the weighted loss alone; the plain loss + gradient)
 REPORT_FLAGS = {
     "_grad": dict(weighted=False, smoothing=False, zloss=False, softcap=False, write_grad=True),
     "_all": dict(weighted=True, smoothing=True, zloss=True, softcap=True, write_grad=True),
@@ -175,6 +176,8 @@ REPORT_FLAGS = {
     "_loss": dict(weighted=False, smoothing=True, zloss=False, softcap=True, write_grad=False),
     "_mean": dict(weighted=True, smoothing=False, zloss=False, softcap=False, write_grad=False,
                   reduce="mean"),
+    "_grad_mean": dict(weighted=False, smoothing=False, zloss=False, softcap=False,
+                       write_grad=True, reduce="mean"),
 }
 
 
@@ -299,10 +302,9 @@ def _launch(rows: Tensor, target: Tensor, weight: Optional[Tensor], stats: Tenso
             reduced: Optional[Tensor] = None, reduce: str = "none") -> None:
     """Run the kernel; ``stats`` (2, M) receives the per-row losses and row weights (see
     cross_entropy_forward), ``grad`` the gradient (may be ``rows`` itself; None for loss
-    only), scaled per row by ``grad_scale`` (None: 1). With ``reduce`` "sum" or "mean"
-    (loss only), ``reduced`` (2 zeros) receives the reduced loss in its first element
-    (the second is the kernel's ticket)."""
-    assert (reduced is None) == (reduce == "none"), "a reduced loss needs its buffer"
+    only), scaled per row by ``grad_scale`` (None: 1). With ``reduce`` "sum" or "mean",
+    ``reduced`` (a 0-d fp32 tensor) receives the loss reduced over the rows."""
+    assert (reduced is None) == (reduce == "none"), "a reduced loss needs its tensor"
     loss, row_weight = stats
     check_gpu(rows)
     n_cols = rows.shape[1]
@@ -325,10 +327,12 @@ def _launch(rows: Tensor, target: Tensor, weight: Optional[Tensor], stats: Tenso
     kernel = forward_kernel_object(cfg, rows.dtype, **flags)
     grid_rows = loop_grid_rows(cfg, rows.shape[0], resident_row_blocks(kernel, rows.device)) \
         if kernel.loops else rows.shape[0]  # (unused without the loop)
-    # fp32 vectors the variant does not read (no weights, no gradient) are filled by loss
+    # fp32 vectors the variant does not read (no weights, no gradient, no reduction) are
+    # filled by loss; the reduction's ticket is one fp32 0 the kernel counts in as int32
+    reduced_out, ticket = (loss, loss) if reduced is None else \
+        (reduced.view(1), torch.zeros(1, dtype=torch.float32, device=rows.device))
     fn(rows, target, loss if weight is None else weight, loss, row_weight, lse, grad_out,
-       loss if grad_scale is None else grad_scale, loss if reduced is None else reduced,
-       ignore_index,
+       loss if grad_scale is None else grad_scale, reduced_out, ticket, ignore_index,
        label_smoothing, lse_square_scale, softcap if softcap else 1.0, grid_rows)
 
 
@@ -400,19 +404,26 @@ def _rows_and_outputs(logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 def reduced_loss_cuda(logits: Tensor, target: Tensor, weight: Optional[Tensor],
                       ignore_index: int, label_smoothing: float, lse_square_scale: float,
-                      softcap: float, reduction: str) -> tuple[Tensor, Tensor]:
-    """(the loss alone reduced over the rows, "sum" or "mean", as a 0-d fp32 tensor;
-    the per-row lse) of (M, C) CUDA logits with 0 < M <= CE_REDUCED_MAX_ROWS: the
-    kernel's last CTA adds the row losses, so nothing runs after the kernel (before
-    it, the fill of its 2-float buffer). The eager path of cross_entropy without the
-    gradient; the ops and torch.compile reduce cross_entropy_forward's stats."""
+                      softcap: float, reduction: str, grad_scale: Optional[Tensor] = None,
+                      inplace: bool = False) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """(the loss reduced over the rows, "sum" or "mean", as a 0-d fp32 tensor; the
+    per-row lse; the gradient or None) of (M, C) CUDA logits with 0 < M <=
+    CE_REDUCED_MAX_ROWS: the kernel's last CTA adds the row losses, so nothing runs
+    after the kernel (before it, the fill of its one-word ticket). With ``grad_scale``
+    the gradient too, as cross_entropy_forward computes it, in a new buffer or, with
+    ``inplace``, over the logits (unit column stride). The eager path of cross_entropy;
+    the ops and torch.compile reduce cross_entropy_forward's stats."""
     assert 0 < logits.shape[0] <= CE_REDUCED_MAX_ROWS, "see cross_entropy"
-    _check_op_inputs(logits, target, weight, None, cuda=True)
+    _check_op_inputs(logits, target, weight, grad_scale, cuda=True)
     rows, stats, lse = _rows_and_outputs(logits)
-    reduced = torch.zeros(2, dtype=torch.float32, device=logits.device)  # (and the ticket)
-    _launch(rows, target, weight, stats, lse, None, None, ignore_index, label_smoothing,
+    grad = None
+    if grad_scale is not None:
+        assert not inplace or rows is logits, "in place needs unit column stride"
+        grad = rows if inplace else torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
+    reduced = torch.empty((), dtype=torch.float32, device=logits.device)
+    _launch(rows, target, weight, stats, lse, grad, grad_scale, ignore_index, label_smoothing,
             lse_square_scale, softcap, reduced, reduction)
-    return reduced[0], lse
+    return reduced, lse, grad
 
 
 @cross_entropy_forward.register_fake
@@ -527,7 +538,8 @@ class CrossEntropyFunction(torch.autograd.Function):
     it, so that the two compare equal), 1 for a sum or per-row losses. The backward
     rescales only the rows where the actual upstream gradient differs, so in the
     expected case it moves no gradient bytes. The reduction happens here rather than
-    in autograd-recorded torch ops, which saves the host two autograd nodes per step.
+    in autograd-recorded torch ops, which saves the host two autograd nodes per step
+    (eagerly, for up to CE_REDUCED_MAX_ROWS rows, in the kernel: reduced_loss_cuda).
     lse is not differentiable."""
 
     @staticmethod
@@ -545,14 +557,18 @@ class CrossEntropyFunction(torch.autograd.Function):
             # (an expanded scalar: the kernels take per-row scales with any stride)
             held = torch.ones((), dtype=loss_dtype, device=logits.device).expand(num_rows)
         options = (ignore_index, label_smoothing, lse_square_scale, softcap)
-        if inplace:
+        reduced = None
+        if eager and reduction != "none" and 0 < num_rows <= CE_REDUCED_MAX_ROWS \
+                and (not inplace or logits.stride(-1) == 1):
+            reduced, lse, grad = reduced_loss_cuda(logits, target, weight, *options, reduction,
+                                                   held, inplace)
+        elif inplace:
             forward = _cross_entropy_forward_inplace_cuda if eager else cross_entropy_forward_inplace
             stats, lse = forward(logits, target, weight, *options, held)
             grad = logits
         else:
             forward = _cross_entropy_forward_cuda if eager else cross_entropy_forward
             stats, lse, grad = forward(logits, target, weight, *options, True, held)
-        loss = stats[0]
         ctx.eager = eager
         ctx.ignore_index = ignore_index
         ctx.reduction = reduction
@@ -560,6 +576,9 @@ class CrossEntropyFunction(torch.autograd.Function):
         ctx.save_for_backward(grad, target, held, denominator)
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # no zeros for the lse's gradient
+        if reduced is not None:
+            return reduced, lse
+        loss = stats[0]
         if reduction == "none":
             return loss, lse
         # ignored rows have loss 0; their gradient rows are 0 whatever upstream gradient
@@ -655,7 +674,7 @@ def cross_entropy(logits: Tensor, target: Tensor, weight: Optional[Tensor] = Non
             # in place: hand out a copy (M floats)
             out = out.clone()
     elif eager and reduction != "none" and 0 < rows.shape[0] <= CE_REDUCED_MAX_ROWS:
-        out, lse = reduced_loss_cuda(rows, *args, reduction)
+        out, lse, _ = reduced_loss_cuda(rows, *args, reduction)
     else:
         forward = _cross_entropy_forward_cuda if eager else cross_entropy_forward
         stats, lse, _ = forward(rows, *args, False)

@@ -580,7 +580,7 @@ CE_LOSS_MAX_VECS_PER_THREAD = 16
 CE_LOSS_VECS_PER_CHUNK = 4
 CE_LOSS_MIN_THREADS_PER_BLOCK = 256
 
-# The loss alone with its sum or mean, eagerly: the grid's last CTA adds the row losses
+# The loss with its sum or mean, eagerly: the grid's last CTA adds the row losses
 # (kernels.cross_entropy._reduce_rows) where the 8 bytes a row it reads back from L2 cost
 # less than the two launches after the kernel (a torch sum and a division, 4-11 points of
 # the runner's loss-alone cells): at 8 rows in flight per thread of 256 it needs about
