@@ -322,10 +322,15 @@ def test_loss_reduced_in_the_kernel(monkeypatch, m, v, dtype, options):
     torch_cross_entropy(xr, target, None if weight is None else weight.double(), **kw).backward()
     assert_close(trained, ref, LOSS_TOL, scale=LOSS_SCALE, name="mean with the gradient")
     assert_close(leaf.grad, xr.grad, dtype, scale=2.0, name="grad")
+    halved = qk.cross_entropy(leaf, target, weight, **kw)
+    halved *= 0.5  # (in place, as gradient accumulation scales a loss: not a view)
+    leaf.grad = None
+    halved.backward()
+    assert_close(leaf.grad, xr.grad / 2, dtype, scale=2.0, name="grad of the halved loss")
     ignored = torch.full_like(target, -100)
     assert torch.isnan(qk.cross_entropy(x, ignored, weight, **kw))
     assert qk.cross_entropy(x, ignored, weight, reduction="sum", **kw) == 0
-    assert calls == ["sum", "sum", "mean", "mean", "mean", "mean", "sum"]
+    assert calls == ["sum", "sum", "mean", "mean", "mean", "mean", "mean", "sum"]
 
 
 def test_outputs_fully_written():
