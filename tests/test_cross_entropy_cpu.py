@@ -414,3 +414,15 @@ def test_per_row_losses_can_be_modified_in_place():
         if requires_grad:
             loss.sum().backward()
             assert torch.isfinite(leaf.grad).all()
+
+
+def test_loss_reduced_in_the_kernel_where_the_rule_says():
+    """config.ce_reduces_in_kernel: 1 to CE_REDUCED_MAX_ROWS rows, with or without the
+    gradient, but not the gradient with the weight row staged (its variants spilled)."""
+    most = config.CE_REDUCED_MAX_ROWS
+    assert config.ce_reduces_in_kernel(1, False, False)
+    assert config.ce_reduces_in_kernel(most, True, False)
+    assert config.ce_reduces_in_kernel(8, False, True)
+    assert not config.ce_reduces_in_kernel(0, False, False)
+    assert not config.ce_reduces_in_kernel(most + 1, False, False)
+    assert not config.ce_reduces_in_kernel(8, True, True)

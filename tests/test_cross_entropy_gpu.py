@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 import quack_kernels as qk
 from quack_kernels.ops import cross_entropy as ops
+from quack_kernels.primitives import config
 
 from helpers import (assert_close, check_cross_entropy_backward_paths,
                      check_plain_backward_rescales_no_row, poison_allocator,
@@ -284,15 +285,18 @@ def test_loss_alone_bad_and_in_row_ignored_targets(v):
 
 
 @pytest.mark.parametrize("m,v,dtype", [(20000, 7, torch.float16), (512, 4096, torch.bfloat16),
-                                        (3, 151936, torch.bfloat16), (40, 262145, torch.float32)])
+                                        (3, 151936, torch.bfloat16), (40, 262145, torch.float32),
+                                        (config.CE_REDUCED_MAX_ROWS + 1, 7, torch.float32)])
 @pytest.mark.parametrize("options", ["plain", "weighted_smoothing", "zloss_softcap"])
 def test_loss_reduced_in_the_kernel(monkeypatch, m, v, dtype, options):
     """The eager loss with a sum or mean is reduced by the kernel's last CTA
-    (reduced_loss_cuda), alone and with the gradient: many CTAs of short rows, streamed
-    rows split over a cluster, staged weights; against torch in fp64 and the op path's
-    reduction of the row losses, bitwise the same on a second call, NaN / 0 when every
-    target is ignored. The row stats it reads back are allocated from NaN-poisoned
-    blocks, so a row read before its CTA's write was visible shows."""
+    (reduced_loss_cuda), alone and with the gradient (not with the weight row staged,
+    nor past CE_REDUCED_MAX_ROWS rows: torch's reduction, checked the same way): many
+    CTAs of short rows, streamed rows split over a cluster, staged weights; against
+    torch in fp64 and the op path's reduction of the row losses, bitwise the same on a
+    second call, NaN / 0 when every target is ignored. The row stats it reads back and
+    its ticket are allocated from poisoned blocks, so a row read before its CTA's write
+    was visible, or a ticket not zeroed, shows."""
     calls = []
     monkeypatch.setattr(ops, "reduced_loss_cuda",
                         lambda *a: calls.append(a[7]) or REDUCED_LOSS_CUDA(*a))  # (reduction)
@@ -304,8 +308,9 @@ def test_loss_reduced_in_the_kernel(monkeypatch, m, v, dtype, options):
                kw.get("softcap", 0.0), False)
     (losses, row_weights), lse_like, _ = ops.cross_entropy_forward(x, target, weight, *op_args)
     stats_like = torch.stack([losses, row_weights])  # (kept alive: only the poisoned blocks are free)
+    word = torch.empty(1, device="cuda")  # the 0-d result and the ticket: small blocks
     for reduction in ("sum", "mean"):
-        poison_allocator(stats_like, lse_like)
+        poison_allocator(stats_like, lse_like, word, word)
         ours, lse = qk.cross_entropy(x, target, weight, reduction=reduction, return_lse=True,
                                      **kw)
         ref = torch_cross_entropy(x.double(), target, None if weight is None else weight.double(),
@@ -313,7 +318,7 @@ def test_loss_reduced_in_the_kernel(monkeypatch, m, v, dtype, options):
         assert_close(ours, ref, LOSS_TOL, scale=LOSS_SCALE, name=reduction)
         by_op = losses.sum() / (row_weights.sum() if reduction == "mean" else 1.0)
         assert_close(ours, by_op, LOSS_TOL, scale=LOSS_SCALE, name=f"{reduction} vs the op")
-        poison_allocator(stats_like, lse_like)
+        poison_allocator(stats_like, lse_like, word, word)
         assert torch.equal(ours, qk.cross_entropy(x, target, weight, reduction=reduction, **kw))
         assert ours.shape == () and lse.shape == (m,)
     leaf, xr = x.clone().requires_grad_(), x.double().requires_grad_()
@@ -330,7 +335,10 @@ def test_loss_reduced_in_the_kernel(monkeypatch, m, v, dtype, options):
     ignored = torch.full_like(target, -100)
     assert torch.isnan(qk.cross_entropy(x, ignored, weight, **kw))
     assert qk.cross_entropy(x, ignored, weight, reduction="sum", **kw) == 0
-    assert calls == ["sum", "sum", "mean", "mean", "mean", "mean", "mean", "sum"]
+    in_kernel = m <= config.CE_REDUCED_MAX_ROWS
+    trains_in_kernel = in_kernel and options != "weighted_smoothing"
+    assert calls == ["sum"] * 2 * in_kernel + ["mean"] * 2 * in_kernel \
+        + ["mean"] * 2 * trains_in_kernel + ["mean", "sum"] * in_kernel
 
 
 def test_outputs_fully_written():

@@ -17,7 +17,7 @@ target column is only used as an address for a target inside the row: by the thr
 holding it, for the class weight, and as the clamped index of z_t in a streamed row). lse is written for every row, and each row's
 weight in a mean over rows: w_t (1 without class weights), 0 for an ignored row or a
 bad target. The loss is per row; its sum or mean over rows is the torch layer's, or,
-eagerly for up to config.CE_REDUCED_MAX_ROWS rows (``reduce``), the grid's last CTA's.
+eagerly where config.ce_reduces_in_kernel (``reduce``), the grid's last CTA's.
 
 The gradient row i is scaled by ``grad_scale[i]``, the upstream gradient of loss i the
 caller expects (e.g. 1 / count for a mean), so that the backward has nothing to do when

@@ -15,8 +15,9 @@ actual upstream gradient differs: the expected case moves no gradient bytes, and
 other (non-uniform per-row gradients, scaled losses) is still exact. The reduction
 over rows is plain torch on the (M,) loss vector, so autograd delivers the per-row
 upstream gradient for every reduction, weighting and use of the result; without a
-gradient a mean is one reduction of the stats (losses and row weights), or, eagerly
-for up to config.CE_REDUCED_MAX_ROWS rows, the kernel's own (reduced_loss_cuda).
+gradient a mean is one reduction of the stats (losses and row weights). Eagerly, where
+config.ce_reduces_in_kernel, the kernel reduces the loss itself, with or without the
+gradient (reduced_loss_cuda).
 
 Bad targets (outside [0, C) and not ignore_index): the CPU op raises ValueError; the
 CUDA op does not synchronize to check them and gives that row loss NaN and a NaN
@@ -43,8 +44,8 @@ from ..primitives.compile_cache import (
     fake_vector,
 )
 from ..primitives.config import (
-    CE_REDUCED_MAX_ROWS,
     RowConfig,
+    ce_reduces_in_kernel,
     cross_entropy_row_config,
     elementwise_row_config,
     loop_grid_rows,
@@ -407,13 +408,15 @@ def reduced_loss_cuda(logits: Tensor, target: Tensor, weight: Optional[Tensor],
                       softcap: float, reduction: str, grad_scale: Optional[Tensor] = None,
                       inplace: bool = False) -> tuple[Tensor, Tensor, Optional[Tensor]]:
     """(the loss reduced over the rows, "sum" or "mean", as a 0-d fp32 tensor; the
-    per-row lse; the gradient or None) of (M, C) CUDA logits with 0 < M <=
-    CE_REDUCED_MAX_ROWS: the kernel's last CTA adds the row losses, so nothing runs
-    after the kernel (before it, the fill of its one-word ticket). With ``grad_scale``
+    per-row lse; the gradient or None) of (M, C) CUDA logits where
+    config.ce_reduces_in_kernel: the kernel's last CTA adds the row losses, so nothing
+    runs after the kernel (before it, the fill of its one-word ticket, and for a mean
+    with the gradient the caller's denominator). With ``grad_scale``
     the gradient too, as cross_entropy_forward computes it, in a new buffer or, with
     ``inplace``, over the logits (unit column stride). The eager path of cross_entropy;
     the ops and torch.compile reduce cross_entropy_forward's stats."""
-    assert 0 < logits.shape[0] <= CE_REDUCED_MAX_ROWS, "see cross_entropy"
+    assert ce_reduces_in_kernel(logits.shape[0], grad_scale is not None,
+                                weight is not None and label_smoothing != 0.0), "see its rule"
     _check_op_inputs(logits, target, weight, grad_scale, cuda=True)
     rows, stats, lse = _rows_and_outputs(logits)
     grad = None
@@ -539,7 +542,7 @@ class CrossEntropyFunction(torch.autograd.Function):
     rescales only the rows where the actual upstream gradient differs, so in the
     expected case it moves no gradient bytes. The reduction happens here rather than
     in autograd-recorded torch ops, which saves the host two autograd nodes per step
-    (eagerly, for up to CE_REDUCED_MAX_ROWS rows, in the kernel: reduced_loss_cuda).
+    (eagerly, where config.ce_reduces_in_kernel, in the kernel: reduced_loss_cuda).
     lse is not differentiable."""
 
     @staticmethod
@@ -558,8 +561,9 @@ class CrossEntropyFunction(torch.autograd.Function):
             held = torch.ones((), dtype=loss_dtype, device=logits.device).expand(num_rows)
         options = (ignore_index, label_smoothing, lse_square_scale, softcap)
         reduced = None
-        if eager and reduction != "none" and 0 < num_rows <= CE_REDUCED_MAX_ROWS \
-                and (not inplace or logits.stride(-1) == 1):
+        stage_weight = weight is not None and label_smoothing != 0.0
+        if eager and reduction != "none" and (not inplace or logits.stride(-1) == 1) \
+                and ce_reduces_in_kernel(num_rows, True, stage_weight):
             reduced, lse, grad = reduced_loss_cuda(logits, target, weight, *options, reduction,
                                                    held, inplace)
         elif inplace:
@@ -673,7 +677,7 @@ def cross_entropy(logits: Tensor, target: Tensor, weight: Optional[Tensor] = Non
             # a view of the function's stats, which torch does not let callers modify
             # in place: hand out a copy (M floats)
             out = out.clone()
-    elif eager and reduction != "none" and 0 < rows.shape[0] <= CE_REDUCED_MAX_ROWS:
+    elif eager and reduction != "none" and ce_reduces_in_kernel(rows.shape[0], False, False):
         out, lse, _ = reduced_loss_cuda(rows, *args, reduction)
     else:
         forward = _cross_entropy_forward_cuda if eager else cross_entropy_forward

@@ -584,8 +584,15 @@ CE_LOSS_MIN_THREADS_PER_BLOCK = 256
 # (kernels.cross_entropy._reduce_rows) where the 8 bytes a row it reads back from L2 cost
 # less than the two launches after the kernel (a torch sum and a division, 4-11 points of
 # the runner's loss-alone cells): at 8 rows in flight per thread of 256 it needs about
-# M / 2048 L2 round trips (16 at 32768 rows, a few us). Estimate, not yet timed.
+# M / 2048 L2 round trips (16 at 32768 rows, a few us). Estimate, not yet timed. Not for
+# the gradient with the weight row staged (class weights and label smoothing): with the
+# epilogue those variants spilled 8-16 bytes (sm_90a: fp32 1000 and 50257 columns, fp16
+# 151936), two reloads inside the row-block loop.
 CE_REDUCED_MAX_ROWS = 32768
+
+
+def ce_reduces_in_kernel(num_rows: int, write_grad: bool, stage_weight: bool) -> bool:
+    return 0 < num_rows <= CE_REDUCED_MAX_ROWS and not (write_grad and stage_weight)
 
 
 def _short_loss_row_config(n_cols: int, elem: int, max_vec: int | None) -> RowConfig | None:
