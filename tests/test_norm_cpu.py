@@ -327,6 +327,13 @@ def test_backward_shares_by_dtype_and_sums():
         == config.LOOP_REGS_PER_THREAD
 
 
+def default_backward(n, rms, dtype, weight_dtype=None):
+    """(config, kernel object) of the default norm backward with dweight (and dbias for
+    LayerNorm) of rows of ``dtype``; ``weight_dtype`` None: the kernel without a weight."""
+    cfg = ops.backward_config(n, dtype, dtype, (dtype,), weight_dtype or dtype, 1 if rms else 2)
+    return cfg, ops._backward_kernel_object(cfg, rms, dtype, dtype, True, not rms, weight_dtype)
+
+
 @pytest.mark.parametrize("dtype,weight_dtype", [(torch.bfloat16, torch.bfloat16),
                                                 (torch.float32, torch.float32),
                                                 (torch.bfloat16, torch.float32)])
@@ -337,11 +344,8 @@ def test_backward_stages_the_weight_where_it_costs_no_cta(dtype, weight_dtype):
     staged_rows = []
     for n in (1024, 4096, 16384, 65536, 131072, 200000, 262144, 262145):
         for rms in (True, False):
-            acc = 1 if rms else 2
-            cfg = ops.backward_config(n, dtype, dtype, (dtype,), weight_dtype, acc)
+            cfg, kernel = default_backward(n, rms, dtype, weight_dtype)
             bare = ops._backward_kernel_object(cfg, rms, dtype, dtype, True, not rms)
-            kernel = ops._backward_kernel_object(cfg, rms, dtype, dtype, True, not rms,
-                                                 weight_dtype)
             staged = len(kernel.column_dtypes) == 1
             weight_bytes = cfg.rows_per_block * cfg.cols_per_cta * weight_dtype.itemsize
             fits = bare.smem_bytes() + weight_bytes + 16 <= config.SMEM_BYTES_PER_CTA
@@ -363,14 +367,11 @@ def test_backward_weight_staging_cases():
     bf16, fp32 = torch.bfloat16, torch.float32
 
     def staged(n, rms, dtype, weight_dtype):
-        acc = 1 if rms else 2
-        cfg = ops.backward_config(n, dtype, dtype, (dtype,), weight_dtype, acc)
-        return bool(ops._backward_kernel_object(cfg, rms, dtype, dtype, True, not rms,
-                                                weight_dtype).column_dtypes)
+        return default_backward(n, rms, dtype, weight_dtype)[1].weight_staged
 
     assert staged(262144, True, bf16, bf16) and staged(262144, False, bf16, bf16)
     assert staged(4096, False, bf16, bf16) and not staged(4096, True, bf16, bf16)
-    assert not staged(65536, False, fp32, fp32)  # it would cost the second buffer
+    assert not staged(65536, False, fp32, fp32)  # it would cost a resident CTA (2 -> 1)
     assert not staged(262145, True, bf16, bf16)  # one-element vectors
 
 
@@ -380,9 +381,7 @@ def test_backward_prefetches_row_stats_for_layer_norm_and_lone_rms_ctas():
     bf16, fp32 = torch.bfloat16, torch.float32
 
     def kernel(n, rms, dtype):
-        acc = 1 if rms else 2
-        cfg = ops.backward_config(n, dtype, dtype, (dtype,), dtype, acc)
-        return ops._backward_kernel_object(cfg, rms, dtype, dtype, True, not rms, dtype)
+        return default_backward(n, rms, dtype, dtype)[1]
 
     for n in (1024, 16384, 262144):
         for dtype in (bf16, fp32):

@@ -334,7 +334,7 @@ def _launch(rows: Tensor, target: Tensor, weight: Optional[Tensor], stats: Tenso
         (reduced.view(1), torch.zeros(1, dtype=torch.float32, device=rows.device))
     fn(rows, target, loss if weight is None else weight, loss, row_weight, lse, grad_out,
        loss if grad_scale is None else grad_scale, reduced_out, ticket, ignore_index,
-       label_smoothing, lse_square_scale, softcap if softcap else 1.0, grid_rows)
+       label_smoothing, lse_square_scale, abs(softcap) if softcap else 1.0, grid_rows)
 
 
 def _loss_dtype(logits: Tensor) -> torch.dtype:

@@ -444,12 +444,15 @@ def sums_in_registers(cfg: RowConfig) -> bool:
 # A per-column vector read for every row block (a norm backward's weight) is staged once
 # per CTA in shared memory, where it fits, (1) where a single CTA per SM is resident:
 # there nothing hides the latency of a global load per row block; (2) for LayerNorm
-# wherever it costs no resident CTA. H200, kernels alone, same session
-# (kernel_ab_norm_backward_staged_weight_H200_20261130.txt), staged everywhere: bf16
-# 512x262144 (one CTA) RMSNorm 53.8% -> 65.3% of the copy ceiling, LayerNorm 46.2% ->
-# 54.1%. With more CTAs per SM, RMSNorm lost at 5 of 6 shapes (bf16 32768x4096 88.2% ->
-# 68.3%, fp32 2048x65536 82.0% -> 70.3%) and LayerNorm gained at 4 of 5, flat at the
-# fifth (fp32 2048x65536 59.7% -> 70.5%, bf16 32768x4096 70.5% -> 74.5%), unexplained.
+# wherever it costs no resident CTA. H200, kernels alone: staged everywhere
+# (kernel_ab_norm_backward_staged_weight_H200_20261130.txt), bf16 512x262144 (one CTA)
+# RMSNorm 53.8% -> 65.3% of the copy ceiling, LayerNorm 46.2% -> 54.1%; with more CTAs
+# per SM RMSNorm lost at 7 of 8 shapes (bf16 32768x4096 88.2% -> 68.3%). LayerNorm under
+# this rule (kernel_ab_norm_backward_stats_prefetch_H200_20261130.txt, run 1, _tree_ln):
+# bf16 32768x4096 70.5% -> 74.5%, 8192x16384 56.3% -> 58.0%, 2048x65536 42.2% -> 44.9%,
+# fp32 8192x16384 79.0% -> 78.1%. Its largest gain staged everywhere, fp32 2048x65536
+# 59.7% -> 70.5%, came where staging costs a CTA (2 -> 1), which the rule leaves out:
+# not yet measured on its own.
 def stage_columns_once(ctas_per_sm_without: int, ctas_per_sm_with: int, smem_bytes_with: int,
                        rms: bool) -> bool:
     if smem_bytes_with > SMEM_BYTES_PER_CTA:
