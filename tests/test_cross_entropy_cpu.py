@@ -426,3 +426,27 @@ def test_loss_reduced_in_the_kernel_where_the_rule_says():
     assert not config.ce_reduces_in_kernel(0, False, False)
     assert not config.ce_reduces_in_kernel(most + 1, False, False)
     assert not config.ce_reduces_in_kernel(8, True, True)
+
+
+def test_reduced_loss_epilogue_has_no_divergent_warp_sync(tmp_path):
+    """The last CTA's epilogue (block_sum) runs lane-0-only code; a full-warp shuffle
+    there (cute.arch.warp_idx() makes its result warp-uniform with one) compiled to
+    WARPSYNC.ALL in lane 0 alone while the other lanes waited at the CTA barrier: the
+    looping gradient kernel with the reduction hung on the H200. None may remain."""
+    cuobjdump = find_cuobjdump()
+    if cuobjdump is None:
+        pytest.skip("cuobjdump not installed")
+    import subprocess
+
+    from quack_kernels.primitives.compile_cache import compile_kernel
+    from quack_kernels.report import _cubin_file
+
+    for n, write_grad in ((4096, True), (7, False), (151936, False)):
+        cfg = ops.forward_config(n, torch.bfloat16, False, write_grad)
+        kernel = ops.forward_kernel(cfg, torch.bfloat16, torch.int64, weighted=False,
+                                    smoothing=False, zloss=False, softcap=False,
+                                    write_grad=write_grad, reduce="mean")
+        fn = compile_kernel(*kernel, keep_cubin_in=str(tmp_path))
+        sass = subprocess.run([cuobjdump, "-sass", _cubin_file(fn.__cubin__, str(tmp_path))],
+                              capture_output=True, text=True, check=True).stdout
+        assert "WARPSYNC" not in sass, f"{n} columns, write_grad={write_grad}"

@@ -191,9 +191,13 @@ def block_sum(values: Values, scratch: cute.Tensor) -> Values:
     shared memory of shape (warps per CTA, len(values)); a CTA barrier separates its
     writes from its reads (a second call on the same scratch needs one before it)."""
     values = _shuffle_allreduce(values, sum_combine, 32)
+    # warp_idx() is a full-warp shuffle (it makes the index warp-uniform): read under
+    # the lane-0 branch, lane 0 waited there for lanes already at the barrier (the hang
+    # of the looping gradient kernel, fourteenth session)
+    warp = cute.arch.warp_idx()
     if cute.arch.lane_idx() == 0:
         for k in cutlass.range_constexpr(len(values)):
-            scratch[cute.arch.warp_idx(), k] = values[k]
+            scratch[warp, k] = values[k]
     cute.arch.barrier()
     total = tuple(scratch[0, k] for k in range(len(values)))
     for w in cutlass.range_constexpr(1, cute.size(scratch, mode=[0])):
