@@ -24,9 +24,11 @@ def poison_allocator(*like: torch.Tensor) -> None:
     del blocks
 
 
-def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype=None, scale: float = 1.0, name="out"):
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype=None, scale: float = 1.0, name="out",
+                 magnitude: torch.Tensor | None = None):
     """Compare with an fp64/fp32 reference; report the first mismatching index and the
-    NaN/inf pattern so a failure says where, not only that."""
+    NaN/inf pattern so a failure says where, not only that. ``magnitude``: where ref is
+    a difference of larger terms, their size, which the relative error scales with."""
     tol = TOLERANCE[dtype or out.dtype]
     assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
     o, r = out.double(), ref.double()
@@ -35,7 +37,8 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype=None, scale: float 
     bad = nan_mismatch | inf_mismatch
     finite = torch.isfinite(o) & torch.isfinite(r)
     err = torch.where(finite, (o - r).abs(), torch.zeros_like(o))
-    bad |= err > tol["atol"] * scale + tol["rel"] * r.abs().where(finite, torch.zeros_like(r))
+    size = r.abs() if magnitude is None else torch.maximum(r.abs(), magnitude.double())
+    bad |= err > tol["atol"] * scale + tol["rel"] * size.where(finite, torch.zeros_like(r))
     if bad.any():
         idx = tuple(i.item() for i in bad.nonzero()[0])
         raise AssertionError(

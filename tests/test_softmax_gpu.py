@@ -23,6 +23,18 @@ def fresh(shape, dtype, scale=3.0):
     return (torch.randn(shape, device="cuda", dtype=torch.float32) * scale).to(dtype)
 
 
+def check_backward(dx, y, dy, log):
+    """dx against the fp64 backward of y as rounded to its dtype (what the kernel sees),
+    with the relative tolerance taken of the two terms dx is the difference of: a row
+    of 1M fp32 values cancels them by 1e-2 and more."""
+    yd, dyd = y.double(), dy.double()
+    p = yd.exp() if log else yd
+    total = dyd.sum(-1, keepdim=True) if log else (yd * dyd).sum(-1, keepdim=True)
+    terms = (dyd if log else yd * dyd).abs() + (p * total).abs()
+    assert_close(dx, ops.softmax_backward_reference(yd, dyd, log), y.dtype, scale=4.0,
+                 name="dx", magnitude=terms)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", NS)
 @pytest.mark.parametrize("log", [False, True])
@@ -32,10 +44,7 @@ def test_forward_backward(n, dtype, log):
     y = ops.softmax_forward(x, log)
     assert_close(y, reference(x, log), dtype)
     dy = fresh((m, n), dtype, 1.0)
-    dx = ops.softmax_backward(y, dy, log)
-    # the backward sees y as rounded to its dtype: the reference must too
-    dx_ref = ops.softmax_backward_reference(y.double(), dy.double(), log)
-    assert_close(dx, dx_ref, dtype, scale=4.0, name="dx")
+    check_backward(ops.softmax_backward(y, dy, log), y, dy, log)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -46,8 +55,7 @@ def test_million_columns(n, dtype):
         assert_close(ops.softmax_forward(x, log), reference(x, log), dtype)
     y = ops.softmax_forward(x, False)
     dy = fresh((3, n), dtype)
-    assert_close(ops.softmax_backward(y, dy, False),
-                 ops.softmax_backward_reference(y.double(), dy.double(), False), dtype, scale=4.0)
+    check_backward(ops.softmax_backward(y, dy, False), y, dy, False)
 
 
 @pytest.mark.parametrize("threads", [512, 1024])
@@ -68,8 +76,7 @@ def test_rows_of_16_and_32_warps(n, dtype, threads):
         bwd_cfg = row_config(n, eb, 2, max_threads_per_row=threads)
         dx = torch.full_like(x, float("nan"))
         ops.compile_backward(bwd_cfg, dtype, log)(y, dy, dx)
-        dx_ref = ops.softmax_backward_reference(y.double(), dy.double(), log)
-        assert_close(dx, dx_ref, dtype, scale=4.0, name="dx")
+        check_backward(dx, y, dy, log)
 
 
 @pytest.mark.parametrize("n", [3000, 65536, 1 << 20])
@@ -171,5 +178,4 @@ def test_more_than_2_31_elements():
     del y
     y = ops.softmax_forward(x, True)
     dx = ops.softmax_backward(y, x, True)
-    assert_close(dx[m - 3:], ops.softmax_backward_reference(y[m - 3:].double(), x[m - 3:].double(), True),
-                 torch.bfloat16, scale=4.0)
+    check_backward(dx[m - 3:], y[m - 3:], x[m - 3:], True)

@@ -34,7 +34,8 @@ from cutlass.memory import SmemAllocator
 
 from ..primitives import reduce as red
 from ..primitives import tiling
-from ..primitives.config import RowConfig, prefetch_row_stats, stage_columns_once
+from ..primitives.config import (RowConfig, loop_ctas_per_sm, prefetch_row_stats,
+                                 stage_columns_once)
 from ..primitives.rows import ReductionSlot, RowKernel, RowTiles
 
 ZERO = (Float32(0.0),)
@@ -234,12 +235,12 @@ class NormBackward(RowKernel):
         # config.stage_columns_once says so (not with vectors under 4 bytes, which
         # cp.async cannot zero-fill past the row end).
         if weight_dtype is not None and tiling.copies_async(weight_dtype, cfg):
-            alone = self.ctas_per_sm()
+            alone = loop_ctas_per_sm(cfg, self.smem_bytes(), self.loop_registers)
             self.column_dtypes = (weight_dtype,)
-            self._ctas_per_sm = None
-            if not stage_columns_once(alone, self.ctas_per_sm(), self.smem_bytes(), rms):
+            smem_with = self.smem_bytes()
+            with_weight = loop_ctas_per_sm(cfg, smem_with, self.loop_registers)
+            if not stage_columns_once(alone, with_weight, smem_with, rms):
                 self.column_dtypes = ()
-                self._ctas_per_sm = None
 
     @property
     def prefetches_stats(self) -> bool:

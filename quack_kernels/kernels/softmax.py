@@ -14,7 +14,6 @@ costs a single barrier / DSMEM exchange; the backward reduces one sum.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import cutlass
@@ -52,7 +51,11 @@ class SoftmaxForward(RowKernel):
         # (max, sum of exp(x - max)): for the softmax the max is in base-2 units, so that
         # each exponent is one FFMA; the log-softmax keeps it in x's (red.chunk_exp2)
         base2 = not self.log
-        combine = functools.partial(red.online_softmax_combine, base2=base2)
+        # the max first across lanes where the row waits in shared memory; a row kept in
+        # registers is live across the reduction, and the two phases' extra values took
+        # fp32 rows of 8K-64K columns from 32 to 33-36 registers (8 to 6 CTAs per SM,
+        # 2-7 points lost)
+        combine = red.OnlineSoftmax(base2=base2, two_phase=cfg.staging != "registers")
         stats = (Float32(-math.inf), Float32(0.0))
         for c in cutlass.range_constexpr(cfg.num_chunks):
             tiles.wait_chunk(c)

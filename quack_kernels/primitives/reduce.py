@@ -81,6 +81,56 @@ def online_softmax_combine(a: Values, b: Values, rescaled: int = 1, *, base2: bo
             + sum_combine(a[end:], b[end:]))
 
 
+class OnlineSoftmax:
+    """online_softmax_combine as a combine object, ``combine(a, b)``; with
+    ``two_phase`` it also reduces across lanes in two phases (``warp_allreduce``): the
+    max first, then each lane's sums rescaled to it once and added. Merging pairwise
+    rescales with two exp2 per butterfly step; two phases take one per lane and the
+    same shuffles, but hold a few more values live across the shuffles."""
+
+    def __init__(self, rescaled: int = 1, *, base2: bool, two_phase: bool = True):
+        self.rescaled = rescaled
+        self.base2 = base2
+        self.two_phase = two_phase
+
+    def __call__(self, a: Values, b: Values) -> Values:
+        return online_softmax_combine(a, b, self.rescaled, base2=self.base2)
+
+    def warp_allreduce(self, values: Values, width: int) -> Values:
+        """``values`` merged over ``width`` consecutive lanes (a power of two <= 32),
+        in every lane. Traced inline (not cute.jit): its loop runs at trace time."""
+        if width == 1:
+            return values
+        m = values[0]
+        offset = width // 2
+        while offset >= 1:
+            m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=offset))
+            offset //= 2
+        shift = values[0] - finite_or_zero(m)
+        scale = cute.math.exp2(shift if self.base2 else shift * LOG2_E, fastmath=True)
+        end = 1 + self.rescaled
+        sums = tuple(v * scale for v in values[1:end]) + tuple(values[end:])
+        return (m,) + _shuffle_allreduce(sums, sum_combine, width)
+
+
+def warp_allreduce(values: Values, combine: Callable, width: int) -> Values:
+    """``values`` reduced over ``width`` consecutive lanes (a power of two <= 32) with
+    ``combine``, in every lane: by the combine's own two-phase form where it has one
+    (OnlineSoftmax), else pairwise in a butterfly."""
+    if _two_phase(combine):
+        return combine.warp_allreduce(values, width)
+    return _shuffle_allreduce(values, combine, width)
+
+
+def _two_phase(combine: Callable) -> bool:
+    """Whether ``combine`` reduces across lanes in its own two phases (OnlineSoftmax).
+    Only the softmax forward of rows staged in shared memory uses one: in the
+    cross-entropy kernels it (and skipping the identity in _reduce_slots) moved the
+    every-option fp32 kernel at 128256 columns from 64 to 80 registers, 4 to 3 CTAs
+    per SM, and lost 8 points there."""
+    return getattr(combine, "two_phase", False)
+
+
 def chunk_exp2(x: cute.TensorSSA, x_max: Float32, *, base2: bool):
     """(m, exp(x - x_max)) of values ``x`` whose max is ``x_max``, m as
     online_softmax_combine takes it (-inf when every value is -inf). ``base2``: m =
@@ -139,8 +189,11 @@ def _reduce_slots(scratch: cute.Tensor, row: Int32, slots: cutlass.Constexpr[int
         slot = cutlass.select_(valid, slot, 0)
         part = tuple(scratch[row, slot, k] for k in range(len(identity)))
         part = tuple(Float32(cutlass.select_(valid, p, i)) for p, i in zip(part, identity))
-        acc = combine(acc, part)
-    return _shuffle_allreduce(acc, combine, width)
+        if cutlass.const_expr(base == 0 and _two_phase(combine)):
+            acc = part  # (merging it into the identity would cost an online combine's exp2)
+        else:
+            acc = combine(acc, part)
+    return warp_allreduce(acc, combine, width)
 
 
 @cute.jit
@@ -157,7 +210,7 @@ def row_allreduce(values: Values, combine: Callable, identity: Values,
     between two scratch buffers by parity, which makes a barrier between iterations
     unnecessary: a warp can only write buffer p again after every warp of the row
     contributed to iteration p + 1, i.e. after it finished reading buffer p."""
-    values = _shuffle_allreduce(values, combine, min(32, cfg.threads_per_row))
+    values = warp_allreduce(values, combine, min(32, cfg.threads_per_row))
     if cutlass.const_expr(cfg.warps_per_row == 1 and cfg.cluster_size == 1):
         return values
     lane = cute.arch.lane_idx()
