@@ -7,8 +7,9 @@ is visible, see compile_cache.compile_for_hopper_without_gpu) lets
 ``cute.compile`` produce the cubin, and ``cuobjdump -res-usage`` (PyPI package
 ``nvidia-cuda-cuobjdump``) reads registers, stack and local memory from it. Our
 kernels call no functions, so a stack frame (STACK > 0) holds spilled registers
-(nvdisasm marks its loads and stores "SpillRefill"), as does local memory (LOCAL > 0):
-the report exits 1 when it sees either.
+(nvdisasm marks its loads and stores "SpillRefill"), as does local memory (LOCAL > 0);
+``cuobjdump -sass`` shows any WARPSYNC (see warp_syncs). The report exits 1 when it
+sees a spill or a warp sync.
 """
 
 from __future__ import annotations
@@ -90,6 +91,17 @@ def spills(res: dict) -> int:
     return res["stack"] + res["local"]
 
 
+def warp_syncs(cubin: str, cuobjdump: str) -> int:
+    """WARPSYNC instructions in the cubin's SASS. Our kernels reconverge at barriers
+    and use shuffles only where the whole warp runs, so they have none; the compiler
+    emits one for a full-warp ``*_sync`` (a shuffle, or ``cute.arch.warp_idx()``, which
+    makes its result warp-uniform with one) reached by part of a warp, which deadlocks
+    when the other lanes wait at a barrier (a reduced cross-entropy kernel hung so)."""
+    sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True,
+                          check=True).stdout
+    return sass.count("WARPSYNC")
+
+
 def measure(variants, dump_dir: str, cuobjdump: str):
     """Compile each (name, n, dtype, cfg, build) variant and read its resources; yields
     (name, n, dtype, cfg, kernel object, resource dict)."""
@@ -108,7 +120,9 @@ def measure(variants, dump_dir: str, cuobjdump: str):
         if arch != target_arch():
             raise RuntimeError(f"{name}: compiled for another arch ({arch}) than the "
                                f"target {target_arch()}")
-        yield name, n, dtype, cfg, kernel, resource_usage(cubin, cuobjdump)
+        res = resource_usage(cubin, cuobjdump)
+        res["warp_syncs"] = warp_syncs(cubin, cuobjdump)
+        yield name, n, dtype, cfg, kernel, res
 
 
 def main(argv=None) -> int:
@@ -128,8 +142,9 @@ def main(argv=None) -> int:
     dtypes = [torch.float32, torch.float16, torch.bfloat16]
     print(f"resource report for {target_arch()} (registers/thread, shared memory/block in bytes)")
     print(f"{'kernel':18s} {'dtype':9s} {'N':>8s} {'thr':>5s} {'clu':>4s} {'stage':>9s} "
-          f"{'regs':>5s} {'smem_st':>8s} {'smem_dyn':>8s} {'stack':>6s} {'spill':>6s}")
-    spilled = count = 0
+          f"{'regs':>5s} {'smem_st':>8s} {'smem_dyn':>8s} {'stack':>6s} {'spill':>6s} "
+          f"{'wsync':>5s}")
+    spilled = synced = count = 0
     start = time.time()
     with tempfile.TemporaryDirectory(prefix="quack_kernels_report_") as dump_dir:
         for family, (variants, n_grid) in families().items():
@@ -139,12 +154,16 @@ def main(argv=None) -> int:
             for name, n, dtype, cfg, kernel, res in measure(variants(grid, dtypes), dump_dir, cuobjdump):
                 count += 1
                 spilled += spills(res) > 0
+                synced += res["warp_syncs"] > 0
                 flag = "  <-- SPILL" if spills(res) else ""
+                flag += "  <-- WARPSYNC" if res["warp_syncs"] else ""
                 print(f"{name:18s} {str(dtype).replace('torch.', ''):9s} {n:8d} {cfg.threads_per_block:5d} "
                       f"{cfg.cluster_size:4d} {cfg.staging:>9s} {res['regs']:5d} {res['static_smem']:8d} "
-                      f"{kernel.smem_bytes():8d} {res['stack']:6d} {res['local']:6d}{flag}", flush=True)
-    print(f"{count} variants compiled in {time.time() - start:.0f} s; {spilled} with spills")
-    return 1 if spilled else 0
+                      f"{kernel.smem_bytes():8d} {res['stack']:6d} {res['local']:6d} "
+                      f"{res['warp_syncs']:5d}{flag}", flush=True)
+    print(f"{count} variants compiled in {time.time() - start:.0f} s; {spilled} with spills, "
+          f"{synced} with warp syncs")
+    return 1 if spilled or synced else 0
 
 
 if __name__ == "__main__":

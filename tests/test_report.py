@@ -1,4 +1,5 @@
-"""The sm_90a resource report compiles kernels without a GPU and finds no spills."""
+"""The sm_90a resource report compiles kernels without a GPU and finds no spills and no
+warp syncs."""
 
 import os
 import subprocess
@@ -7,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from quack_kernels.report import _RES, find_cuobjdump, resource_usage
+from quack_kernels.report import _RES, find_cuobjdump, resource_usage, warp_syncs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -37,15 +38,15 @@ def test_report_quick_has_no_spills():
     families = {row[0].split("_")[0] for row in rows}
     assert families == {"softmax", "log", "rms", "layer", "xent", "column"}
     assert len(rows) >= 150
-    assert all(int(row[-1]) == 0 for row in rows)  # spill column
+    assert all(int(row[10]) == 0 and int(row[11]) == 0 for row in rows)  # spill, wsync
 
 
 @pytest.mark.slow
 def test_report_full_grid_has_no_spills():
     proc, rows = _run_report(timeout=3600)
     assert len(rows) >= 500, proc.stdout[-4000:] + proc.stderr[-4000:]
-    spilled = {(row[0], row[1], int(row[2])) for row in rows if row[-1] == "SPILL"}
-    assert not spilled
+    flagged = {(row[0], row[1], int(row[2])) for row in rows if row[-1] in ("SPILL", "WARPSYNC")}
+    assert not flagged
     assert proc.returncode == 0
 
 
@@ -59,6 +60,50 @@ def test_resource_parser_reads_cuobjdump(tmp_path):
         pytest.skip("cuobjdump not installed")
     with pytest.raises(subprocess.CalledProcessError):
         resource_usage(str(tmp_path / "missing.cubin"), find_cuobjdump())
+
+
+def test_warp_syncs_are_counted_in_the_sass(tmp_path):
+    """A kernel whose lane-0 branch calls cute.arch.warp_idx() (a full-warp shuffle)
+    compiles to WARPSYNC, which the report counts; the same store with the index read
+    before the branch has none."""
+    if find_cuobjdump() is None:
+        pytest.skip("cuobjdump not installed")
+    import cutlass
+    import cutlass.cute as cute
+
+    from quack_kernels.primitives.compile_cache import compile_kernel, fake_rows
+    from quack_kernels.report import _cubin_file
+
+    class LaneZeroStore:
+        def __init__(self, hoisted):
+            self.hoisted = hoisted
+
+        def smem_bytes(self):
+            return 0
+
+        @cute.jit
+        def __call__(self, mOut: cute.Tensor, stream):
+            self.kernel(mOut).launch(grid=[1, 1, 1], block=[64, 1, 1], stream=stream)
+
+        @cute.kernel
+        def kernel(self, mOut: cute.Tensor):
+            if cutlass.const_expr(self.hoisted):
+                warp = cute.arch.warp_idx()
+                if cute.arch.lane_idx() == 0:
+                    mOut[0, warp] = mOut.element_type(1.0)
+            else:
+                if cute.arch.lane_idx() == 0:
+                    mOut[0, cute.arch.warp_idx()] = mOut.element_type(1.0)
+            cute.arch.barrier()
+
+    counts = []
+    for hoisted in (False, True):
+        folder = tmp_path / str(hoisted)
+        folder.mkdir()
+        fn = compile_kernel(LaneZeroStore(hoisted), fake_rows(cutlass.Float32, 8, 1),
+                            keep_cubin_in=str(folder))
+        counts.append(warp_syncs(_cubin_file(fn.__cubin__, str(folder)), find_cuobjdump()))
+    assert counts[0] > 0 and counts[1] == 0
 
 
 def test_report_refuses_cubins_of_another_arch(monkeypatch, tmp_path):
