@@ -8,8 +8,8 @@ is visible, see compile_cache.compile_for_hopper_without_gpu) lets
 ``nvidia-cuda-cuobjdump``) reads registers, stack and local memory from it. Our
 kernels call no functions, so a stack frame (STACK > 0) holds spilled registers
 (nvdisasm marks its loads and stores "SpillRefill"), as does local memory (LOCAL > 0);
-``cuobjdump -sass`` shows any WARPSYNC (see warp_syncs). The report exits 1 when it
-sees a spill or a warp sync.
+``cuobjdump -sass`` (with ``nvidia-cuda-nvdisasm``) shows any WARPSYNC (see
+warp_syncs). The report exits 1 when it sees a spill or a warp sync.
 """
 
 from __future__ import annotations
@@ -97,9 +97,14 @@ def warp_syncs(cubin: str, cuobjdump: str) -> int:
     emits one for a full-warp ``*_sync`` (a shuffle, or ``cute.arch.warp_idx()``, which
     makes its result warp-uniform with one) reached by part of a warp, which deadlocks
     when the other lanes wait at a barrier (a reduced cross-entropy kernel hung so)."""
-    sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True,
-                          check=True).stdout
-    return sass.count("WARPSYNC")
+    # cuobjdump disassembles with nvdisasm, which pip installs next to it
+    env = dict(os.environ, PATH=os.pathsep.join([os.path.dirname(cuobjdump),
+                                                  os.environ.get("PATH", "")]))
+    run = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, env=env)
+    if run.returncode:
+        raise RuntimeError(f"cuobjdump -sass failed (it needs nvdisasm: pip install "
+                           f"'nvidia-cuda-nvdisasm>=13.4'): {run.stderr.strip()}")
+    return run.stdout.count("WARPSYNC")
 
 
 def measure(variants, dump_dir: str, cuobjdump: str):
