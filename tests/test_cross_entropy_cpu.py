@@ -445,4 +445,5 @@ def test_reduced_loss_epilogue_has_no_divergent_warp_sync(tmp_path):
                                     smoothing=False, zloss=False, softcap=False,
                                     write_grad=write_grad, reduce="mean")
         fn = compile_kernel(*kernel, keep_cubin_in=str(tmp_path))
-        assert warp_syncs(_cubin_file(fn.__cubin__, str(tmp_path)), cuobjdump) == 0, f"{n} columns, write_grad={write_grad}"
+        cubin = _cubin_file(fn.__cubin__, str(tmp_path))
+        assert warp_syncs(cubin, cuobjdump) == 0, f"{n} columns, write_grad={write_grad}"
