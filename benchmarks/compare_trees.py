@@ -11,7 +11,8 @@ each call hides the host time, so the numbers are the kernels'.
 Cases (bytes per element of the row tensor moved, each input read once and each
 output written once): sm_fwd 2, sm_bwd 3 (softmax), ce_loss 1, ce_grad 2 (the
 cross-entropy forward without and with the gradient), ce_loss_opts 1 and ce_grad_opts 2
-(the same with label smoothing 0.1, z-loss 1e-4 and softcap 30), rms_fwd / ln_fwd 2 and
+(the same with label smoothing 0.1, z-loss 1e-4 and softcap 30), ce_mean 1 (the public
+loss alone with its mean, every launch it makes), rms_fwd / ln_fwd 2 and
 rms_fwd_res / ln_fwd_res 4 (norm forward of x, or of x + residual with the sum stored),
 rms_bwd / ln_bwd 3 (norm backward: dx, dweight and for LayerNorm dbias).
 """
@@ -22,8 +23,8 @@ import os
 import subprocess
 import sys
 
-CASES = ("sm_fwd", "sm_bwd", "ce_loss", "ce_grad", "ce_loss_opts", "ce_grad_opts", "rms_fwd",
-         "ln_fwd", "rms_fwd_res", "ln_fwd_res", "rms_bwd", "ln_bwd")
+CASES = ("sm_fwd", "sm_bwd", "ce_loss", "ce_grad", "ce_loss_opts", "ce_grad_opts", "ce_mean",
+         "rms_fwd", "ln_fwd", "rms_fwd_res", "ln_fwd_res", "rms_bwd", "ln_bwd")
 DEFAULT_SHAPES = "bf16:4096x128256,bf16:8192x151936,bf16:2048x65536,bf16:512x262144"
 
 
@@ -60,6 +61,8 @@ def case_call(case, x):
         return (lambda: sm_ops._softmax_backward_cuda(y, dy, False)), 3
     if case.startswith("ce_"):
         target = torch.randint(0, n, (m,), device=x.device)
+        if case == "ce_mean":
+            return (lambda: qk.cross_entropy(x, target)), 1
         grad = case.startswith("ce_grad")
         options = (0.1, 1e-4, 30.0) if case.endswith("_opts") else (0.0, 0.0, 0.0)
         # an explicit per-row scale, so that no extra kernel fills one

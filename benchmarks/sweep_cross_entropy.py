@@ -89,8 +89,8 @@ def main(argv=None):
                     fn = ops.compile_forward(cfg, dtype, torch.int64, write_grad=write_grad, **FLAGS)
                     kernel = ops.forward_kernel_object(cfg, dtype, write_grad=write_grad, **FLAGS)
                     grid = loop_grid_rows(cfg, m, resident_row_blocks(kernel, x.device))
-                    call = lambda: fn(x, target, loss, loss, row_weight, lse, grad, scale, -100,  # noqa: E731
-                                      0.0, 0.0, 1.0, grid)
+                    call = lambda: fn(x, target, loss, loss, row_weight, lse, grad, scale,  # noqa: E731
+                                      loss, loss, -100, 0.0, 0.0, 1.0, grid)
                     call()
                     ms = time_device_ms(call)
                 except Exception as e:  # a variant that does not compile or launch

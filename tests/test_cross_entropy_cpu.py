@@ -364,13 +364,19 @@ def test_short_loss_only_rows_keep_threads_busy(n, dtype):
 
 # ------------------------------------------------------------- sm_90a compile, no spills
 SPILL_CASES = [
-    (n, dtype, dict(weighted=w, smoothing=s, zloss=z, softcap=c, write_grad=g))
+    (n, dtype, dict(weighted=w, smoothing=s, zloss=z, softcap=c, write_grad=g, reduce=r))
     for n in (2, 1000, 16384, 32000, 50257, 151936, 262145, 524288)
     for dtype in (torch.float32, torch.bfloat16, torch.float16)
-    for w, s, z, c, g in ((False, False, False, 0.0, True), (True, True, True, 30.0, True),
-                          (False, True, True, 30.0, True), (False, True, True, 50.0, True),
-                          (True, False, True, 30.0, True), (False, False, False, 30.0, True),
-                          (False, True, False, 30.0, False), (False, False, False, 0.0, False))
+    for w, s, z, c, g, r in ((False, False, False, 0.0, True, "none"),
+                             (True, True, True, 30.0, True, "none"),
+                             (False, True, True, 30.0, True, "none"),
+                             (False, True, True, 50.0, True, "none"),
+                             (True, False, True, 30.0, True, "none"),
+                             (False, False, False, 30.0, True, "none"),
+                             (False, True, False, 30.0, False, "none"),
+                             (False, False, False, 0.0, False, "none"),
+                             (True, True, True, 30.0, False, "mean"),
+                             (False, False, False, 0.0, True, "sum"))
 ]
 
 
@@ -442,3 +448,36 @@ def test_softcap_takes_the_fixed_max_up_to_its_bound():
     assert kept.staging == "registers" and not held.loops
     assert held.block_registers == config.KEPT_CAPPED_REGISTERS
     assert running.block_registers is None
+
+
+def test_loss_reduced_in_the_kernel_where_the_rule_says():
+    """config.ce_reduces_in_kernel: 1 to CE_REDUCED_MAX_ROWS rows, with or without the
+    gradient, but not the gradient with the weight row staged (its variants spilled)."""
+    most = config.CE_REDUCED_MAX_ROWS
+    assert config.ce_reduces_in_kernel(1, False, False)
+    assert config.ce_reduces_in_kernel(most, True, False)
+    assert config.ce_reduces_in_kernel(8, False, True)
+    assert not config.ce_reduces_in_kernel(0, False, False)
+    assert not config.ce_reduces_in_kernel(most + 1, False, False)
+    assert not config.ce_reduces_in_kernel(8, True, True)
+
+
+def test_reduced_loss_epilogue_has_no_divergent_warp_sync(tmp_path):
+    """The last CTA's epilogue (block_sum) runs lane-0-only code; a full-warp shuffle
+    there (cute.arch.warp_idx() makes its result warp-uniform with one) compiled to
+    WARPSYNC.ALL in lane 0 alone while the other lanes waited at the CTA barrier: the
+    looping gradient kernel with the reduction hung on the H200. None may remain."""
+    cuobjdump = find_cuobjdump()
+    if cuobjdump is None:
+        pytest.skip("cuobjdump not installed")
+    from quack_kernels.primitives.compile_cache import compile_kernel
+    from quack_kernels.report import _cubin_file, warp_syncs
+
+    for n, write_grad in ((4096, True), (7, False), (151936, False)):
+        cfg = ops.forward_config(n, torch.bfloat16, False, write_grad)
+        kernel = ops.forward_kernel(cfg, torch.bfloat16, torch.int64, weighted=False,
+                                    smoothing=False, zloss=False, softcap=False,
+                                    write_grad=write_grad, reduce="mean")
+        fn = compile_kernel(*kernel, keep_cubin_in=str(tmp_path))
+        cubin = _cubin_file(fn.__cubin__, str(tmp_path))
+        assert warp_syncs(cubin, cuobjdump) == 0, f"{n} columns, write_grad={write_grad}"

@@ -16,6 +16,7 @@ from helpers import (assert_close, check_cross_entropy_backward_paths,
                      torch_cross_entropy)
 
 pytestmark = pytest.mark.gpu
+REDUCED_LOSS_CUDA = ops.reduced_loss_cuda  # (before any test patches it)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 VOCABS = [2, 7, 1000, 4096, 32000, 50257, 128256, 131073, 151936, 262145, 524288]
 # The loss is fp32 whatever the logits; its error grows with the row's sums.
@@ -298,6 +299,66 @@ def test_loss_alone_bad_and_in_row_ignored_targets(v):
     ref_loss, ref_lse, _ = reference(x[~bad], target[~bad], ignore_index=5)
     assert_close(loss[~bad], ref_loss, LOSS_TOL, scale=LOSS_SCALE)
     assert_close(lse[~bad], ref_lse, LOSS_TOL, scale=LOSS_SCALE)
+
+
+@pytest.mark.parametrize("m,v,dtype", [(20000, 7, torch.float16), (4000, 1000, torch.bfloat16),
+                                        (512, 4096, torch.bfloat16), (3, 151936, torch.bfloat16),
+                                        (40, 262145, torch.float32),
+                                        (config.CE_REDUCED_MAX_ROWS + 1, 7, torch.float32)])
+@pytest.mark.parametrize("options", ["plain", "weighted_smoothing", "zloss_softcap"])
+def test_loss_reduced_in_the_kernel(monkeypatch, m, v, dtype, options):
+    """The eager loss with a sum or mean is reduced by the kernel's last CTA
+    (reduced_loss_cuda), alone and with the gradient (not with the weight row staged,
+    nor past CE_REDUCED_MAX_ROWS rows: torch's reduction, checked the same way): many
+    CTAs of short rows, streamed rows split over a cluster, staged weights; against
+    torch in fp64 and the op path's reduction of the row losses, bitwise the same on a
+    second call, NaN / 0 when every target is ignored. The row stats it reads back and
+    its result from poisoned blocks, so a row read before its CTA's write was visible,
+    or a result never written, shows."""
+    calls = []
+    monkeypatch.setattr(ops, "reduced_loss_cuda",
+                        lambda *a: calls.append(a[7]) or REDUCED_LOSS_CUDA(*a))  # (reduction)
+    x, target = fresh(m, v, dtype)
+    weight = torch.rand(v, device="cuda") + 0.5 if options == "weighted_smoothing" else None
+    kw = dict(weighted_smoothing=dict(label_smoothing=0.1),
+              zloss_softcap=dict(lse_square_scale=1e-3, softcap=20.0)).get(options, {})
+    op_args = (-100, kw.get("label_smoothing", 0.0), kw.get("lse_square_scale", 0.0),
+               kw.get("softcap", 0.0), False)
+    (losses, row_weights), lse_like, _ = ops.cross_entropy_forward(x, target, weight, *op_args)
+    stats_like = torch.stack([losses, row_weights])  # (kept alive: only the poisoned blocks are free)
+    word = torch.empty(1, device="cuda")  # the 0-d result and the ticket: small blocks
+    for reduction in ("sum", "mean"):
+        poison_allocator(stats_like, lse_like, word, word)
+        ours, lse = qk.cross_entropy(x, target, weight, reduction=reduction, return_lse=True,
+                                     **kw)
+        ref = torch_cross_entropy(x.double(), target, None if weight is None else weight.double(),
+                                  reduction=reduction, **kw)
+        assert_close(ours, ref, LOSS_TOL, scale=LOSS_SCALE, name=reduction)
+        # the fp64 sum of the op's own row losses: one row left out or added twice shows
+        by_op = losses.double().sum() / (row_weights.double().sum() if reduction == "mean"
+                                         else 1.0)
+        torch.testing.assert_close(ours.double(), by_op, rtol=2e-5, atol=0.0)
+        poison_allocator(stats_like, lse_like, word, word)
+        assert torch.equal(ours, qk.cross_entropy(x, target, weight, reduction=reduction, **kw))
+        assert ours.shape == () and lse.shape == (m,)
+    leaf, xr = x.clone().requires_grad_(), x.double().requires_grad_()
+    trained = qk.cross_entropy(leaf, target, weight, **kw)
+    trained.backward()
+    torch_cross_entropy(xr, target, None if weight is None else weight.double(), **kw).backward()
+    assert_close(trained, ref, LOSS_TOL, scale=LOSS_SCALE, name="mean with the gradient")
+    assert_close(leaf.grad, xr.grad, dtype, scale=2.0, name="grad")
+    halved = qk.cross_entropy(leaf, target, weight, **kw)
+    halved *= 0.5  # (in place, as gradient accumulation scales a loss: not a view)
+    leaf.grad = None
+    halved.backward()
+    assert_close(leaf.grad, xr.grad / 2, dtype, scale=2.0, name="grad of the halved loss")
+    ignored = torch.full_like(target, -100)
+    assert torch.isnan(qk.cross_entropy(x, ignored, weight, **kw))
+    assert qk.cross_entropy(x, ignored, weight, reduction="sum", **kw) == 0
+    in_kernel = m <= config.CE_REDUCED_MAX_ROWS
+    trains_in_kernel = in_kernel and options != "weighted_smoothing"
+    assert calls == ["sum"] * 2 * in_kernel + ["mean"] * 2 * in_kernel \
+        + ["mean"] * 2 * trains_in_kernel + ["mean", "sum"] * in_kernel
 
 
 def test_outputs_fully_written():

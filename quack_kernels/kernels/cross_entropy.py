@@ -16,7 +16,8 @@ not ignore_index: loss NaN and gradient row NaN (never an out-of-bounds access: 
 target column is only used as an address for a target inside the row: by the thread
 holding it, for the class weight, and as the clamped index of z_t in a streamed row). lse is written for every row, and each row's
 weight in a mean over rows: w_t (1 without class weights), 0 for an ignored row or a
-bad target. The loss is per row; the reduction over rows is the torch layer's.
+bad target. The loss is per row; its sum or mean over rows is the torch layer's, or,
+eagerly where config.ce_reduces_in_kernel (``reduce``), the grid's last CTA's.
 
 The gradient row i is scaled by ``grad_scale[i]``, the upstream gradient of loss i the
 caller expects (e.g. 1 / count for a mean), so that the backward has nothing to do when
@@ -99,11 +100,12 @@ class CrossEntropyForward(RowKernel):
     finishes the current one (cfg.stages == 2); every other variant runs one row block
     per CTA.
     Compile-time switches: ``weighted`` (class weights), ``smoothing`` (label
-    smoothing > 0), ``zloss`` (lse_square_scale != 0), ``softcap``, ``write_grad``, and
-    ``fixed_max`` (softcap only; the host sets it where s is at most
-    config.CE_FIXED_MAX_SOFTCAP): capped logits lie in [-s, s], so the exp sums take s as
-    the row's max, exp(z - s) >= exp(-2 s) staying a normal fp32, instead of a running
-    max: no max per value and plain sums where the online merges rescale with exp2.
+    smoothing > 0), ``zloss`` (lse_square_scale != 0), ``softcap``, ``write_grad``,
+    ``reduce`` (the loss also summed over the rows: "sum" or "mean") and ``fixed_max``
+    (softcap only; the host sets it where s is at most config.CE_FIXED_MAX_SOFTCAP):
+    capped logits lie in [-s, s], so the exp sums take s as the row's max,
+    exp(z - s) >= exp(-2 s) staying a normal fp32, instead of a running max: no max per
+    value and plain sums where the online merges rescale with exp2.
     The matching float values are runtime arguments, so changing them never
     recompiles."""
 
@@ -112,12 +114,19 @@ class CrossEntropyForward(RowKernel):
     # bytes at 96.
     loop_registers = 96
     SOFTCAP_GRAD_LOOP_REGISTERS = 104
+    REDUCED_ROWS_IN_FLIGHT = 8  # rows a thread of the last CTA loads at once (reduce)
 
     def __init__(self, cfg: RowConfig, dtype, *, weighted: bool, smoothing: bool,
-                 zloss: bool, softcap: bool, write_grad: bool, fixed_max: bool = False):
+                 zloss: bool, softcap: bool, write_grad: bool, reduce: str = "none",
+                 fixed_max: bool = False):
         self.cfg = cfg
         assert softcap or not fixed_max, "only capped logits have a fixed bound"
         self.fixed_max = fixed_max
+        # "sum" / "mean": the loss also reduced over the rows by the grid's last CTA
+        # (_reduce_rows) instead of by two more launches after this one
+        assert reduce in ("none", "sum", "mean")
+        self.reduce = reduce
+        self.grid_sums = 0 if reduce == "none" else 2
         self.weighted = weighted
         self.smoothing = smoothing
         self.zloss = zloss
@@ -173,12 +182,13 @@ class CrossEntropyForward(RowKernel):
     @cute.jit
     def __call__(self, mX: cute.Tensor, mTarget: cute.Tensor, mWeight: cute.Tensor,
                  mLoss: cute.Tensor, mRowWeight: cute.Tensor, mLse: cute.Tensor,
-                 mdX: cute.Tensor, mGradScale: cute.Tensor, ignore_index: Int64,
-                 smoothing: Float32, lse_square_scale: Float32, softcap: Float32,
-                 grid_rows: Int32, stream):
+                 mdX: cute.Tensor, mGradScale: cute.Tensor, mReduced: cute.Tensor,
+                 mTicket: cute.Tensor, ignore_index: Int64, smoothing: Float32,
+                 lse_square_scale: Float32, softcap: Float32, grid_rows: Int32, stream):
         self.launch(
             self.kernel(mX, mTarget, mWeight, mLoss, mRowWeight, mLse, mdX, mGradScale,
-                        ignore_index, smoothing, lse_square_scale, softcap, grid_rows),
+                        mReduced, mTicket, ignore_index, smoothing, lse_square_scale, softcap,
+                        grid_rows),
             mX.shape[0], stream, grid_rows=grid_rows if self.loops else None)
 
     @cute.jit
@@ -199,8 +209,9 @@ class CrossEntropyForward(RowKernel):
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mTarget: cute.Tensor, mWeight: cute.Tensor,
                mLoss: cute.Tensor, mRowWeight: cute.Tensor, mLse: cute.Tensor, mdX: cute.Tensor,
-               mGradScale: cute.Tensor, ignore_index: Int64, smoothing: Float32,
-               lse_square_scale: Float32, softcap: Float32, grid_rows: Int32):
+               mGradScale: cute.Tensor, mReduced: cute.Tensor, mTicket: cute.Tensor,
+               ignore_index: Int64, smoothing: Float32, lse_square_scale: Float32,
+               softcap: Float32, grid_rows: Int32):
         cfg = self.cfg
         smem = SmemAllocator()
         staged = [mX]
@@ -227,6 +238,43 @@ class CrossEntropyForward(RowKernel):
             self.for_each_row_block(mX.shape[0], grid_rows, self._row_block, *options)
         else:
             self._row_block(cute.arch.block_idx()[0], None, *options)
+        if cutlass.const_expr(self.reduce != "none"):
+            self._reduce_rows(smem, mLoss, mRowWeight, mReduced, mTicket, mX.shape[0])
+
+    @cute.jit
+    def _reduce_rows(self, smem, mLoss: cute.Tensor, mRowWeight: cute.Tensor,
+                     mReduced: cute.Tensor, mTicket: cute.Tensor, num_rows: Int32):
+        """mReduced[0] = the sum of the row losses (over the sum of the row weights for
+        a mean: NaN when every row is ignored, as torch), added by the grid's last CTA
+        in an order fixed by M and the block size; mTicket (one fp32 0 at launch) holds
+        the int32 ticket of ends_last_cta. The last CTA reads the rows' sums back from L2 (8 bytes a row) with
+        REDUCED_ROWS_IN_FLIGHT rows of loads in flight per thread: about M / 2048 L2
+        round trips, hence config.CE_REDUCED_MAX_ROWS."""
+        threads = self.cfg.threads_per_block
+        scratch = smem.allocate_tensor(
+            Float32, cute.make_layout((threads // 32, self.grid_sums), stride=(self.grid_sums, 1)),
+            byte_alignment=16)
+        flag = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=16)
+        ticket = cute.make_tensor(cute.recast_ptr(mTicket.iterator, dtype=Int32),
+                                  cute.make_layout(1))
+        if self.ends_last_cta(ticket, flag):
+            tidx = cute.arch.thread_idx()[0]
+            loss = Float32(0.0)
+            weight = Float32(0.0)
+            for first in cutlass.range(tidx, num_rows, threads * self.REDUCED_ROWS_IN_FLIGHT,
+                                       unroll=1):
+                for k in cutlass.range_constexpr(self.REDUCED_ROWS_IN_FLIGHT):
+                    # independent loads, the index clamped into the rows and masked
+                    row = first + k * threads
+                    inside = row < num_rows
+                    at = cutlass.select_(inside, row, Int32(0))
+                    loss = loss + cutlass.select_(inside, mLoss[at], Float32(0.0))
+                    weight = weight + cutlass.select_(inside, mRowWeight[at], Float32(0.0))
+            loss, weight = red.block_sum((loss, weight), scratch)
+            if tidx == 0:
+                if cutlass.const_expr(self.reduce == "mean"):
+                    loss = loss / weight
+                mReduced[0] = loss
 
     @cute.jit
     def _row_block(self, block_row: Int32, iteration, home: RowTiles, grid_rows: Int32,

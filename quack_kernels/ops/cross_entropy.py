@@ -15,7 +15,9 @@ actual upstream gradient differs: the expected case moves no gradient bytes, and
 other (non-uniform per-row gradients, scaled losses) is still exact. The reduction
 over rows is plain torch on the (M,) loss vector, so autograd delivers the per-row
 upstream gradient for every reduction, weighting and use of the result; without a
-gradient a mean is one reduction of the stats (losses and row weights).
+gradient a mean is one reduction of the stats (losses and row weights). Eagerly, where
+config.ce_reduces_in_kernel, the kernel reduces the loss itself, with or without the
+gradient (reduced_loss_cuda).
 
 Bad targets (outside [0, C) and not ignore_index): the CPU op raises ValueError; the
 CUDA op does not synchronize to check them and gives that row loss NaN and a NaN
@@ -44,6 +46,7 @@ from ..primitives.compile_cache import (
 from ..primitives.config import (
     RowConfig,
     ce_fixed_max,
+    ce_reduces_in_kernel,
     cross_entropy_row_config,
     elementwise_row_config,
     loop_grid_rows,
@@ -91,7 +94,7 @@ def forward_kernel_object(cfg: RowConfig, dtype: torch.dtype, **flags) -> CrossE
 
 def forward_kernel(cfg: RowConfig, dtype: torch.dtype, target_dtype: torch.dtype, *,
                    weighted: bool, smoothing: bool, zloss: bool, softcap: bool,
-                   write_grad: bool, fixed_max: bool = False):
+                   write_grad: bool, reduce: str = "none", fixed_max: bool = False):
     """(kernel object, *fake arguments it compiles against)."""
     import cutlass
     import cutlass.cute as cute
@@ -100,7 +103,7 @@ def forward_kernel(cfg: RowConfig, dtype: torch.dtype, target_dtype: torch.dtype
     tt = cutlass.Int32 if target_dtype == torch.int32 else cutlass.Int64
     kernel = forward_kernel_object(cfg, dtype, weighted=weighted, smoothing=smoothing,
                                    zloss=zloss, softcap=softcap, write_grad=write_grad,
-                                   fixed_max=fixed_max)
+                                   reduce=reduce, fixed_max=fixed_max)
     stage_weight = weighted and smoothing
     rows = cute.sym_int()
     return (
@@ -113,6 +116,8 @@ def forward_kernel(cfg: RowConfig, dtype: torch.dtype, target_dtype: torch.dtype
         fake_vector(cutlass.Float32, rows),
         fake_rows(dt, cfg.n_cols, cfg.vec, rows),
         fake_strided_vector(cutlass.Float32, rows),
+        fake_vector(cutlass.Float32, cute.sym_int()),
+        fake_vector(cutlass.Float32, cute.sym_int()),
         cutlass.Int64(-100),
         cutlass.Float32(0.0),
         cutlass.Float32(0.0),
@@ -124,9 +129,9 @@ def forward_kernel(cfg: RowConfig, dtype: torch.dtype, target_dtype: torch.dtype
 @functools.lru_cache(maxsize=None)  # on every call: skip building the key
 def compile_forward(cfg: RowConfig, dtype: torch.dtype, target_dtype: torch.dtype, *,
                     weighted: bool, smoothing: bool, zloss: bool, softcap: bool,
-                    write_grad: bool, fixed_max: bool = False):
+                    write_grad: bool, reduce: str = "none", fixed_max: bool = False):
     flags = dict(weighted=weighted, smoothing=smoothing, zloss=zloss, softcap=softcap,
-                 write_grad=write_grad, fixed_max=fixed_max)
+                 write_grad=write_grad, reduce=reduce, fixed_max=fixed_max)
 
     def build():
         return compile_kernel(*forward_kernel(cfg, dtype, target_dtype, **flags))
@@ -163,11 +168,11 @@ def compile_rescale(cfg: RowConfig, dtype: torch.dtype, target_dtype: torch.dtyp
 
 
 def kernel_flags(cfg: RowConfig, *, weighted: bool, smoothing: bool, zloss: bool,
-                 softcap: float, write_grad: bool) -> dict:
+                 softcap: float, write_grad: bool, reduce: str = "none") -> dict:
     """The compile-time switches of the forward kernel launched with these options
     (``softcap`` the value, 0 for none) on rows of config ``cfg``."""
     return dict(weighted=weighted, smoothing=smoothing, zloss=zloss, softcap=softcap != 0.0,
-                write_grad=write_grad,
+                write_grad=write_grad, reduce=reduce,
                 fixed_max=ce_fixed_max(softcap, cfg, weighted and smoothing, write_grad))
 
 
@@ -181,8 +186,9 @@ def variant(n_cols: int, dtype: torch.dtype, **options) -> tuple[RowConfig, dict
 
 # option sets in the resource report, by name: plain loss + gradient, every option on
 # (the weight row staged), every option but class weights (the capped values kept in
-# registers, config.KEPT_CAPPED_VALUES), and smoothing + softcap without the gradient,
-# with Gemma's softcap 30 (a fixed max, config.CE_FIXED_MAX_SOFTCAP); "_capped_wide" with
+# registers, config.KEPT_CAPPED_VALUES), smoothing + softcap without the gradient,
+# with Gemma's softcap 30 (a fixed max, config.CE_FIXED_MAX_SOFTCAP), and the mean reduced
+# in the kernel (the weighted loss alone; the plain loss + gradient); "_capped_wide" with
 # a softcap past that bound (the running max)
 REPORT_OPTIONS = {
     "_grad": dict(weighted=False, smoothing=False, zloss=False, softcap=0.0, write_grad=True),
@@ -191,6 +197,10 @@ REPORT_OPTIONS = {
     "_capped_wide": dict(weighted=False, smoothing=True, zloss=True, softcap=50.0,
                          write_grad=True),
     "_loss": dict(weighted=False, smoothing=True, zloss=False, softcap=30.0, write_grad=False),
+    "_mean": dict(weighted=True, smoothing=False, zloss=False, softcap=0.0, write_grad=False,
+                  reduce="mean"),
+    "_grad_mean": dict(weighted=False, smoothing=False, zloss=False, softcap=0.0,
+                       write_grad=True, reduce="mean"),
 }
 
 
@@ -310,10 +320,13 @@ def _check_grad_scale(grad_scale: Optional[Tensor], logits: Tensor, name: str = 
 # ----------------------------------------------------------------------------- CUDA
 def _launch(rows: Tensor, target: Tensor, weight: Optional[Tensor], stats: Tensor, lse: Tensor,
             grad: Optional[Tensor], grad_scale: Optional[Tensor], ignore_index: int,
-            label_smoothing: float, lse_square_scale: float, softcap: float) -> None:
+            label_smoothing: float, lse_square_scale: float, softcap: float,
+            reduced: Optional[Tensor] = None, reduce: str = "none") -> None:
     """Run the kernel; ``stats`` (2, M) receives the per-row losses and row weights (see
     cross_entropy_forward), ``grad`` the gradient (may be ``rows`` itself; None for loss
-    only), scaled per row by ``grad_scale`` (None: 1)."""
+    only), scaled per row by ``grad_scale`` (None: 1). With ``reduce`` "sum" or "mean",
+    ``reduced`` (a 0-d fp32 tensor) receives the loss reduced over the rows."""
+    assert (reduced is None) == (reduce == "none"), "a reduced loss needs its tensor"
     loss, row_weight = stats
     check_gpu(rows)
     n_cols = rows.shape[1]
@@ -331,14 +344,17 @@ def _launch(rows: Tensor, target: Tensor, weight: Optional[Tensor], stats: Tenso
                          vector_limit(rows, grad_out), softcap != 0.0)
     flags = kernel_flags(cfg, weighted=weight is not None, smoothing=smoothing,
                          zloss=lse_square_scale != 0.0, softcap=softcap,
-                         write_grad=grad is not None)
+                         write_grad=grad is not None, reduce=reduce)
     fn = compile_forward(cfg, rows.dtype, target.dtype, **flags)
     kernel = forward_kernel_object(cfg, rows.dtype, **flags)
     grid_rows = loop_grid_rows(cfg, rows.shape[0], resident_row_blocks(kernel, rows.device)) \
         if kernel.loops else rows.shape[0]  # (unused without the loop)
-    # fp32 vectors the variant does not read (no weights, no gradient) are filled by loss
+    # fp32 vectors the variant does not read (no weights, no gradient, no reduction) are
+    # filled by loss; the reduction's ticket is one fp32 0 the kernel counts in as int32
+    reduced_out, ticket = (loss, loss) if reduced is None else \
+        (reduced.view(1), torch.zeros(1, dtype=torch.float32, device=rows.device))
     fn(rows, target, loss if weight is None else weight, loss, row_weight, lse, grad_out,
-       loss if grad_scale is None else grad_scale, ignore_index,
+       loss if grad_scale is None else grad_scale, reduced_out, ticket, ignore_index,
        label_smoothing, lse_square_scale, abs(softcap) if softcap else 1.0, grid_rows)
 
 
@@ -391,16 +407,47 @@ def cross_entropy_forward(logits: Tensor, target: Tensor, weight: Optional[Tenso
 def _cross_entropy_forward_cuda(logits, target, weight, ignore_index, label_smoothing,
                                 lse_square_scale, softcap, compute_grad, grad_scale=None):
     _check_op_inputs(logits, target, weight, grad_scale, cuda=True)
-    rows = logits if logits.stride(-1) == 1 or logits.shape[0] == 0 else logits.contiguous()
-    m = rows.shape[0]
-    stats = torch.empty(2, m, dtype=torch.float32, device=logits.device)
-    lse = torch.empty(m, dtype=torch.float32, device=logits.device)
+    rows, stats, lse = _rows_and_outputs(logits)
     grad = torch.empty(rows.shape, dtype=logits.dtype, device=logits.device) if compute_grad \
         else logits.new_empty(0)
-    if m > 0:
+    if rows.shape[0] > 0:
         _launch(rows, target, weight, stats, lse, grad if compute_grad else None, grad_scale,
                 ignore_index, label_smoothing, lse_square_scale, softcap)
     return stats, lse, grad
+
+
+def _rows_and_outputs(logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(logits with unit column stride, stats (2, M), lse (M,)) for a CUDA launch."""
+    rows = logits if logits.stride(-1) == 1 or logits.shape[0] == 0 else logits.contiguous()
+    m = rows.shape[0]
+    stats = torch.empty(2, m, dtype=torch.float32, device=logits.device)
+    return rows, stats, torch.empty(m, dtype=torch.float32, device=logits.device)
+
+
+def reduced_loss_cuda(logits: Tensor, target: Tensor, weight: Optional[Tensor],
+                      ignore_index: int, label_smoothing: float, lse_square_scale: float,
+                      softcap: float, reduction: str, grad_scale: Optional[Tensor] = None,
+                      inplace: bool = False) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """(the loss reduced over the rows, "sum" or "mean", as a 0-d fp32 tensor; the
+    per-row lse; the gradient or None) of (M, C) CUDA logits where
+    config.ce_reduces_in_kernel: the kernel's last CTA adds the row losses, so nothing
+    runs after the kernel (before it, the fill of its one-word ticket, and for a mean
+    with the gradient the caller's denominator). With ``grad_scale``
+    the gradient too, as cross_entropy_forward computes it, in a new buffer or, with
+    ``inplace``, over the logits (unit column stride). The eager path of cross_entropy;
+    the ops and torch.compile reduce cross_entropy_forward's stats."""
+    assert ce_reduces_in_kernel(logits.shape[0], grad_scale is not None,
+                                weight is not None and label_smoothing != 0.0), "see its rule"
+    _check_op_inputs(logits, target, weight, grad_scale, cuda=True)
+    rows, stats, lse = _rows_and_outputs(logits)
+    grad = None
+    if grad_scale is not None:
+        assert not inplace or rows is logits, "in place needs unit column stride"
+        grad = rows if inplace else torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
+    reduced = torch.empty((), dtype=torch.float32, device=logits.device)
+    _launch(rows, target, weight, stats, lse, grad, grad_scale, ignore_index, label_smoothing,
+            lse_square_scale, softcap, reduced, reduction)
+    return reduced, lse, grad
 
 
 @cross_entropy_forward.register_fake
@@ -434,10 +481,8 @@ def _cross_entropy_forward_inplace_cuda(logits, target, weight, ignore_index, la
     if logits.stride(-1) != 1 and logits.shape[0] > 0:
         raise ValueError("quack_kernels: inplace cross_entropy needs logits with unit "
                          "column stride")
-    m = logits.shape[0]
-    stats = torch.empty(2, m, dtype=torch.float32, device=logits.device)
-    lse = torch.empty(m, dtype=torch.float32, device=logits.device)
-    if m > 0:
+    _, stats, lse = _rows_and_outputs(logits)
+    if logits.shape[0] > 0:
         _launch(logits, target, weight, stats, lse, logits, grad_scale, ignore_index,
                 label_smoothing, lse_square_scale, softcap)
     return stats, lse
@@ -517,7 +562,8 @@ class CrossEntropyFunction(torch.autograd.Function):
     it, so that the two compare equal), 1 for a sum or per-row losses. The backward
     rescales only the rows where the actual upstream gradient differs, so in the
     expected case it moves no gradient bytes. The reduction happens here rather than
-    in autograd-recorded torch ops, which saves the host two autograd nodes per step.
+    in autograd-recorded torch ops, which saves the host two autograd nodes per step
+    (eagerly, where config.ce_reduces_in_kernel, in the kernel: reduced_loss_cuda).
     lse is not differentiable."""
 
     @staticmethod
@@ -535,14 +581,19 @@ class CrossEntropyFunction(torch.autograd.Function):
             # (an expanded scalar: the kernels take per-row scales with any stride)
             held = torch.ones((), dtype=loss_dtype, device=logits.device).expand(num_rows)
         options = (ignore_index, label_smoothing, lse_square_scale, softcap)
-        if inplace:
+        reduced = None
+        stage_weight = weight is not None and label_smoothing != 0.0
+        if eager and reduction != "none" and (not inplace or logits.stride(-1) == 1) \
+                and ce_reduces_in_kernel(num_rows, True, stage_weight):
+            reduced, lse, grad = reduced_loss_cuda(logits, target, weight, *options, reduction,
+                                                   held, inplace)
+        elif inplace:
             forward = _cross_entropy_forward_inplace_cuda if eager else cross_entropy_forward_inplace
             stats, lse = forward(logits, target, weight, *options, held)
             grad = logits
         else:
             forward = _cross_entropy_forward_cuda if eager else cross_entropy_forward
             stats, lse, grad = forward(logits, target, weight, *options, True, held)
-        loss = stats[0]
         ctx.eager = eager
         ctx.ignore_index = ignore_index
         ctx.reduction = reduction
@@ -550,6 +601,9 @@ class CrossEntropyFunction(torch.autograd.Function):
         ctx.save_for_backward(grad, target, held, denominator)
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # no zeros for the lse's gradient
+        if reduced is not None:
+            return reduced, lse
+        loss = stats[0]
         if reduction == "none":
             return loss, lse
         # ignored rows have loss 0; their gradient rows are 0 whatever upstream gradient
@@ -644,6 +698,8 @@ def cross_entropy(logits: Tensor, target: Tensor, weight: Optional[Tensor] = Non
             # a view of the function's stats, which torch does not let callers modify
             # in place: hand out a copy (M floats)
             out = out.clone()
+    elif eager and reduction != "none" and ce_reduces_in_kernel(rows.shape[0], False, False):
+        out, lse, _ = reduced_loss_cuda(rows, *args, reduction)
     else:
         forward = _cross_entropy_forward_cuda if eager else cross_entropy_forward
         stats, lse, _ = forward(rows, *args, False)

@@ -583,6 +583,21 @@ CE_LOSS_MAX_VECS_PER_THREAD = 16
 CE_LOSS_VECS_PER_CHUNK = 4
 CE_LOSS_MIN_THREADS_PER_BLOCK = 256
 
+# The loss with its sum or mean, eagerly: the grid's last CTA adds the row losses
+# (kernels.cross_entropy._reduce_rows) instead of two launches after the kernel (a torch
+# sum and a division). It pays for few CTAs: every CTA waits at its end for its ticket (a
+# fence and an L2 atomic round trip), a cost paid once per wave of CTAs. H200, kernels
+# alone (results/kernel_ab_ce_reduced_H200_20261130.txt): bf16 512x4096 18.4 -> 12.1 us,
+# 2048x4096 16.7 -> 14.9 us, 8192x4096 34.2 -> 34.8 us, 8192x16384 82.2 -> 89.3 us,
+# 32768x4096 85.3 -> 98.4 us. Not for the gradient with the weight row staged (class
+# weights and label smoothing): with the epilogue those variants spilled 8-16 bytes
+# (sm_90a: fp32 1000 and 50257 columns, fp16 151936), two reloads inside the row-block loop.
+CE_REDUCED_MAX_ROWS = 4096
+
+
+def ce_reduces_in_kernel(num_rows: int, write_grad: bool, stage_weight: bool) -> bool:
+    return 0 < num_rows <= CE_REDUCED_MAX_ROWS and not (write_grad and stage_weight)
+
 
 def _short_loss_row_config(n_cols: int, elem: int, max_vec: int | None) -> RowConfig | None:
     """The loss-only config of a row short enough for CE_LOSS_MAX_THREADS_PER_ROW

@@ -238,6 +238,27 @@ def row_allreduce(values: Values, combine: Callable, identity: Values,
 
 
 @cute.jit
+def block_sum(values: Values, scratch: cute.Tensor) -> Values:
+    """The sum of ``values`` over every thread of the CTA, in every thread, added in an
+    order fixed by the thread count alone (bitwise reproducible). ``scratch``: fp32
+    shared memory of shape (warps per CTA, len(values)); a CTA barrier separates its
+    writes from its reads (a second call on the same scratch needs one before it)."""
+    values = _shuffle_allreduce(values, sum_combine, 32)
+    # warp_idx() is a full-warp shuffle (it makes the index warp-uniform): read under
+    # the lane-0 branch, lane 0 waited there for lanes already at the barrier (the hang
+    # of the looping gradient kernel, fourteenth session)
+    warp = cute.arch.warp_idx()
+    if cute.arch.lane_idx() == 0:
+        for k in cutlass.range_constexpr(len(values)):
+            scratch[warp, k] = values[k]
+    cute.arch.barrier()
+    total = tuple(scratch[0, k] for k in range(len(values)))
+    for w in cutlass.range_constexpr(1, cute.size(scratch, mode=[0])):
+        total = sum_combine(total, tuple(scratch[w, k] for k in range(len(values))))
+    return total
+
+
+@cute.jit
 def cluster_reduction_setup(cfg: cutlass.Constexpr, mbar_ptr, tx_bytes: cutlass.Constexpr[int]):
     """Arm the mbarrier that one cluster reduction completes on (thread 0 arrives once
     and expects every peer's bytes) and make the init visible cluster-wide. Call at

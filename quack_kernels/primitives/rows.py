@@ -47,6 +47,7 @@ class RowKernel:
     scratch_buffers: int = 1  # 2 for kernels looping over row blocks
     accumulators: int = 0  # fp32 per-column accumulators (see RowTiles.accumulator)
     column_dtypes: tuple = ()  # per-column vectors staged once (RowTiles.stage_columns)
+    grid_sums: int = 0  # fp32 values summed over the grid at the end (block_sum scratch)
     loop_registers: int = LOOP_REGS_PER_THREAD  # per thread, when looping over row blocks
     block_registers: int | None = None  # per thread of a one-block-per-CTA launch, if held
     _ctas_per_sm = None
@@ -55,6 +56,23 @@ class RowKernel:
     def sums_in_registers(self) -> bool:
         """Where the accumulators live (RowTiles.accumulator): config.sums_in_registers."""
         return sums_in_registers(self.cfg)
+
+    @cute.jit
+    def ends_last_cta(self, ticket: cute.Tensor, flag: cute.Tensor) -> Boolean:
+        """Whether this CTA is the last of the grid to get here, for a grid-wide result
+        computed with no second launch: after a CTA barrier over its threads' global
+        writes, thread 0 takes a ticket (an acq_rel atomic add on ``ticket``, one int32
+        that is 0 at launch and is left at the grid size: zero it before each launch);
+        the last one sees every other CTA's writes. ``flag``: one int32 of shared
+        memory. Every thread calls it; the result is the same in all of a CTA's."""
+        cute.arch.barrier()
+        if cute.arch.thread_idx()[0] == 0:
+            cute.arch.fence_acq_rel_gpu()
+            grid = cute.arch.grid_dim()
+            taken = cute.arch.atomic_add(ticket.iterator, Int32(1), sem="acq_rel", scope="gpu")
+            flag[0] = cutlass.select_(taken == grid[0] * grid[1] * grid[2] - 1, Int32(1), Int32(0))
+        cute.arch.barrier()
+        return flag[0] == Int32(1)
 
     def smem_bytes(self) -> int:
         staged = self.cfg.staging_smem_bytes(sum(d.width // 8 for d in self.staged_dtypes))
@@ -70,7 +88,11 @@ class RowKernel:
         allocations = 2 * len(self.staged_dtypes) + 2 * self.reductions \
             + self.accumulators * self.cfg.num_chunks \
             + len(self.column_dtypes)
-        return staged + scratch + accumulated + columns + 16 * allocations + 64
+        grid_sums = 0
+        if self.grid_sums:  # block_sum's scratch and ends_last_cta's flag
+            grid_sums = self.cfg.threads_per_block // 32 * self.grid_sums * 4 + 4
+            allocations += 2
+        return staged + scratch + accumulated + columns + grid_sums + 16 * allocations + 64
 
     def ctas_per_sm(self) -> int:
         """Resident CTAs per SM a looping launch of this kernel is sized for: the
