@@ -22,7 +22,7 @@ from cutlass.memory import SmemAllocator
 from cutlass import Float32
 
 from ..primitives import reduce as red
-from ..primitives.config import RowConfig
+from ..primitives.config import RowConfig, stages_in_smem
 from ..primitives.rows import ReductionSlot, RowKernel, RowTiles
 
 class SoftmaxForward(RowKernel):
@@ -89,7 +89,11 @@ class SoftmaxBackward(RowKernel):
 
     def __init__(self, cfg: RowConfig, y_dtype, dy_dtype, log: bool):
         self.cfg = cfg
-        self.staged_dtypes = (y_dtype, dy_dtype)
+        # dy is re-read from global memory in both passes where only y fits the share's
+        # shared memory (ops.softmax.backward_config)
+        self.stages_dy = cfg.staging != "smem" or stages_in_smem(
+            cfg, (y_dtype.width + dy_dtype.width) // 8)
+        self.staged_dtypes = (y_dtype, dy_dtype) if self.stages_dy else (y_dtype,)
         self.log = log
 
     @cute.jit
@@ -100,7 +104,7 @@ class SoftmaxBackward(RowKernel):
     def kernel(self, mY: cute.Tensor, mdY: cute.Tensor, mdX: cute.Tensor):
         cfg = self.cfg
         smem = SmemAllocator()
-        tiles = RowTiles(cfg, [mY, mdY], smem, pad=0.0)
+        tiles = RowTiles(cfg, [mY, mdY] if self.stages_dy else [mY], smem, pad=0.0)
         slot = ReductionSlot(smem, cfg, 1)
         tiles.issue_loads()
         if cutlass.const_expr(cfg.cluster_size > 1):
@@ -111,7 +115,7 @@ class SoftmaxBackward(RowKernel):
         for c in cutlass.range_constexpr(cfg.num_chunks):
             tiles.wait_chunk(c)
             y = tiles.values(0, c, fill=0.0)
-            dy = tiles.values(1, c, fill=0.0)
+            dy = self._dy(tiles, mdY, c, fill=0.0)
             # log_softmax needs sum(dy); softmax needs sum(y * dy)
             term = dy if self.log else y * dy
             partial = partial + red.thread_reduce(term, cute.ReductionOp.ADD, 0.0)
@@ -124,9 +128,16 @@ class SoftmaxBackward(RowKernel):
                 y, dy = kept[c]
             else:
                 y = tiles.values(0, c)
-                dy = tiles.values(1, c)
+                dy = self._dy(tiles, mdY, c, fill=None)
             if cutlass.const_expr(self.log):
                 dx = dy - cute.math.exp2(y * red.LOG2_E, fastmath=True) * dot
             else:
                 dx = y * (dy - dot)
             tiles.store(mdX, c, dx)
+
+    def _dy(self, tiles: RowTiles, mdY: cute.Tensor, chunk: int, fill):
+        """dy's values of ``chunk`` (``fill`` past the row end, else unspecified there),
+        staged or read from global memory."""
+        if self.stages_dy:
+            return tiles.values(1, chunk, fill=fill)
+        return tiles.load(mdY, chunk, fill=0.0)

@@ -33,7 +33,15 @@ def forward_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None) 
 
 @functools.lru_cache(maxsize=None)
 def backward_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None) -> RowConfig:
-    return row_config(n_cols, torch.finfo(dtype).bits // 8, staged_tensors=2, max_vec=max_vec)
+    """y and dy staged together; where they would be re-read from global memory but y
+    alone fits a share in shared memory, that share (SoftmaxBackward re-reads only dy:
+    bf16 rows of 1M columns, fp32 of 512K-768K)."""
+    elem = torch.finfo(dtype).bits // 8
+    both = row_config(n_cols, elem, staged_tensors=2, max_vec=max_vec)
+    if both.staging != "global":
+        return both
+    y_alone = row_config(n_cols, elem, staged_tensors=2, bytes_per_col=elem, max_vec=max_vec)
+    return y_alone if y_alone.staging == "smem" else both
 
 
 def forward_kernel(cfg: RowConfig, dtype: torch.dtype, log: bool):
