@@ -112,10 +112,14 @@ class SoftmaxBackward(RowKernel):
 
         kept = []
         partial = Float32(0.0)
+        # dy read from global memory: each chunk's loads issued a chunk ahead, before
+        # the wait for y's copies (one chunk at a time, their latency was exposed)
+        loaded_dy = self._prefetch_dy(tiles, mdY, 0, {})
         for c in cutlass.range_constexpr(cfg.num_chunks):
+            loaded_dy = self._prefetch_dy(tiles, mdY, c + 1, loaded_dy)
             tiles.wait_chunk(c)
             y = tiles.values(0, c, fill=0.0)
-            dy = self._dy(tiles, mdY, c, fill=0.0)
+            dy = loaded_dy[c] if not self.stages_dy else tiles.values(1, c, fill=0.0)
             # log_softmax needs sum(dy); softmax needs sum(y * dy)
             term = dy if self.log else y * dy
             partial = partial + red.thread_reduce(term, cute.ReductionOp.ADD, 0.0)
@@ -123,21 +127,23 @@ class SoftmaxBackward(RowKernel):
                 kept.append((y, dy))
         (dot,) = slot.allreduce((partial,), red.sum_combine, (Float32(0.0),))
 
+        loaded_dy = self._prefetch_dy(tiles, mdY, 0, {})
         for c in cutlass.range_constexpr(cfg.num_chunks):
+            loaded_dy = self._prefetch_dy(tiles, mdY, c + 1, loaded_dy)
             if cutlass.const_expr(cfg.staging == "registers"):
                 y, dy = kept[c]
             else:
                 y = tiles.values(0, c)
-                dy = self._dy(tiles, mdY, c, fill=None)
+                dy = loaded_dy[c] if not self.stages_dy else tiles.values(1, c)
             if cutlass.const_expr(self.log):
                 dx = dy - cute.math.exp2(y * red.LOG2_E, fastmath=True) * dot
             else:
                 dx = y * (dy - dot)
             tiles.store(mdX, c, dx)
 
-    def _dy(self, tiles: RowTiles, mdY: cute.Tensor, chunk: int, fill):
-        """dy's values of ``chunk`` (``fill`` past the row end, else unspecified there),
-        staged or read from global memory."""
-        if self.stages_dy:
-            return tiles.values(1, chunk, fill=fill)
-        return tiles.load(mdY, chunk, fill=0.0)
+    def _prefetch_dy(self, tiles: RowTiles, mdY: cute.Tensor, chunk: int, loaded: dict) -> dict:
+        """``loaded`` (chunk -> dy values, 0 past the row end) with ``chunk``'s dy read
+        from global memory, where dy is not staged and the chunk exists."""
+        if not self.stages_dy and chunk < self.cfg.num_chunks:
+            loaded = {**loaded, chunk: tiles.load(mdY, chunk, fill=0.0)}
+        return loaded
