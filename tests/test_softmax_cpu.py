@@ -101,3 +101,25 @@ def test_kernels_compile_for_sm90a_without_spills(n, dtype, tmp_path):
     for name, _, _, cfg, kernel, res in measure(variants, str(tmp_path), cuobjdump):
         assert spills(res) == 0, f"{name} n={n}: {res}"
         assert res["regs"] <= 255 and kernel.smem_bytes() <= 227 * 1024
+
+
+def test_backward_stages_y_alone_where_both_would_be_re_read():
+    """Rows whose y and dy would both be re-read from global memory but whose y alone
+    fits a share in shared memory stage y and re-read only dy (bf16 1M columns); rows
+    where both fit stage both, and rows where neither fits re-read both."""
+    from quack_kernels.kernels.softmax import SoftmaxBackward
+    from quack_kernels.ops.common import cutlass_dtype
+    from quack_kernels.primitives.config import SMEM_BYTES_PER_CTA
+
+    def kernel(n, dtype):
+        cfg = ops.backward_config(n, dtype)
+        dt = cutlass_dtype(dtype)
+        return cfg, SoftmaxBackward(cfg, dt, dt, False)
+
+    cfg, alone = kernel(1 << 20, torch.bfloat16)
+    assert cfg.staging == "smem" and not alone.stages_dy and len(alone.staged_dtypes) == 1
+    assert alone.smem_bytes() <= SMEM_BYTES_PER_CTA
+    cfg, both = kernel(262144, torch.float32)
+    assert cfg.staging == "smem" and both.stages_dy and len(both.staged_dtypes) == 2
+    cfg, neither = kernel(1 << 20, torch.float32)
+    assert cfg.staging == "global" and neither.stages_dy

@@ -22,7 +22,7 @@ from cutlass.memory import SmemAllocator
 from cutlass import Float32
 
 from ..primitives import reduce as red
-from ..primitives.config import RowConfig
+from ..primitives.config import RowConfig, stages_in_smem
 from ..primitives.rows import ReductionSlot, RowKernel, RowTiles
 
 class SoftmaxForward(RowKernel):
@@ -89,7 +89,11 @@ class SoftmaxBackward(RowKernel):
 
     def __init__(self, cfg: RowConfig, y_dtype, dy_dtype, log: bool):
         self.cfg = cfg
-        self.staged_dtypes = (y_dtype, dy_dtype)
+        # dy is re-read from global memory in both passes where only y fits the share's
+        # shared memory (ops.softmax.backward_config)
+        self.stages_dy = cfg.staging != "smem" or stages_in_smem(
+            cfg, (y_dtype.width + dy_dtype.width) // 8)
+        self.staged_dtypes = (y_dtype, dy_dtype) if self.stages_dy else (y_dtype,)
         self.log = log
 
     @cute.jit
@@ -100,7 +104,7 @@ class SoftmaxBackward(RowKernel):
     def kernel(self, mY: cute.Tensor, mdY: cute.Tensor, mdX: cute.Tensor):
         cfg = self.cfg
         smem = SmemAllocator()
-        tiles = RowTiles(cfg, [mY, mdY], smem, pad=0.0)
+        tiles = RowTiles(cfg, [mY, mdY] if self.stages_dy else [mY], smem, pad=0.0)
         slot = ReductionSlot(smem, cfg, 1)
         tiles.issue_loads()
         if cutlass.const_expr(cfg.cluster_size > 1):
@@ -108,10 +112,14 @@ class SoftmaxBackward(RowKernel):
 
         kept = []
         partial = Float32(0.0)
+        # dy read from global memory: each chunk's loads issued a chunk ahead, before
+        # the wait for y's copies (one chunk at a time, their latency was exposed)
+        loaded_dy = self._prefetch_dy(tiles, mdY, 0, {})
         for c in cutlass.range_constexpr(cfg.num_chunks):
+            loaded_dy = self._prefetch_dy(tiles, mdY, c + 1, loaded_dy)
             tiles.wait_chunk(c)
             y = tiles.values(0, c, fill=0.0)
-            dy = tiles.values(1, c, fill=0.0)
+            dy = loaded_dy[c] if not self.stages_dy else tiles.values(1, c, fill=0.0)
             # log_softmax needs sum(dy); softmax needs sum(y * dy)
             term = dy if self.log else y * dy
             partial = partial + red.thread_reduce(term, cute.ReductionOp.ADD, 0.0)
@@ -119,14 +127,23 @@ class SoftmaxBackward(RowKernel):
                 kept.append((y, dy))
         (dot,) = slot.allreduce((partial,), red.sum_combine, (Float32(0.0),))
 
+        loaded_dy = self._prefetch_dy(tiles, mdY, 0, {})
         for c in cutlass.range_constexpr(cfg.num_chunks):
+            loaded_dy = self._prefetch_dy(tiles, mdY, c + 1, loaded_dy)
             if cutlass.const_expr(cfg.staging == "registers"):
                 y, dy = kept[c]
             else:
                 y = tiles.values(0, c)
-                dy = tiles.values(1, c)
+                dy = loaded_dy[c] if not self.stages_dy else tiles.values(1, c)
             if cutlass.const_expr(self.log):
                 dx = dy - cute.math.exp2(y * red.LOG2_E, fastmath=True) * dot
             else:
                 dx = y * (dy - dot)
             tiles.store(mdX, c, dx)
+
+    def _prefetch_dy(self, tiles: RowTiles, mdY: cute.Tensor, chunk: int, loaded: dict) -> dict:
+        """``loaded`` (chunk -> dy values, 0 past the row end) with ``chunk``'s dy read
+        from global memory, where dy is not staged and the chunk exists."""
+        if not self.stages_dy and chunk < self.cfg.num_chunks:
+            loaded = {**loaded, chunk: tiles.load(mdY, chunk, fill=0.0)}
+        return loaded

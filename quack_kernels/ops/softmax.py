@@ -33,7 +33,18 @@ def forward_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None) 
 
 @functools.lru_cache(maxsize=None)
 def backward_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None) -> RowConfig:
-    return row_config(n_cols, torch.finfo(dtype).bits // 8, staged_tensors=2, max_vec=max_vec)
+    """y and dy staged together; where they would be re-read from global memory but y
+    alone fits a share in shared memory, that share (SoftmaxBackward re-reads only dy:
+    16-bit rows of about 820K-1.6M columns, fp32 of 400K-780K), if y's vectors go there
+    by cp.async (odd 16-bit rows, copied by plain loads and stores, took 124-128
+    registers and 1.6x the instructions)."""
+    elem = torch.finfo(dtype).bits // 8
+    both = row_config(n_cols, elem, staged_tensors=2, max_vec=max_vec)
+    if both.staging != "global":
+        return both
+    y_alone = row_config(n_cols, elem, staged_tensors=2, bytes_per_col=elem, max_vec=max_vec)
+    staged_async = y_alone.vec * elem >= 4  # (tiling.copies_async)
+    return y_alone if y_alone.staging == "smem" and staged_async else both
 
 
 def forward_kernel(cfg: RowConfig, dtype: torch.dtype, log: bool):

@@ -180,6 +180,12 @@ def cluster_size_for(row_bytes: int, cta_row_bytes: int, looping: bool = False,
     return cluster
 
 
+def stages_in_smem(cfg: RowConfig, bytes_per_col: int) -> bool:
+    """Whether staged tensors of ``bytes_per_col`` bytes per column fit the shared
+    memory of a share staged there (cfg.staging == "smem")."""
+    return cfg.staging == "smem" and cfg.staging_smem_bytes(bytes_per_col) <= STAGING_SMEM_BYTES
+
+
 def staging_for(chunks: int, chunk_bytes: int) -> str:
     """Registers when one chunk holds the share; else shared memory when all chunks
     fit; else re-read the row from global memory in the output pass (a 16-CTA cluster
