@@ -691,13 +691,20 @@ def cross_entropy_row_config(n_cols: int, elem: int, stage_weight: bool, write_g
     # H200 sweeps (benchmarks/sweep_cross_entropy.py): 16 values per thread, in more and
     # smaller shared-memory chunks for rows split over a cluster (fp32 131072: 66% vs
     # 59% at 32 values, loss only), but 32 for 16-bit rows that fit one chunk of 32
-    # values (4096 bf16 columns: 58% vs 41%: twice the bytes in flight per thread) or,
-    # with the gradient, one looping CTA (8192x16384 bf16: 78% vs 67%; loss only the
-    # same within 2%, and 32 values spilled there)
+    # values (4096 bf16 columns: 58% vs 41%: twice the bytes in flight per thread), with
+    # the gradient in one looping CTA (8192x16384 bf16: 78% vs 67%; 32 values spilled in
+    # other gradient shares), and for the loss alone of staged shares in whole 16-byte
+    # vectors and whole chunks (results/cross_entropy_loss_chunk_bytes_H200_20261130.txt,
+    # bf16: 8192x16384 82.9% -> 86.2%, 2048x65536 76.9% -> 81.1%; 1024x32000, whose last
+    # chunk is partial, fell 50.7% -> 37.7%; streamed shares were mixed: 512x262144
+    # 70.9% -> 79.2%, 128x524288 60.5% -> 53.4%)
     cfg = _ce_row_config(n_cols, elem, max_vec=max_vec, values_per_thread=16)
     if elem < 4:
         roomy = _ce_row_config(n_cols, elem, max_vec=max_vec, values_per_thread=32)
-        if roomy.staging == "registers" or loops_over_row_blocks(roomy, write_grad):
+        whole_chunks_read = not write_grad and roomy.staging == "smem" \
+            and roomy.vec * elem == ACCESS_BYTES and not roomy.needs_col_predicate
+        if roomy.staging == "registers" or loops_over_row_blocks(roomy, write_grad) \
+                or whole_chunks_read:
             cfg = roomy
     if softcap and write_grad and cfg.staging != "registers" \
             and not loops_over_row_blocks(cfg, write_grad):
