@@ -379,18 +379,29 @@ RESIDUAL_REGISTER_ROW_BYTES = 1024 * 1024
 RESIDUAL_REGISTER_VALUES = 128  # per thread, over both staged tensors
 RESIDUAL_REGISTER_MAX_COLS = \
     MAX_CLUSTER_SIZE * MAX_THREADS_PER_ROW * RESIDUAL_REGISTER_VALUES // 2
+# An RMSNorm forward of 16-bit x alone in whole 16-byte vectors whose 16-CTA shares
+# outgrow CTA_ROW_BYTES takes 32 values per thread (half the chunks of the share). H200,
+# kernel alone (results/kernel_ab_rms_forward_values_H200_20261130.txt): bf16 512x262144
+# 85.2% -> 88.3%, 656x200000 75.2% -> 81.2%, fp16 512x262144 85.7% -> 88.4%; first seen
+# in benchmarks/sweep_norm_forward.py (results/norm_forward_values_sweep_H200_20261130.txt).
+# Shorter rows were the same within 0.3 points (2048x65536, 8192x16384); LayerNorm lost
+# with it (8192x16384 91.1% -> 86.5%, 512x262144 74.5% -> 72.7%).
+RMS_WIDE_SHARE_VALUES = 32
 
 
 def norm_forward_share(rms: bool, staged_tensors: int, n_cols: int,
                        bytes_per_col: int) -> tuple[int, bool, int | None]:
     """(CTA row bytes, whether to keep 16-CTA clusters, values per thread or None for
-    the default) of a norm forward (see LAYER_NORM_CTA_ROW_BYTES and
-    RESIDUAL_REGISTER_ROW_BYTES)."""
+    the default) of a norm forward (see LAYER_NORM_CTA_ROW_BYTES,
+    RESIDUAL_REGISTER_ROW_BYTES and RMS_WIDE_SHARE_VALUES)."""
     if not rms and staged_tensors == 1:
         return LAYER_NORM_CTA_ROW_BYTES, True, None
     if staged_tensors == 2 and n_cols * bytes_per_col >= RESIDUAL_REGISTER_ROW_BYTES \
             and n_cols <= RESIDUAL_REGISTER_MAX_COLS:
         return CTA_ROW_BYTES, True, RESIDUAL_REGISTER_VALUES
+    if staged_tensors == 1 and bytes_per_col == 2 and n_cols % (ACCESS_BYTES // 2) == 0 \
+            and n_cols * bytes_per_col > MAX_CLUSTER_SIZE * CTA_ROW_BYTES:
+        return CTA_ROW_BYTES, False, RMS_WIDE_SHARE_VALUES
     return CTA_ROW_BYTES, False, None
 
 
