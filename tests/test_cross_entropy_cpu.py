@@ -309,6 +309,23 @@ def test_forward_configs():
     assert ops.forward_config(65536, bf16, False, False).staging != "global"  # 128 KiB
 
 
+@pytest.mark.parametrize("n", [16384, 32768, 65536, 32000, 50257])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_loss_alone_of_whole_staged_16bit_shares_reads_64_bytes_a_chunk(n, dtype):
+    """The loss alone of 16-bit rows staged in whole vectors and whole chunks takes 32
+    values (4 vectors) per thread and chunk; rows with a partial last chunk (32000) or
+    narrow vectors (odd N) keep 16 values, and the gradient keeps its own share."""
+    loss = ops.forward_config(n, dtype, False, False)
+    grad = ops.forward_config(n, dtype, False, True)
+    whole = loss.vec == 8 and not loss.needs_col_predicate
+    assert loss.staging == "smem"
+    assert loss.vec * loss.vecs_per_thread == (32 if whole else 16)
+    assert whole == (n % 16384 == 0)
+    assert grad.vec * grad.vecs_per_thread in (16, 32)
+    assert (grad.vec * grad.vecs_per_thread == 32) == (
+        grad.staging == "registers" or config.loops_over_row_blocks(grad, True))
+
+
 @pytest.mark.parametrize("n", [4096, 16384, 32000, 50256, 50257, 128256, 151936, 262144,
                                262145])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
