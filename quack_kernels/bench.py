@@ -840,7 +840,8 @@ def _fmt(value: float | None, spec: str) -> str:
 
 class CsvSink:
     """One CSV per op group, appended and flushed row by row so that a run cut short
-    (time limit, crash) still leaves its results on disk."""
+    (time limit, crash) still leaves its results on disk. Never overwrites: two runs
+    started in the same minute write ``..._HHMM.csv`` and ``..._HHMM-2.csv``."""
 
     def __init__(self, out_dir: pathlib.Path, gpu_slug: str, stamp: str, columns: dict):
         self.out_dir, self.gpu_slug, self.stamp = out_dir, gpu_slug, stamp
@@ -851,7 +852,12 @@ class CsvSink:
     def write(self, group: str, result: Result) -> None:
         if group not in self.files:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            path = self.out_dir / f"{group}_{self.gpu_slug}_{self.stamp}.csv"
+            name = f"{group}_{self.gpu_slug}_{self.stamp}"
+            path = self.out_dir / f"{name}.csv"
+            for copy in itertools.count(2):
+                if not path.exists():
+                    break
+                path = self.out_dir / f"{name}-{copy}.csv"
             handle = path.open("w", newline="")
             writer = csv.DictWriter(handle, fieldnames=CSV_COLUMNS)
             writer.writeheader()

@@ -144,3 +144,19 @@ def test_bench_shape_option_replaces_the_grid():
     for bad in ("4096", "0x4096"):
         with pytest.raises(SystemExit):
             bench.parse_args(["--shape", bad])
+
+
+def test_bench_csv_of_a_run_in_the_same_minute_is_a_new_file(tmp_path):
+    """Two runs started in the same minute (two runner calls in one GPU script) each keep
+    their CSV: the second one's name takes a suffix instead of overwriting the first."""
+    from quack_kernels import bench
+
+    paths = []
+    for impl in ("first", "second"):
+        sink = bench.CsvSink(tmp_path, "gpu", "20261130-1706", {})
+        sink.write("softmax", bench.Result("softmax_fwd", "bf16", 8, 8, impl, 1.0, 1.0, 1.0))
+        sink.close()
+        paths += sink.paths
+    assert [p.name for p in paths] == ["softmax_gpu_20261130-1706.csv",
+                                       "softmax_gpu_20261130-1706-2.csv"]
+    assert [p.read_text().splitlines()[1].split(",")[4] for p in paths] == ["first", "second"]
