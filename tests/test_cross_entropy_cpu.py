@@ -324,6 +324,8 @@ def test_loss_alone_of_whole_staged_16bit_shares_reads_64_bytes_a_chunk(n, dtype
     assert grad.vec * grad.vecs_per_thread in (16, 32)
     assert (grad.vec * grad.vecs_per_thread == 32) == (
         grad.staging == "registers" or config.loops_over_row_blocks(grad, True))
+    misaligned = ops.forward_config(n, dtype, False, False, 4)  # 8-byte vectors
+    assert misaligned.vec * misaligned.vecs_per_thread == 16
 
 
 @pytest.mark.parametrize("n", [4096, 16384, 32000, 50256, 50257, 128256, 151936, 262144,
@@ -393,7 +395,8 @@ SPILL_CASES = [
                              (False, True, False, 30.0, False, "none"),
                              (False, False, False, 0.0, False, "none"),
                              (True, True, True, 30.0, False, "mean"),
-                             (False, False, False, 0.0, True, "sum"))
+                             (False, False, False, 0.0, True, "sum"),
+                             (False, True, True, 30.0, True, "mean"))
 ]
 
 

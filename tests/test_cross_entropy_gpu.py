@@ -301,16 +301,17 @@ def test_loss_alone_bad_and_in_row_ignored_targets(v):
     assert_close(lse[~bad], ref_lse, LOSS_TOL, scale=LOSS_SCALE)
 
 
-@pytest.mark.parametrize("m,v,dtype", [(20000, 7, torch.float16), (4000, 1000, torch.bfloat16),
-                                        (512, 4096, torch.bfloat16), (3, 151936, torch.bfloat16),
-                                        (40, 262145, torch.float32),
-                                        (config.CE_REDUCED_MAX_ROWS + 1, 7, torch.float32)])
+@pytest.mark.parametrize("m,v,dtype", [(config.CE_REDUCED_MAX_ROWS, 7, torch.float16),
+                                       (4000, 1000, torch.bfloat16),
+                                       (512, 4096, torch.bfloat16), (3, 151936, torch.bfloat16),
+                                       (40, 262145, torch.float32),
+                                       (config.CE_REDUCED_MAX_ROWS + 1, 7, torch.float32)])
 @pytest.mark.parametrize("options", ["plain", "weighted_smoothing", "zloss_softcap"])
 def test_loss_reduced_in_the_kernel(monkeypatch, m, v, dtype, options):
     """The eager loss with a sum or mean is reduced by the kernel's last CTA
     (reduced_loss_cuda), alone and with the gradient (not with the weight row staged,
     nor past CE_REDUCED_MAX_ROWS rows: torch's reduction, checked the same way): many
-    CTAs of short rows, streamed rows split over a cluster, staged weights; against
+    CTAs of short rows (the most rows the kernel reduces, and one more), streamed rows split over a cluster, staged weights; against
     torch in fp64 and the op path's reduction of the row losses, bitwise the same on a
     second call, NaN / 0 when every target is ignored. The row stats it reads back and
     its result from poisoned blocks, so a row read before its CTA's write was visible,

@@ -266,19 +266,23 @@ def test_every_staging_and_cluster_path():
     assert any(c.cluster_size == 16 for c in cfgs) and any(c.cluster_size == 1 for c in cfgs)
 
 
-@pytest.mark.parametrize("n", [65536, 131073, 200000, 262144])
+@pytest.mark.parametrize("n", [65536, 131072, 131073, 131080, 200000, 262144])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rms", [True, False])
-def test_forward_values_per_thread_of_wide_16bit_shares(n, rms):
-    """RMSNorm of 16-bit x alone in whole vectors whose 16-CTA shares outgrow
-    CTA_ROW_BYTES takes RMS_WIDE_SHARE_VALUES per thread; shorter rows, odd rows and
-    LayerNorm keep their defaults."""
+def test_forward_values_per_thread_of_wide_16bit_shares(n, dtype, rms):
+    """RMSNorm of 16-bit x alone, all tensors 16-bit and read in whole 16-byte vectors,
+    whose 16-CTA shares outgrow CTA_ROW_BYTES (rows over 256 KiB) takes
+    RMS_WIDE_SHARE_VALUES per thread; rows of exactly 256 KiB, odd rows, LayerNorm and
+    misaligned tensors keep the default of 16 values."""
     from quack_kernels.primitives import config
 
-    bf16 = torch.bfloat16
-    cfg = ops.forward_config(n, rms, bf16, bf16, False, bf16, bf16, None if rms else bf16)
-    wide = rms and n % 8 == 0 and n * 2 > config.MAX_CLUSTER_SIZE * config.CTA_ROW_BYTES
-    assert (cfg.vec * cfg.vecs_per_thread == config.RMS_WIDE_SHARE_VALUES) == wide
+    bias = None if rms else dtype
+    cfg = ops.forward_config(n, rms, dtype, dtype, False, dtype, dtype, bias)
+    wide = rms and n % 8 == 0 and n > 131072
+    assert cfg.vec * cfg.vecs_per_thread == (config.RMS_WIDE_SHARE_VALUES if wide else 16)
     assert cfg.cluster_size == 16 or not wide
+    misaligned = ops.forward_config(n, rms, dtype, dtype, False, dtype, dtype, bias, max_vec=4)
+    assert misaligned.vec * misaligned.vecs_per_thread == 16
 
 
 def test_backward_sums_in_registers_and_prefetch():

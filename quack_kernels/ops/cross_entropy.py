@@ -188,8 +188,8 @@ def variant(n_cols: int, dtype: torch.dtype, **options) -> tuple[RowConfig, dict
 # (the weight row staged), every option but class weights (the capped values kept in
 # registers, config.KEPT_CAPPED_VALUES), smoothing + softcap without the gradient,
 # with Gemma's softcap 30 (a fixed max, config.CE_FIXED_MAX_SOFTCAP), and the mean reduced
-# in the kernel (the weighted loss alone; the plain loss + gradient); "_capped_wide" with
-# a softcap past that bound (the running max)
+# in the kernel (the weighted loss alone; the plain loss + gradient; "_capped" + gradient,
+# a Gemma training step); "_capped_wide" with a softcap past that bound (the running max)
 REPORT_OPTIONS = {
     "_grad": dict(weighted=False, smoothing=False, zloss=False, softcap=0.0, write_grad=True),
     "_all": dict(weighted=True, smoothing=True, zloss=True, softcap=30.0, write_grad=True),
@@ -201,6 +201,8 @@ REPORT_OPTIONS = {
                   reduce="mean"),
     "_grad_mean": dict(weighted=False, smoothing=False, zloss=False, softcap=0.0,
                        write_grad=True, reduce="mean"),
+    "_capped_mean": dict(weighted=False, smoothing=True, zloss=True, softcap=30.0,
+                         write_grad=True, reduce="mean"),
 }
 
 

@@ -36,6 +36,7 @@ from ..primitives.config import (
     row_blocks_in_flight,
     row_config,
     sums_in_registers,
+    vector_width,
     with_prefetch,
 )
 from .common import (
@@ -78,8 +79,9 @@ def forward_config(n_cols: int, rms: bool, x_dtype, residual_dtype, has_residual
     widest = max(_bytes(*staged, residual_dtype if has_residual else None, out_dtype,
                         weight_dtype, bias_dtype))
     bytes_per_col = sum(_bytes(*staged))
+    access_bytes = vector_width(n_cols, widest, max_vec) * widest
     cta_row_bytes, wide_clusters, values_per_thread = norm_forward_share(
-        rms, len(staged), n_cols, bytes_per_col)
+        rms, len(staged), n_cols, bytes_per_col, access_bytes)
     return row_config(n_cols, widest, staged_tensors=len(staged), bytes_per_col=bytes_per_col,
                       max_vec=max_vec, values_per_thread=values_per_thread,
                       cta_row_bytes=cta_row_bytes, wide_clusters=wide_clusters)

@@ -379,8 +379,9 @@ RESIDUAL_REGISTER_ROW_BYTES = 1024 * 1024
 RESIDUAL_REGISTER_VALUES = 128  # per thread, over both staged tensors
 RESIDUAL_REGISTER_MAX_COLS = \
     MAX_CLUSTER_SIZE * MAX_THREADS_PER_ROW * RESIDUAL_REGISTER_VALUES // 2
-# An RMSNorm forward of 16-bit x alone in whole 16-byte vectors whose 16-CTA shares
-# outgrow CTA_ROW_BYTES takes 32 values per thread (half the chunks of the share). H200,
+# An RMSNorm forward of 16-bit x alone, every tensor 16-bit and read in whole 16-byte
+# vectors (measured only so: not with an fp32 weight or output, nor misaligned), whose
+# 16-CTA shares outgrow CTA_ROW_BYTES takes 32 values per thread (half the chunks of the share). H200,
 # kernel alone (results/kernel_ab_rms_forward_values_H200_20261130.txt): bf16 512x262144
 # 85.2% -> 88.3%, 656x200000 75.2% -> 81.2%, fp16 512x262144 85.7% -> 88.4%; first seen
 # in benchmarks/sweep_norm_forward.py (results/norm_forward_values_sweep_H200_20261130.txt).
@@ -389,17 +390,18 @@ RESIDUAL_REGISTER_MAX_COLS = \
 RMS_WIDE_SHARE_VALUES = 32
 
 
-def norm_forward_share(rms: bool, staged_tensors: int, n_cols: int,
-                       bytes_per_col: int) -> tuple[int, bool, int | None]:
+def norm_forward_share(rms: bool, staged_tensors: int, n_cols: int, bytes_per_col: int,
+                       access_bytes: int) -> tuple[int, bool, int | None]:
     """(CTA row bytes, whether to keep 16-CTA clusters, values per thread or None for
-    the default) of a norm forward (see LAYER_NORM_CTA_ROW_BYTES,
-    RESIDUAL_REGISTER_ROW_BYTES and RMS_WIDE_SHARE_VALUES)."""
+    the default) of a norm forward whose widest tensor is read ``access_bytes`` at a
+    time (see LAYER_NORM_CTA_ROW_BYTES, RESIDUAL_REGISTER_ROW_BYTES and
+    RMS_WIDE_SHARE_VALUES)."""
     if not rms and staged_tensors == 1:
         return LAYER_NORM_CTA_ROW_BYTES, True, None
     if staged_tensors == 2 and n_cols * bytes_per_col >= RESIDUAL_REGISTER_ROW_BYTES \
             and n_cols <= RESIDUAL_REGISTER_MAX_COLS:
         return CTA_ROW_BYTES, True, RESIDUAL_REGISTER_VALUES
-    if staged_tensors == 1 and bytes_per_col == 2 and n_cols % (ACCESS_BYTES // 2) == 0 \
+    if staged_tensors == 1 and bytes_per_col == 2 and access_bytes == ACCESS_BYTES \
             and n_cols * bytes_per_col > MAX_CLUSTER_SIZE * CTA_ROW_BYTES:
         return CTA_ROW_BYTES, False, RMS_WIDE_SHARE_VALUES
     return CTA_ROW_BYTES, False, None
@@ -706,9 +708,10 @@ def cross_entropy_row_config(n_cols: int, elem: int, stage_weight: bool, write_g
     # the gradient in one looping CTA (8192x16384 bf16: 78% vs 67%; 32 values spilled in
     # other gradient shares), and for the loss alone of staged shares in whole 16-byte
     # vectors and whole chunks (results/cross_entropy_loss_chunk_bytes_H200_20261130.txt,
-    # bf16: 8192x16384 82.9% -> 86.2%, 2048x65536 76.9% -> 81.1%; 1024x32000, whose last
-    # chunk is partial, fell 50.7% -> 37.7%; streamed shares were mixed: 512x262144
-    # 70.9% -> 79.2%, 128x524288 60.5% -> 53.4%)
+    # bf16: 8192x16384 83.4% -> 86.7%, 2048x65536 78.1% -> 81.2%, 4096x32768 83.4% ->
+    # 86.0%). Shares with a partial last chunk (32000) were not measured apart from
+    # run-order noise and keep 16; streamed shares were mixed (512x262144 71% -> 79%,
+    # 128x524288 61% -> 53.5%) and keep 16 too.
     cfg = _ce_row_config(n_cols, elem, max_vec=max_vec, values_per_thread=16)
     if elem < 4:
         roomy = _ce_row_config(n_cols, elem, max_vec=max_vec, values_per_thread=32)
