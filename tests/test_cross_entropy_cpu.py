@@ -468,6 +468,10 @@ def test_softcap_takes_the_fixed_max_up_to_its_bound():
     assert kept.staging == "registers" and not held.loops
     assert held.block_registers == config.KEPT_CAPPED_REGISTERS
     assert running.block_registers is None
+    # the in-kernel reduction's epilogue spilled 16 bytes under the hold (65536 16-bit)
+    reduced = ops.forward_kernel_object(kept, torch.float32, softcap=True, fixed_max=True,
+                                        reduce="mean", **plain)
+    assert reduced.block_registers is None
 
 
 def test_loss_reduced_in_the_kernel_where_the_rule_says():

@@ -141,9 +141,11 @@ class CrossEntropyForward(RowKernel):
         self.loops = loops_over_row_blocks(cfg, write_grad)
         if softcap and write_grad:
             self.loop_registers = self.SOFTCAP_GRAD_LOOP_REGISTERS
-        # (with class weights 64 spilled 16 bytes; unbounded they take the running max's 80)
+        # (with class weights 64 spilled 16 bytes, unbounded they take the running max's
+        # 80; with the in-kernel reduction's epilogue 64 spilled 16 bytes at 65536 16-bit
+        # columns)
         if fixed_max and write_grad and cfg.staging == "registers" and not self.loops \
-                and not weighted:
+                and not weighted and reduce == "none":
             self.block_registers = KEPT_CAPPED_REGISTERS
         # the loss alone of a share re-read from global memory: one streaming pass
         self.streams = cfg.staging == "global" and not write_grad and not self.stage_weight
