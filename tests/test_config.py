@@ -226,10 +226,16 @@ def test_layer_norm_forward_of_x_alone_takes_wider_shares():
     assert layer.cols_per_cta * 2 == 32 * 1024
     assert layer_res.cluster_size == norm_ops.forward_config(
         16384, True, bf16, bf16, True, bf16, bf16).cluster_size
-    # rows up to 16 KiB and the capped 16-CTA rows are the same either way
-    for n in (4096, 262144):
-        assert norm_ops.forward_config(n, False, bf16, bf16, False, bf16, bf16, bf16) == \
-            norm_ops.forward_config(n, True, bf16, bf16, False, bf16, bf16)
+    # rows up to 16 KiB are the same either way; the capped 16-CTA rows share their
+    # cluster and CTA share, RMSNorm's in chunks of RMS_WIDE_SHARE_VALUES per thread
+    assert norm_ops.forward_config(4096, False, bf16, bf16, False, bf16, bf16, bf16) == \
+        norm_ops.forward_config(4096, True, bf16, bf16, False, bf16, bf16)
+    wide_layer = norm_ops.forward_config(262144, False, bf16, bf16, False, bf16, bf16, bf16)
+    wide_rms = norm_ops.forward_config(262144, True, bf16, bf16, False, bf16, bf16)
+    assert (wide_layer.cluster_size, wide_layer.cols_per_cta) == \
+        (wide_rms.cluster_size, wide_rms.cols_per_cta) == (16, 16384)
+    assert (wide_layer.vec * wide_layer.vecs_per_thread,
+            wide_rms.vec * wide_rms.vecs_per_thread) == (16, config.RMS_WIDE_SHARE_VALUES)
 
 
 def test_norm_forward_keeps_sixteen_cta_clusters_for_mebibyte_rows():
