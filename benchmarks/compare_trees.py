@@ -5,7 +5,7 @@ compares different machines and clocks). Timing as the runner's: an L2 flush bef
 each call hides the host time, so the numbers are the kernels'.
 
     git archive main quack_kernels | tar -x -C /tmp/tree_main    # a tree of main
-    python benchmarks/compare_trees.py --trees /tmp/tree_main,. \\
+    python benchmarks/compare_trees.py --trees /tmp/tree_main,. --abba \\
         --cases ce_loss,ce_grad,sm_fwd --shapes bf16:4096x128256,bf16:8192x151936
 
 Cases (bytes per element of the row tensor moved, each input read once and each
@@ -35,6 +35,10 @@ def parse_args(argv):
     p.add_argument("--cases", default="sm_fwd,ce_loss,ce_grad",
                    help=f"comma list of {','.join(CASES)}")
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help="dtype:MxN,...")
+    p.add_argument("--abba", action="store_true",
+                   help="time the trees in order, then in reverse (A B B A), and report each "
+                        "tree's mean; a cell whose two runs differ by more than 3%% is marked ~ "
+                        "(kernels under ~50 us moved 20%% with their place in one run)")
     p.add_argument("--child", help=argparse.SUPPRESS)  # the tree this process times
     args = p.parse_args(argv)
     unknown = set(args.cases.split(",")) - set(CASES)
@@ -91,9 +95,14 @@ def case_call(case, x):
 def time_tree(args):
     """Child process: time every (case, shape) with this tree's package; one JSON line
     each."""
-    sys.path.insert(0, os.path.abspath(args.child))
+    tree = os.path.abspath(args.child)
+    sys.path.insert(0, tree)
     import torch
     import quack_kernels
+
+    if not os.path.abspath(quack_kernels.__file__).startswith(tree + os.sep):
+        sys.exit(f"{args.child} holds no quack_kernels package (imported "
+                 f"{quack_kernels.__file__} instead)")
     from quack_kernels.bench import measure_copy_ceiling_gbps, time_device_ms
 
     if not torch.cuda.is_available():
@@ -127,8 +136,8 @@ def main(argv=None):
     if args.child:
         return time_tree(args)
     trees = args.trees.split(",")
-    results = {}
-    for tree in trees:
+    results = {}  # (case, shape) -> tree -> its rows, one per run
+    for tree in trees + (trees[::-1] if args.abba else []):
         run = subprocess.run([sys.executable, os.path.abspath(__file__), "--trees", args.trees,
                               "--cases", args.cases, "--shapes", args.shapes, "--child", tree],
                              capture_output=True, text=True)
@@ -139,15 +148,22 @@ def main(argv=None):
             if "package" in row:
                 print(f"{tree}: {row['package']}")
             else:
-                results.setdefault((row["case"], row["shape"]), {})[tree] = row
+                results.setdefault((row["case"], row["shape"]), {}).setdefault(tree, []).append(row)
     print(f"{'case':11s} {'shape':18s} " + " | ".join(f"{t[-24:]:>24s}" for t in trees))
     for (case, shape), by_tree in results.items():
-        cells = []
-        for tree in trees:
-            row = by_tree.get(tree, {"error": "missing"})
-            cells.append(f"{row['error'][:24]:>24s}" if "error" in row
-                         else f"{row['us']:10.1f}us {row['pct']:6.1f}%    ")
-        print(f"{case:11s} {shape:18s} " + " | ".join(cells))
+        print(f"{case:11s} {shape:18s} " + " | ".join(cell(by_tree.get(tree, [])) for tree in trees))
+
+
+def cell(runs: list) -> str:
+    """One tree's result for a case: the mean over its runs, ~ where they differ by more
+    than 3%, or the first error."""
+    timed = [row for row in runs if "error" not in row]
+    if not timed:
+        return f"{runs[0]['error'][:24] if runs else 'missing':>24s}"
+    us = sum(row["us"] for row in timed) / len(timed)
+    pct = sum(row["pct"] for row in timed) / len(timed)
+    spread = max(row["us"] for row in timed) / min(row["us"] for row in timed) - 1
+    return f"{us:10.1f}us {pct:6.1f}% {'~' if spread > 0.03 else ' '}  "
 
 
 if __name__ == "__main__":
