@@ -151,7 +151,8 @@ def main(argv=None):
                 results.setdefault((row["case"], row["shape"]), {}).setdefault(tree, []).append(row)
     print(f"{'case':11s} {'shape':18s} " + " | ".join(f"{t[-24:]:>24s}" for t in trees))
     for (case, shape), by_tree in results.items():
-        print(f"{case:11s} {shape:18s} " + " | ".join(cell(by_tree.get(tree, [])) for tree in trees))
+        cells = (cell(by_tree.get(tree, [])) for tree in trees)
+        print(f"{case:11s} {shape:18s} " + " | ".join(cells))
 
 
 def cell(runs: list) -> str:

@@ -311,7 +311,8 @@ def test_loss_reduced_in_the_kernel(monkeypatch, m, v, dtype, options):
     """The eager loss with a sum or mean is reduced by the kernel's last CTA
     (reduced_loss_cuda), alone and with the gradient (not with the weight row staged,
     nor past CE_REDUCED_MAX_ROWS rows: torch's reduction, checked the same way): many
-    CTAs of short rows (the most rows the kernel reduces, and one more), streamed rows split over a cluster, staged weights; against
+    CTAs of short rows (the most rows the kernel reduces, and one more), streamed rows
+    split over a cluster, staged weights; against
     torch in fp64 and the op path's reduction of the row losses, bitwise the same on a
     second call, NaN / 0 when every target is ignored. The row stats it reads back and
     its result from poisoned blocks, so a row read before its CTA's write was visible,

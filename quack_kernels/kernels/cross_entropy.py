@@ -122,6 +122,7 @@ class CrossEntropyForward(RowKernel):
         self.cfg = cfg
         assert softcap or not fixed_max, "only capped logits have a fixed bound"
         self.fixed_max = fixed_max
+        self.combine = _fixed_max_combine if fixed_max else _combine
         # "sum" / "mean": the loss also reduced over the rows by the grid's last CTA
         # (_reduce_rows) instead of by two more launches after this one
         assert reduce in ("none", "sum", "mean")
@@ -362,8 +363,7 @@ class CrossEntropyForward(RowKernel):
         if cutlass.const_expr(self.stage_weight):
             partials = partials + (sum_w,)
             identity = identity + (Float32(0.0),)
-        totals = slot.allreduce(partials, _fixed_max_combine if self.fixed_max else _combine,
-                                identity, iteration=iteration)
+        totals = slot.allreduce(partials, self.combine, identity, iteration=iteration)
         row_max, row_sumexp, other_sumexp, z_target = totals[0], totals[1], totals[2], totals[3]
         if cutlass.const_expr(self.target_aside):
             row_max, row_sumexp, other_sumexp = _with_target(row_max, other_sumexp, z_target, valid)
@@ -482,12 +482,11 @@ class CrossEntropyForward(RowKernel):
             else red.thread_reduce(z_max_in, cute.ReductionOp.MAX, -math.inf)
         chunk_max, e = red.chunk_exp2(z_max_in, bound, base2=True)
         chunk_sum = red.thread_reduce(e, cute.ReductionOp.ADD, 0.0)
-        merge = _fixed_max_combine if self.fixed_max else _combine
         z_target = running[3]
         if cutlass.const_expr(self.target_aside):
             # the target was set aside (take_column, or -inf in a streamed chunk): every
             # value is a non-target one
-            stats = merge(running[:3], (chunk_max, chunk_sum, chunk_sum))
+            stats = self.combine(running[:3], (chunk_max, chunk_sum, chunk_sum))
         else:
             # z_t comes from the registers of the thread holding the target column, not
             # from a global load that depends on the target
@@ -497,8 +496,9 @@ class CrossEntropyForward(RowKernel):
             # the non-target sum keeps 1 - p_t = sumexp_other / sumexp exact for a
             # confident row, where 1 - exp(z_t - lse) would be mostly rounding
             e_other = cute.where(at_target, 0.0, e)
-            stats = merge(running[:3], (chunk_max, chunk_sum,
-                                        red.thread_reduce(e_other, cute.ReductionOp.ADD, 0.0)))
+            stats = self.combine(running[:3], (chunk_max, chunk_sum,
+                                               red.thread_reduce(e_other, cute.ReductionOp.ADD,
+                                                                 0.0)))
         sum_wz, sum_w = running[4], running[5]
         w = None
         if cutlass.const_expr(self.stage_weight):

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ..kernels.softmax import SoftmaxBackward, SoftmaxForward
 from ..primitives.compile_cache import compile_kernel, fake_rows
-from ..primitives.config import RowConfig, row_config
+from ..primitives.config import RowConfig, copies_async, row_config
 from .common import (
     as_rows,
     check_float_dtype,
@@ -43,8 +43,7 @@ def backward_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None)
     if both.staging != "global":
         return both
     y_alone = row_config(n_cols, elem, staged_tensors=2, bytes_per_col=elem, max_vec=max_vec)
-    staged_async = y_alone.vec * elem >= 4  # (tiling.copies_async)
-    return y_alone if y_alone.staging == "smem" and staged_async else both
+    return y_alone if y_alone.staging == "smem" and copies_async(y_alone, elem) else both
 
 
 def forward_kernel(cfg: RowConfig, dtype: torch.dtype, log: bool):

@@ -180,6 +180,13 @@ def cluster_size_for(row_bytes: int, cta_row_bytes: int, looping: bool = False,
     return cluster
 
 
+def copies_async(cfg: RowConfig, elem_bytes: int) -> bool:
+    """Whether vectors of ``elem_bytes``-byte elements go global -> shared with
+    cp.async, which moves 4, 8 or 16 bytes (and zero-fills a predicated-off vector); a
+    2-byte vector (odd-length 16-bit rows) is copied with plain loads and stores."""
+    return cfg.vec * elem_bytes >= 4
+
+
 def stages_in_smem(cfg: RowConfig, bytes_per_col: int) -> bool:
     """Whether staged tensors of ``bytes_per_col`` bytes per column fit the shared
     memory of a share staged there (cfg.staging == "smem")."""
@@ -381,12 +388,13 @@ RESIDUAL_REGISTER_MAX_COLS = \
     MAX_CLUSTER_SIZE * MAX_THREADS_PER_ROW * RESIDUAL_REGISTER_VALUES // 2
 # An RMSNorm forward of 16-bit x alone, every tensor 16-bit and read in whole 16-byte
 # vectors (measured only so: not with an fp32 weight or output, nor misaligned), whose
-# 16-CTA shares outgrow CTA_ROW_BYTES takes 32 values per thread (half the chunks of the share). H200,
-# kernel alone (results/kernel_ab_rms_forward_values_H200_20261130.txt): bf16 512x262144
-# 85.2% -> 88.3%, 656x200000 75.2% -> 81.2%, fp16 512x262144 85.7% -> 88.4%; first seen
-# in benchmarks/sweep_norm_forward.py (results/norm_forward_values_sweep_H200_20261130.txt).
-# Shorter rows were the same within 0.3 points (2048x65536, 8192x16384); LayerNorm lost
-# with it (8192x16384 91.1% -> 86.5%, 512x262144 74.5% -> 72.7%).
+# 16-CTA shares outgrow CTA_ROW_BYTES takes 32 values per thread (half the chunks of the
+# share). H200, kernel alone (results/kernel_ab_rms_forward_values_H200_20261130.txt):
+# bf16 512x262144 85.2% -> 88.3%, 656x200000 75.2% -> 81.2%, fp16 512x262144 85.7% ->
+# 88.4%; first seen in benchmarks/sweep_norm_forward.py (results/norm_forward_values_
+# sweep_H200_20261130.txt). Shorter rows were the same within 0.3 points (2048x65536,
+# 8192x16384); LayerNorm lost with it (8192x16384 91.1% -> 86.5%, 512x262144 74.5% ->
+# 72.7%).
 RMS_WIDE_SHARE_VALUES = 32
 
 

@@ -12,6 +12,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32
 
+from . import config
 from .config import RowConfig
 
 
@@ -32,10 +33,8 @@ def chunk_tv_layout(cfg: RowConfig) -> cute.Layout:
 
 
 def copies_async(dtype, cfg: RowConfig) -> bool:
-    """Whether vectors of ``dtype`` go global -> shared with cp.async, which moves 4, 8
-    or 16 bytes (and zero-fills a predicated-off vector); a 2-byte vector (odd-length
-    16-bit rows) is copied with plain loads and stores instead."""
-    return dtype.width * cfg.vec >= 32
+    """config.copies_async for vectors of the cutlass type ``dtype``."""
+    return config.copies_async(cfg, dtype.width // 8)
 
 
 def g2s_copy_atom(dtype, cfg: RowConfig):
