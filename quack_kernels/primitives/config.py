@@ -80,9 +80,14 @@ MAX_THREADS_PER_ROW = 256
 GLOBAL_STAGED_THREADS_PER_ROW = 512
 # Small rows pack several rows into a block so a block still has >= 4 warps in flight.
 MIN_THREADS_PER_BLOCK = 128
-# Vectors a thread loads per chunk when the row is short: 4 x 16 B in flight per thread
-# (with ~16 warps per SM) covers HBM latency; more only adds registers.
-MIN_VECS_PER_THREAD = 4
+# Vectors a thread loads per chunk before a short row takes more threads. Only fp32
+# rows are bound by it (16-bit ones reach VALUES_PER_THREAD at 2 vectors): H200, kernels
+# alone (benchmarks/compare_trees.py, results/kernel_ab_min_vecs_H200_20261130.txt), 2
+# against 4 at fp32 131072x1024 (128 threads per row instead of 2 rows of 64): softmax
+# forward 96.3% -> 98.0% of the copy ceiling, RMSNorm 95.4% -> 97.3%, LayerNorm 94.4% ->
+# 96.6%; the backward and other shapes unchanged. The cross-entropy gradient kernels
+# keep 4 (CE_MIN_VECS_PER_THREAD).
+MIN_VECS_PER_THREAD = 2
 # Shared memory we allow the staged row to take, leaving room for reduction scratch.
 STAGING_SMEM_BYTES = 200 * 1024
 # A reduction that needs each value once (a loss without its gradient) streams a long
@@ -152,10 +157,11 @@ def vector_width(n_cols: int, elem_bytes: int, max_vec: int | None = None) -> in
     return vec
 
 
-def threads_per_row_for(vectors: int, max_vecs_per_thread: int, max_threads: int) -> int:
-    """At least MIN_VECS_PER_THREAD vectors per thread before adding threads; at most
-    ``max_threads``. Power of two so the warp butterfly is exact."""
-    wanted = _next_pow2(math.ceil(vectors / MIN_VECS_PER_THREAD))
+def threads_per_row_for(vectors: int, max_vecs_per_thread: int, max_threads: int,
+                        min_vecs_per_thread: int = MIN_VECS_PER_THREAD) -> int:
+    """At least ``min_vecs_per_thread`` vectors per thread before adding threads; at
+    most ``max_threads``. Power of two so the warp butterfly is exact."""
+    wanted = _next_pow2(math.ceil(vectors / min_vecs_per_thread))
     needed = _next_pow2(math.ceil(vectors / max_vecs_per_thread))
     return min(max_threads, max(wanted, needed, 1))
 
@@ -210,7 +216,8 @@ def row_config(n_cols: int, elem_bytes: int, staged_tensors: int = 1,
                max_threads_per_row: int | None = None,
                min_threads_per_block: int = MIN_THREADS_PER_BLOCK,
                cta_row_bytes: int = CTA_ROW_BYTES, looping: bool = False,
-               narrow_share_bytes: int = 0, wide_clusters: bool = False) -> RowConfig:
+               narrow_share_bytes: int = 0, wide_clusters: bool = False,
+               min_vecs_per_thread: int = MIN_VECS_PER_THREAD) -> RowConfig:
     """Configuration for rows of ``n_cols`` elements of ``elem_bytes`` each (the widest
     staged dtype), with ``staged_tensors`` row tensors kept on chip together (e.g. y and
     dy in a backward). ``bytes_per_col`` is the staged bytes per column over all of
@@ -236,7 +243,8 @@ def row_config(n_cols: int, elem_bytes: int, staged_tensors: int = 1,
     vectors_per_cta = math.ceil(vectors / cluster)
     split = functools.partial(_split_share, n_cols, vec, cluster, vectors_per_cta,
                               bytes_per_col=bytes_per_col,
-                              min_threads_per_block=min_threads_per_block)
+                              min_threads_per_block=min_threads_per_block,
+                              min_vecs_per_thread=min_vecs_per_thread)
     threads = MAX_THREADS_PER_ROW if max_threads_per_row is None else max_threads_per_row
     cfg = split(max_vecs_per_thread, threads)
     if looping:  # the looping kernels' shares were tuned as they are
@@ -256,10 +264,11 @@ def row_config(n_cols: int, elem_bytes: int, staged_tensors: int = 1,
 
 def _split_share(n_cols: int, vec: int, cluster: int, vectors_per_cta: int,
                  max_vecs_per_thread: int, max_threads_per_row: int, *, bytes_per_col: int,
-                 min_threads_per_block: int) -> RowConfig:
+                 min_threads_per_block: int, min_vecs_per_thread: int) -> RowConfig:
     """A CTA's share of ``vectors_per_cta`` vectors split into threads, chunks and rows
     per block, and where it is staged."""
-    threads_per_row = threads_per_row_for(vectors_per_cta, max_vecs_per_thread, max_threads_per_row)
+    threads_per_row = threads_per_row_for(vectors_per_cta, max_vecs_per_thread,
+                                          max_threads_per_row, min_vecs_per_thread)
     vecs_needed = math.ceil(vectors_per_cta / threads_per_row)
     vecs_per_thread = min(vecs_needed, max_vecs_per_thread)
     num_chunks = math.ceil(vecs_needed / vecs_per_thread)
@@ -586,11 +595,16 @@ CE_CTA_ROW_BYTES = 32 * 1024
 # 20261130.txt), as 4096x128256 bf16 (16 x 16 KiB 49.7%, 8 x 32 KiB 75.1%). Longer
 # 8-CTA shares were not measured.
 CE_NARROW_SHARE_BYTES = 40 * 1024
+# ... and 4 vectors per thread before a short row takes more threads: the gradient lost
+# with MIN_VECS_PER_THREAD's 2 (same A/B: fp32 131072x1024 91.4% -> 76.3%, bf16
+# 32768x4096 86.6% -> 54.5%).
+CE_MIN_VECS_PER_THREAD = 4
 # Row configs of the cross-entropy forward: the bounds above, and the threads per row
 # it was measured with (GLOBAL_STAGED_THREADS_PER_ROW was measured on softmax).
 _ce_row_config = functools.partial(row_config, cta_row_bytes=CE_CTA_ROW_BYTES,
                                    narrow_share_bytes=CE_NARROW_SHARE_BYTES,
-                                   max_threads_per_row=MAX_THREADS_PER_ROW)
+                                   max_threads_per_row=MAX_THREADS_PER_ROW,
+                                   min_vecs_per_thread=CE_MIN_VECS_PER_THREAD)
 # The loss alone of rows longer than 128 KiB (staged, they need 4+ CTA clusters)
 # streams shares of up to 256 KiB per CTA (a whole 128256-column bf16 row): 62% of the
 # copy ceiling at 4096x128256 bf16 vs 51% staged on 8-CTA clusters
