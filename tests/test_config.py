@@ -114,6 +114,22 @@ def test_short_fp32_rows_take_threads_before_vectors():
     assert row_config(4096, 2) == row_config(4096, 2, min_vecs_per_thread=4)
 
 
+def test_norm_forward_loads_columns_early_where_measured():
+    """config.norm_forward_early_columns: rows over a cluster, RMSNorm or a registers
+    share, x alone."""
+    from quack_kernels.ops.norm import forward_config
+
+    def early(n, rms, dtype, residual=False):
+        cfg = forward_config(n, rms, dtype, dtype, residual, dtype, dtype, None if rms else dtype)
+        return config.norm_forward_early_columns(rms, residual, cfg)
+
+    assert early(262144, True, torch.float32) and early(65536, True, torch.bfloat16)
+    assert early(65536, False, torch.float32)  # a LayerNorm share kept in registers
+    assert not early(65536, False, torch.bfloat16)  # ... staged in shared memory
+    assert not early(4096, True, torch.float32)  # one CTA holds the row
+    assert not early(262144, True, torch.bfloat16, residual=True)
+
+
 def test_rejects_empty_rows():
     with pytest.raises(ValueError):
         row_config(0, 2)

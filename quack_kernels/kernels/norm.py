@@ -34,8 +34,8 @@ from cutlass.memory import SmemAllocator
 
 from ..primitives import reduce as red
 from ..primitives import tiling
-from ..primitives.config import (RowConfig, loop_ctas_per_sm, prefetch_row_stats,
-                                 stage_columns_once)
+from ..primitives.config import (RowConfig, loop_ctas_per_sm, norm_forward_early_columns,
+                                 prefetch_row_stats, stage_columns_once)
 from ..primitives.rows import ReductionSlot, RowKernel, RowTiles
 
 ZERO = (Float32(0.0),)
@@ -78,6 +78,7 @@ class NormForward(RowKernel):
                         and cfg.staging != "registers")
         self.reductions = 1 if rms or self.moments else 2
         self.values_per_reduction = 3 if self.moments else 1
+        self.early_columns = norm_forward_early_columns(rms, has_residual, cfg)
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mR, mW, mB, mY: cute.Tensor, mResOut, mMean,
@@ -104,6 +105,11 @@ class NormForward(RowKernel):
             total = total + red.thread_sum_of_squares(d)
         return total
 
+    def _columns(self, tiles: RowTiles, mW, mB, chunk: int):
+        """(weight, bias) values of ``chunk`` (None for an absent one)."""
+        return tuple(None if mV is None else tiles.load(tiles.broadcast_rows(mV), chunk, guard_rows=False)
+                     for mV in (mW, mB))
+
     def _values_in_row(self, tiles: RowTiles):
         """How many of this thread's values lie inside the row."""
         cfg = self.cfg
@@ -126,6 +132,10 @@ class NormForward(RowKernel):
         slots = [ReductionSlot(smem, cfg, self.values_per_reduction)
                  for _ in range(self.reductions)]
         tiles.issue_loads()
+        # (config.norm_forward_early_columns: the share's weight and bias in flight with
+        # its row, instead of loaded per chunk in the output pass)
+        early = [self._columns(tiles, mW, mB, c) for c in range(cfg.num_chunks)] \
+            if cutlass.const_expr(self.early_columns) else []
         if cutlass.const_expr(cfg.cluster_size > 1):
             cute.arch.cluster_wait()
         inv_n = Float32(1.0 / cfg.n_cols)
@@ -188,14 +198,16 @@ class NormForward(RowKernel):
 
         for c in cutlass.range_constexpr(cfg.num_chunks):
             h = kept[c] if cutlass.const_expr(cfg.staging == "registers") else self._stream(tiles, c)
+            weight, bias = early[c] if cutlass.const_expr(self.early_columns) \
+                else self._columns(tiles, mW, mB, c)
             # (an explicit FMA for the bias saved one instruction per value, but held
             # the weight and bias of a registers share live: fp32 128256 80 -> 127
             # registers)
             y = (h - mean) * rstd
             if cutlass.const_expr(mW is not None):
-                y = y * (tiles.load(tiles.broadcast_rows(mW), c, guard_rows=False) + weight_offset)
+                y = y * (weight + weight_offset)
             if cutlass.const_expr(mB is not None):
-                y = y + tiles.load(tiles.broadcast_rows(mB), c, guard_rows=False)
+                y = y + bias
             tiles.store(mY, c, y)
 
         if tiles.leads_row:

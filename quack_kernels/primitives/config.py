@@ -439,6 +439,20 @@ def norm_forward_share(rms: bool, staged_tensors: int, n_cols: int, bytes_per_co
 # which costs resident CTAs: that is why short RMSNorm rows keep one vector.
 # fp32 rows keep CTA_ROW_BYTES and VALUES_PER_THREAD (LayerNorm 8192x16384 with 32-KiB
 # shares: 79% -> 61%), as do backwards without sums (frozen weight, not swept).
+# The norm forward of rows split over a cluster loads its whole share of the weight (and
+# bias) into registers at the start, in flight together with the row's own loads, rather
+# than chunk by chunk in the output pass (where each chunk's loads wait behind the
+# previous chunk's stores: they may alias). H200, kernels alone (results/norm_forward_
+# early_columns_H200_20261130.txt, each cell twice): RMSNorm fp32 512x262144 79.3% ->
+# 89.1% of the copy ceiling, fp32 2048x65536 90.1% -> 95.3%, bf16 512x262144 88.4% ->
+# 90.2%, bf16 2048x65536 93.3% -> 93.9%; LayerNorm fp32 2048x65536 (a registers share)
+# 72.3% -> 82.4%. LayerNorm shares staged in shared memory lost (bf16 512x262144 75.8% ->
+# 58.7%, 2048x65536 82.2% -> 78.0%, fp32 512x262144 67.0% -> 48.7%: twice the columns
+# held through the row). Rows one CTA holds and rows with a residual were not measured.
+def norm_forward_early_columns(rms: bool, has_residual: bool, cfg: RowConfig) -> bool:
+    return cfg.cluster_size > 1 and not has_residual and (rms or cfg.staging == "registers")
+
+
 def norm_backward_share(elem_bytes: int, accumulators: int, n_cols: int):
     """(CTA row bytes, vectors per thread of each staged tensor or None for the
     VALUES_PER_THREAD default) of a norm backward."""
