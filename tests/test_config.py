@@ -116,18 +116,20 @@ def test_short_fp32_rows_take_threads_before_vectors():
 
 def test_norm_forward_loads_columns_early_where_measured():
     """config.norm_forward_early_columns: rows over a cluster, RMSNorm or a registers
-    share, x alone."""
+    share, not h kept in registers with its residual."""
     from quack_kernels.ops.norm import forward_config
 
     def early(n, rms, dtype, residual=False):
         cfg = forward_config(n, rms, dtype, dtype, residual, dtype, dtype, None if rms else dtype)
-        return config.norm_forward_early_columns(rms, residual, cfg)
+        staged = 1 + residual
+        return config.norm_forward_early_columns(rms, staged, staged * dtype.itemsize, cfg)
 
     assert early(262144, True, torch.float32) and early(65536, True, torch.bfloat16)
     assert early(65536, False, torch.float32)  # a LayerNorm share kept in registers
     assert not early(65536, False, torch.bfloat16)  # ... staged in shared memory
     assert not early(4096, True, torch.float32)  # one CTA holds the row
-    assert not early(262144, True, torch.bfloat16, residual=True)
+    assert early(65536, True, torch.bfloat16, residual=True)
+    assert not early(262144, True, torch.bfloat16, residual=True)  # h kept in registers
 
 
 def test_rejects_empty_rows():

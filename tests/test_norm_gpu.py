@@ -183,6 +183,27 @@ def test_mixed_dtypes_residual_prenorm(x_dtype, r_dtype, w_dtype, res_dtype, out
         assert b.grad is None
 
 
+@pytest.mark.parametrize("n,dtype", [(65536, torch.bfloat16), (40000, torch.float32)])
+@pytest.mark.parametrize("rms", [True, False])
+def test_residual_rows_over_a_cluster(n, dtype, rms):
+    """Rows split over a cluster with a residual: the variants that load their weight
+    (and bias) at the start (config.norm_forward_early_columns)."""
+    m = 9
+    x, r = fresh((m, n), dtype), fresh((m, n), dtype)
+    w = fresh(n, dtype, 0.5, 1.0)
+    b = None if rms else fresh(n, dtype, 0.5)
+    eps = 1e-6 if rms else 1e-5
+    stats = torch.empty(m, dtype=torch.float32, device="cuda")
+    poison_allocator(x, x, stats, stats)  # y, h, mean, rstd start as NaN
+    y, h, mean, rstd = ops.norm_forward(x, w, b, r, eps, 0.0, rms, None, None, True)
+    ry, rh, rmean, rrstd = forward_ref(x, w, b, r, eps, 0.0, rms)
+    assert_close(h, rh, dtype, name="h")
+    assert_close(y, ry, dtype)
+    assert_close(rstd, rrstd, torch.float32, name="rstd")
+    if not rms:
+        assert_close(mean, rmean, torch.float32, name="mean")
+
+
 TOL_ORDER = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 

@@ -407,6 +407,13 @@ RESIDUAL_REGISTER_MAX_COLS = \
 RMS_WIDE_SHARE_VALUES = 32
 
 
+def keeps_residual_in_registers(staged_tensors: int, n_cols: int, bytes_per_col: int) -> bool:
+    """Whether a norm forward with a residual keeps h in registers (see
+    RESIDUAL_REGISTER_ROW_BYTES)."""
+    return staged_tensors == 2 and n_cols * bytes_per_col >= RESIDUAL_REGISTER_ROW_BYTES \
+        and n_cols <= RESIDUAL_REGISTER_MAX_COLS
+
+
 def norm_forward_share(rms: bool, staged_tensors: int, n_cols: int, bytes_per_col: int,
                        access_bytes: int) -> tuple[int, bool, int | None]:
     """(CTA row bytes, whether to keep 16-CTA clusters, values per thread or None for
@@ -415,13 +422,33 @@ def norm_forward_share(rms: bool, staged_tensors: int, n_cols: int, bytes_per_co
     RMS_WIDE_SHARE_VALUES)."""
     if not rms and staged_tensors == 1:
         return LAYER_NORM_CTA_ROW_BYTES, True, None
-    if staged_tensors == 2 and n_cols * bytes_per_col >= RESIDUAL_REGISTER_ROW_BYTES \
-            and n_cols <= RESIDUAL_REGISTER_MAX_COLS:
+    if keeps_residual_in_registers(staged_tensors, n_cols, bytes_per_col):
         return CTA_ROW_BYTES, True, RESIDUAL_REGISTER_VALUES
     if staged_tensors == 1 and bytes_per_col == 2 and access_bytes == ACCESS_BYTES \
             and n_cols * bytes_per_col > MAX_CLUSTER_SIZE * CTA_ROW_BYTES:
         return CTA_ROW_BYTES, False, RMS_WIDE_SHARE_VALUES
     return CTA_ROW_BYTES, False, None
+
+
+# The norm forward of rows split over a cluster loads its whole share of the weight (and
+# bias) into registers at the start, in flight together with the row's own loads, rather
+# than chunk by chunk in the output pass (where each chunk's loads wait behind the
+# previous chunk's stores: they may alias). H200, kernels alone, each cell twice
+# (results/norm_forward_early_columns_H200_20261130.txt): RMSNorm fp32 512x262144 79.3%
+# -> 89.1% of the copy ceiling, fp32 2048x65536 90.1% -> 95.3%, bf16 512x262144 88.4% ->
+# 90.2%, bf16 2048x65536 93.3% -> 93.9%; LayerNorm fp32 2048x65536 (a registers share)
+# 72.3% -> 82.4%. LayerNorm shares staged in shared memory lost (bf16 512x262144 75.8% ->
+# 58.7%, 2048x65536 82.2% -> 78.0%, fp32 512x262144 67.0% -> 48.7%: twice the columns
+# held through the row). With a residual (results/norm_forward_early_columns_residual_
+# H200_20261130.txt): RMSNorm bf16 2048x65536 94.0% -> 96.4%, fp32 95.7% -> 96.3%,
+# LayerNorm fp32 2048x65536 91.7% -> 93.9%, LayerNorm bf16 (shared memory) 84.8% ->
+# 75.5%; rows kept in registers with their residual (keeps_residual_in_registers) lost
+# for RMSNorm (bf16 512x262144 91.3% -> 78.3%, fp32 85.3% -> 82.8%; LayerNorm fp32
+# gained, 71.5% -> 78.0%, not taken). Rows one CTA holds were not measured.
+def norm_forward_early_columns(rms: bool, staged_tensors: int, bytes_per_col: int,
+                               cfg: RowConfig) -> bool:
+    return cfg.cluster_size > 1 and (rms or cfg.staging == "registers") \
+        and not keeps_residual_in_registers(staged_tensors, cfg.n_cols, bytes_per_col)
 
 
 # Norm backward of 16-bit rows (h and dy staged; dweight / dbias sums kept per column,
@@ -439,20 +466,6 @@ def norm_forward_share(rms: bool, staged_tensors: int, n_cols: int, bytes_per_co
 # which costs resident CTAs: that is why short RMSNorm rows keep one vector.
 # fp32 rows keep CTA_ROW_BYTES and VALUES_PER_THREAD (LayerNorm 8192x16384 with 32-KiB
 # shares: 79% -> 61%), as do backwards without sums (frozen weight, not swept).
-# The norm forward of rows split over a cluster loads its whole share of the weight (and
-# bias) into registers at the start, in flight together with the row's own loads, rather
-# than chunk by chunk in the output pass (where each chunk's loads wait behind the
-# previous chunk's stores: they may alias). H200, kernels alone (results/norm_forward_
-# early_columns_H200_20261130.txt, each cell twice): RMSNorm fp32 512x262144 79.3% ->
-# 89.1% of the copy ceiling, fp32 2048x65536 90.1% -> 95.3%, bf16 512x262144 88.4% ->
-# 90.2%, bf16 2048x65536 93.3% -> 93.9%; LayerNorm fp32 2048x65536 (a registers share)
-# 72.3% -> 82.4%. LayerNorm shares staged in shared memory lost (bf16 512x262144 75.8% ->
-# 58.7%, 2048x65536 82.2% -> 78.0%, fp32 512x262144 67.0% -> 48.7%: twice the columns
-# held through the row). Rows one CTA holds and rows with a residual were not measured.
-def norm_forward_early_columns(rms: bool, has_residual: bool, cfg: RowConfig) -> bool:
-    return cfg.cluster_size > 1 and not has_residual and (rms or cfg.staging == "registers")
-
-
 def norm_backward_share(elem_bytes: int, accumulators: int, n_cols: int):
     """(CTA row bytes, vectors per thread of each staged tensor or None for the
     VALUES_PER_THREAD default) of a norm backward."""
