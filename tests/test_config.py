@@ -104,10 +104,11 @@ def test_rows_reread_from_global_memory_take_more_threads():
 
 def test_short_fp32_rows_take_threads_before_vectors():
     """fp32 rows spread to 2 vectors per thread (MIN_VECS_PER_THREAD) before rows share
-    a block; the cross-entropy gradient keeps its 4 (CE_MIN_VECS_PER_THREAD)."""
+    a block; the cross-entropy gradient and the looping kernels keep 4."""
     cfg = row_config(1024, 4)
     assert (cfg.threads_per_row, cfg.vecs_per_thread, cfg.rows_per_block) == (128, 2, 1)
     assert row_config(1024, 4, min_vecs_per_thread=4).threads_per_row == 64
+    assert row_config(1024, 4, looping=True).threads_per_row == 64  # looping kernels keep 4
     grad = config.cross_entropy_row_config(1024, 4, stage_weight=False, write_grad=True)
     assert grad.vecs_per_thread >= config.CE_MIN_VECS_PER_THREAD
     # 16-bit rows reach VALUES_PER_THREAD first: unchanged by the minimum

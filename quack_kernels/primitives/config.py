@@ -86,8 +86,11 @@ MIN_THREADS_PER_BLOCK = 128
 # against 4 at fp32 131072x1024 (128 threads per row instead of 2 rows of 64): softmax
 # forward 96.3% -> 98.0% of the copy ceiling, RMSNorm 95.4% -> 97.3%, LayerNorm 94.4% ->
 # 96.6%; the backward and other shapes unchanged. The cross-entropy gradient kernels
-# keep 4 (CE_MIN_VECS_PER_THREAD).
+# keep 4 (CE_MIN_VECS_PER_THREAD), as do kernels looping over row blocks (the norm
+# backward, whose shares were tuned with 4: there 2 would halve the values per thread of
+# 16-bit rows read in fp32-width vectors, an untimed change).
 MIN_VECS_PER_THREAD = 2
+LOOPING_MIN_VECS_PER_THREAD = 4
 # Shared memory we allow the staged row to take, leaving room for reduction scratch.
 STAGING_SMEM_BYTES = 200 * 1024
 # A reduction that needs each value once (a loss without its gradient) streams a long
@@ -217,7 +220,7 @@ def row_config(n_cols: int, elem_bytes: int, staged_tensors: int = 1,
                min_threads_per_block: int = MIN_THREADS_PER_BLOCK,
                cta_row_bytes: int = CTA_ROW_BYTES, looping: bool = False,
                narrow_share_bytes: int = 0, wide_clusters: bool = False,
-               min_vecs_per_thread: int = MIN_VECS_PER_THREAD) -> RowConfig:
+               min_vecs_per_thread: int | None = None) -> RowConfig:
     """Configuration for rows of ``n_cols`` elements of ``elem_bytes`` each (the widest
     staged dtype), with ``staged_tensors`` row tensors kept on chip together (e.g. y and
     dy in a backward). ``bytes_per_col`` is the staged bytes per column over all of
@@ -226,12 +229,15 @@ def row_config(n_cols: int, elem_bytes: int, staged_tensors: int = 1,
     The keyword limits default to the tuned constants above (``max_threads_per_row``:
     MAX_THREADS_PER_ROW, or GLOBAL_STAGED_THREADS_PER_ROW for rows that end up re-read
     from global memory; ``values_per_thread``: VALUES_PER_THREAD, more for shares of
-    more than MAX_CHUNKS_PER_SHARE chunks); tests and sweeps override them to force
-    other paths."""
+    more than MAX_CHUNKS_PER_SHARE chunks; ``min_vecs_per_thread``:
+    MIN_VECS_PER_THREAD, LOOPING_MIN_VECS_PER_THREAD when looping); tests and sweeps
+    override them to force other paths."""
     if n_cols < 1:
         raise ValueError(f"row length must be >= 1, got {n_cols}")
     if bytes_per_col is None:
         bytes_per_col = staged_tensors * elem_bytes
+    if min_vecs_per_thread is None:
+        min_vecs_per_thread = LOOPING_MIN_VECS_PER_THREAD if looping else MIN_VECS_PER_THREAD
     vec = vector_width(n_cols, elem_bytes, max_vec)
     tuned_values = values_per_thread is None
     if tuned_values:
