@@ -18,7 +18,8 @@ import torch
 from quack_kernels.bench import time_device_ms
 from quack_kernels.ops import cross_entropy as ops
 from quack_kernels.ops.common import resident_row_blocks
-from quack_kernels.primitives.config import loop_grid_rows, loops_over_row_blocks, row_config
+from quack_kernels.primitives.config import (CE_MIN_VECS_PER_THREAD, loop_grid_rows,
+                                             loops_over_row_blocks, row_config)
 
 from sweep_softmax import ints, parsed_shapes, printed_copy_ceiling
 
@@ -59,7 +60,8 @@ def variants(n, elem_bytes, write_grad, args):
     for vpt, kib, tpr, tpb, stages, staging in itertools.product(
             args.vpt, args.kib, args.tpr, args.tpb, args.stages, args.staging):
         cfg = row_config(n, elem_bytes, values_per_thread=vpt, cta_row_bytes=kib * 1024,
-                         max_threads_per_row=tpr, min_threads_per_block=tpb)
+                         max_threads_per_row=tpr, min_threads_per_block=tpb,
+                         min_vecs_per_thread=CE_MIN_VECS_PER_THREAD)
         if staging == "direct":
             if write_grad:
                 continue

@@ -103,8 +103,9 @@ def test_rows_reread_from_global_memory_take_more_threads():
 
 
 def test_short_fp32_rows_take_threads_before_vectors():
-    """fp32 rows spread to 2 vectors per thread (MIN_VECS_PER_THREAD) before rows share
-    a block; the cross-entropy gradient and the looping kernels keep 4."""
+    """One fp32 tensor staged alone spreads to 2 vectors per thread
+    (FP32_ROW_MIN_VECS_PER_THREAD) before rows share a block; the cross-entropy gradient,
+    the looping kernels and everything else keep MIN_VECS_PER_THREAD."""
     cfg = row_config(1024, 4)
     assert (cfg.threads_per_row, cfg.vecs_per_thread, cfg.rows_per_block) == (128, 2, 1)
     assert row_config(1024, 4, min_vecs_per_thread=4).threads_per_row == 64
@@ -113,6 +114,11 @@ def test_short_fp32_rows_take_threads_before_vectors():
     assert grad.vecs_per_thread >= config.CE_MIN_VECS_PER_THREAD
     # 16-bit rows reach VALUES_PER_THREAD first: unchanged by the minimum
     assert row_config(4096, 2) == row_config(4096, 2, min_vecs_per_thread=4)
+    # not for 16-bit rows read at fp32 width, two staged tensors, or the cross-entropy's
+    # elementwise rescale
+    assert row_config(1024, 4, bytes_per_col=2).threads_per_row == 64
+    assert row_config(1024, 4, staged_tensors=2).threads_per_row == 64
+    assert config.elementwise_row_config(1024, 4).threads_per_row == 64
 
 
 def test_norm_forward_loads_columns_early_where_measured():
@@ -131,6 +137,7 @@ def test_norm_forward_loads_columns_early_where_measured():
     assert not early(4096, True, torch.float32)  # one CTA holds the row
     assert early(65536, True, torch.bfloat16, residual=True)
     assert not early(262144, True, torch.bfloat16, residual=True)  # h kept in registers
+    assert not early(1 << 20, True, torch.float32)  # re-read from global memory
 
 
 def test_rejects_empty_rows():

@@ -80,17 +80,18 @@ MAX_THREADS_PER_ROW = 256
 GLOBAL_STAGED_THREADS_PER_ROW = 512
 # Small rows pack several rows into a block so a block still has >= 4 warps in flight.
 MIN_THREADS_PER_BLOCK = 128
-# Vectors a thread loads per chunk before a short row takes more threads. Only fp32
-# rows are bound by it (16-bit ones reach VALUES_PER_THREAD at 2 vectors): H200, kernels
-# alone (benchmarks/compare_trees.py, results/kernel_ab_min_vecs_H200_20261130.txt), 2
-# against 4 at fp32 131072x1024 (128 threads per row instead of 2 rows of 64): softmax
-# forward 96.3% -> 98.0% of the copy ceiling, RMSNorm 95.4% -> 97.3%, LayerNorm 94.4% ->
-# 96.6%; the backward and other shapes unchanged. The cross-entropy gradient kernels
-# keep 4 (CE_MIN_VECS_PER_THREAD), as do kernels looping over row blocks (the norm
-# backward, whose shares were tuned with 4: there 2 would halve the values per thread of
-# 16-bit rows read in fp32-width vectors, an untimed change).
-MIN_VECS_PER_THREAD = 2
-LOOPING_MIN_VECS_PER_THREAD = 4
+# Vectors a thread loads per chunk when the row is short: 4 x 16 B in flight per thread
+# (with ~16 warps per SM) covers HBM latency; more only adds registers.
+MIN_VECS_PER_THREAD = 4
+# ... except one fp32 tensor staged alone and read at its own width (the softmax and
+# norm forwards of fp32 rows), which spreads to more threads at 2: H200, kernels alone
+# (benchmarks/compare_trees.py, results/kernel_ab_min_vecs_H200_20261130.txt) at fp32
+# 131072x1024 (128 threads per row instead of 2 rows of 64): softmax forward 96.3% ->
+# 98.0% of the copy ceiling, RMSNorm 95.4% -> 97.3%, LayerNorm 94.4% -> 96.6%. Not the
+# cross-entropy, which lost with it (CE_MIN_VECS_PER_THREAD), nor kernels looping over
+# row blocks, whose shares were tuned with 4 (the norm backward: within 0.5 points either
+# way at fp32 in the same A/B).
+FP32_ROW_MIN_VECS_PER_THREAD = 2
 # Shared memory we allow the staged row to take, leaving room for reduction scratch.
 STAGING_SMEM_BYTES = 200 * 1024
 # A reduction that needs each value once (a loss without its gradient) streams a long
@@ -230,14 +231,16 @@ def row_config(n_cols: int, elem_bytes: int, staged_tensors: int = 1,
     MAX_THREADS_PER_ROW, or GLOBAL_STAGED_THREADS_PER_ROW for rows that end up re-read
     from global memory; ``values_per_thread``: VALUES_PER_THREAD, more for shares of
     more than MAX_CHUNKS_PER_SHARE chunks; ``min_vecs_per_thread``:
-    MIN_VECS_PER_THREAD, LOOPING_MIN_VECS_PER_THREAD when looping); tests and sweeps
-    override them to force other paths."""
+    MIN_VECS_PER_THREAD, or FP32_ROW_MIN_VECS_PER_THREAD for one fp32 tensor staged alone
+    at its own width, not looping); tests and sweeps override them to force other
+    paths."""
     if n_cols < 1:
         raise ValueError(f"row length must be >= 1, got {n_cols}")
     if bytes_per_col is None:
         bytes_per_col = staged_tensors * elem_bytes
     if min_vecs_per_thread is None:
-        min_vecs_per_thread = LOOPING_MIN_VECS_PER_THREAD if looping else MIN_VECS_PER_THREAD
+        fp32_row = staged_tensors == 1 and bytes_per_col == elem_bytes == 4 and not looping
+        min_vecs_per_thread = FP32_ROW_MIN_VECS_PER_THREAD if fp32_row else MIN_VECS_PER_THREAD
     vec = vector_width(n_cols, elem_bytes, max_vec)
     tuned_values = values_per_thread is None
     if tuned_values:
@@ -300,7 +303,8 @@ def streamed_row_config(n_cols: int, elem_bytes: int, cta_row_bytes: int,
     MAX_THREADS_PER_ROW they were measured with."""
     return dataclasses.replace(
         row_config(n_cols, elem_bytes, max_vec=max_vec, values_per_thread=VALUES_PER_THREAD[2],
-                   cta_row_bytes=cta_row_bytes, max_threads_per_row=MAX_THREADS_PER_ROW),
+                   cta_row_bytes=cta_row_bytes, max_threads_per_row=MAX_THREADS_PER_ROW,
+                   min_vecs_per_thread=MIN_VECS_PER_THREAD),
         staging="global")
 
 
@@ -312,7 +316,8 @@ def elementwise_row_config(n_cols: int, elem_bytes: int, max_vec: int | None = N
     return dataclasses.replace(
         row_config(n_cols, elem_bytes, max_vec=max_vec,
                    values_per_thread=VALUES_PER_THREAD.get(elem_bytes, 32),
-                   max_threads_per_row=MAX_THREADS_PER_ROW),
+                   max_threads_per_row=MAX_THREADS_PER_ROW,
+                   min_vecs_per_thread=MIN_VECS_PER_THREAD),
         staging="global")
 
 
@@ -450,10 +455,13 @@ def norm_forward_share(rms: bool, staged_tensors: int, n_cols: int, bytes_per_co
 # LayerNorm fp32 2048x65536 91.7% -> 93.9%, LayerNorm bf16 (shared memory) 84.8% ->
 # 75.5%; rows kept in registers with their residual (keeps_residual_in_registers) lost
 # for RMSNorm (bf16 512x262144 91.3% -> 78.3%, fp32 85.3% -> 82.8%; LayerNorm fp32
-# gained, 71.5% -> 78.0%, not taken). Rows one CTA holds were not measured.
+# gained, 71.5% -> 78.0%, not taken). Rows one CTA holds were not measured, nor rows
+# re-read from global memory (no staged loads to overlap, and every chunk's columns held
+# through both passes spilled: sm_90a, RMSNorm fp32 of 1M columns 200 bytes).
 def norm_forward_early_columns(rms: bool, staged_tensors: int, bytes_per_col: int,
                                cfg: RowConfig) -> bool:
-    return cfg.cluster_size > 1 and (rms or cfg.staging == "registers") \
+    return cfg.cluster_size > 1 and cfg.staging != "global" \
+        and (rms or cfg.staging == "registers") \
         and not keeps_residual_in_registers(staged_tensors, cfg.n_cols, bytes_per_col)
 
 
@@ -628,10 +636,10 @@ CE_CTA_ROW_BYTES = 32 * 1024
 # 20261130.txt), as 4096x128256 bf16 (16 x 16 KiB 49.7%, 8 x 32 KiB 75.1%). Longer
 # 8-CTA shares were not measured.
 CE_NARROW_SHARE_BYTES = 40 * 1024
-# ... and 4 vectors per thread before a short row takes more threads: the gradient lost
-# with MIN_VECS_PER_THREAD's 2 (same A/B: fp32 131072x1024 91.4% -> 76.3%, bf16
-# 32768x4096 86.6% -> 54.5%).
-CE_MIN_VECS_PER_THREAD = 4
+# ... and 4 vectors per thread before a short row takes more threads, fp32 rows too: the
+# gradient lost with FP32_ROW_MIN_VECS_PER_THREAD's 2 (same A/B: fp32 131072x1024 91.4%
+# -> 76.3%; with 2 for every dtype, bf16 32768x4096 86.6% -> 54.5%).
+CE_MIN_VECS_PER_THREAD = MIN_VECS_PER_THREAD
 # Row configs of the cross-entropy forward: the bounds above, and the threads per row
 # it was measured with (GLOBAL_STAGED_THREADS_PER_ROW was measured on softmax).
 _ce_row_config = functools.partial(row_config, cta_row_bytes=CE_CTA_ROW_BYTES,
@@ -733,6 +741,7 @@ def _kept_values_row_config(n_cols: int, elem: int, max_vec: int | None) -> RowC
     if vector_width(n_cols, elem, max_vec) == 1:
         return None
     cfg = row_config(n_cols, elem, max_vec=max_vec, values_per_thread=KEPT_CAPPED_VALUES,
+                     min_vecs_per_thread=CE_MIN_VECS_PER_THREAD,
                      max_threads_per_row=MAX_THREADS_PER_ROW,
                      cta_row_bytes=MAX_THREADS_PER_ROW * KEPT_CAPPED_VALUES * elem,
                      wide_clusters=True)
