@@ -79,7 +79,7 @@ class NormForward(RowKernel):
         self.reductions = 1 if rms or self.moments else 2
         self.values_per_reduction = 3 if self.moments else 1
         self.early_columns = norm_forward_early_columns(
-            rms, len(self.staged_dtypes), sum(d.width // 8 for d in self.staged_dtypes), cfg)
+            rms, len(self.staged_dtypes), self.staged_bytes_per_col, cfg)
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mR, mW, mB, mY: cute.Tensor, mResOut, mMean,

@@ -162,7 +162,7 @@ def vector_width(n_cols: int, elem_bytes: int, max_vec: int | None = None) -> in
 
 
 def threads_per_row_for(vectors: int, max_vecs_per_thread: int, max_threads: int,
-                        min_vecs_per_thread: int = MIN_VECS_PER_THREAD) -> int:
+                        min_vecs_per_thread: int) -> int:
     """At least ``min_vecs_per_thread`` vectors per thread before adding threads; at
     most ``max_threads``. Power of two so the warp butterfly is exact."""
     wanted = _next_pow2(math.ceil(vectors / min_vecs_per_thread))

@@ -74,8 +74,13 @@ class RowKernel:
         cute.arch.barrier()
         return flag[0] == Int32(1)
 
+    @property
+    def staged_bytes_per_col(self) -> int:
+        """Bytes per column of the staged row tensors, all of them together."""
+        return sum(d.width // 8 for d in self.staged_dtypes)
+
     def smem_bytes(self) -> int:
-        staged = self.cfg.staging_smem_bytes(sum(d.width // 8 for d in self.staged_dtypes))
+        staged = self.cfg.staging_smem_bytes(self.staged_bytes_per_col)
         if self.cfg.staging == "global":
             staged = 0
         scratch = self.reductions * self.cfg.rows_per_block * self.cfg.warps_per_row \
