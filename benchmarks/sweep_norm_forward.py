@@ -14,9 +14,10 @@ import sys
 
 import torch
 
-from sweep_softmax import (DTYPES, add_wide_cluster_option, apply_wide_cluster_option, ints,
-                           variants)
+from sweep_softmax import (DTYPES, add_register_chunks_option, add_wide_cluster_option,
+                           apply_wide_cluster_option, ints, variants)
 
+from quack_kernels.kernels import norm as kernels
 from quack_kernels.ops import norm as ops
 
 
@@ -32,14 +33,20 @@ def parse_args(argv):
     p.add_argument("--staging", default="auto", choices=("auto", "global"),
                    help="global: re-read the row from global memory (mostly L2) in the output "
                         "pass instead of staging it on chip")
+    p.add_argument("--late-columns", action="store_true",
+                   help="load the weight and bias per chunk in the output pass everywhere "
+                        "(config.norm_forward_early_columns off)")
     p.add_argument("--dry-run", action="store_true", help="compile the variants, time nothing")
     add_wide_cluster_option(p)
+    add_register_chunks_option(p)
     return p.parse_args(argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
     apply_wide_cluster_option(args)
+    if args.late_columns:
+        kernels.norm_forward_early_columns = lambda *_: False
     if not args.dry_run:  # (without a GPU the package compiles for sm_90a)
         from quack_kernels.bench import measure_copy_ceiling_gbps, time_device_ms
 
@@ -67,7 +74,8 @@ def main(argv=None):
             label = (f"{args.norm:5s} {name:5s} {mn:>12s} res={residual} vpt={vpt:3d} "
                      f"kib={kib:3d} tpr={tpr:4d} "
                      f"cl={cfg.cluster_size:2d} thr={cfg.threads_per_row:4d} "
-                     f"vecs={cfg.vecs_per_thread:2d} ch={cfg.num_chunks:2d} {cfg.staging:9s}")
+                     f"vecs={cfg.vecs_per_thread:2d} ch={cfg.num_chunks:2d} {cfg.staging:9s} "
+                     f"held={cfg.register_chunks}")
             try:
                 fn = ops.compile_forward(cfg, rms, dtype, dtype, bool(residual), bool(residual),
                                          dtype, None if rms else dtype, dtype)

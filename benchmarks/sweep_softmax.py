@@ -4,9 +4,12 @@ flush before each call) and its copy ceiling.
 
     python benchmarks/sweep_softmax.py                     # the 2^27 grid, vpt x kib
     python benchmarks/sweep_softmax.py --shapes bf16:128x1048576 --tpr 256,512,1024
+    python benchmarks/sweep_softmax.py --shapes bf16:128x1048576 --direction fwd \
+        --register-chunks 0,1,2          # the share's last chunks held in registers
 """
 
 import argparse
+import dataclasses
 import itertools
 import sys
 
@@ -54,8 +57,17 @@ def parse_args(argv):
     p.add_argument("--vpt", type=ints, default=[16, 32, 64], help="values per thread")
     p.add_argument("--kib", type=ints, default=[16, 32, 64], help="row KiB per CTA")
     p.add_argument("--tpr", type=ints, default=[256], help="max threads per row")
+    p.add_argument("--log", action="store_true", help="log_softmax instead of softmax")
     add_wide_cluster_option(p)
+    add_register_chunks_option(p)
     return p.parse_args(argv)
+
+
+def add_register_chunks_option(parser):
+    parser.add_argument("--register-chunks", type=ints, default=[None],
+                        help="chunks of the share held in registers (RowConfig.register_"
+                             "chunks; a share re-read from global memory is staged for k > "
+                             "0); default: the op's own choice")
 
 
 def add_wide_cluster_option(parser):
@@ -69,11 +81,21 @@ def apply_wide_cluster_option(args):
         config.WIDE_CLUSTER_SHARE_BYTES = float("inf")
 
 
-def variants(n, elem_bytes, staged, args):
+def variants(n, elem_bytes, staged, args, own_choice=lambda cfg: cfg):
+    """(vpt, kib, tpr, cfg) of each distinct config the options ask for; ``own_choice``
+    maps a share to the op's default (its register chunks) where --register-chunks
+    leaves them to the op."""
     seen = set()
-    for vpt, kib, tpr in itertools.product(args.vpt, args.kib, args.tpr):
+    for vpt, kib, tpr, held in itertools.product(args.vpt, args.kib, args.tpr,
+                                                 args.register_chunks):
         cfg = row_config(n, elem_bytes, staged, values_per_thread=vpt,
                          cta_row_bytes=kib * 1024, max_threads_per_row=tpr)
+        if held is None:
+            cfg = own_choice(cfg)
+        elif held:
+            if held >= cfg.num_chunks or cfg.staging == "registers":
+                continue
+            cfg = dataclasses.replace(cfg, staging="smem", register_chunks=held)
         if cfg in seen or cfg.staging_smem_bytes(elem_bytes * staged) > SMEM_BYTES_PER_CTA - 4096:
             continue
         seen.add(cfg)
@@ -91,13 +113,15 @@ def main(argv=None):
         for direction in args.direction:
             backward = direction == "bwd"
             staged = 2 if backward else 1
-            for vpt, kib, tpr, cfg in variants(n, eb, staged, args):
+            own_choice = (lambda cfg: cfg) if backward else \
+                (lambda cfg: config.with_held_chunk(cfg, eb, full_clusters_too=False))
+            for vpt, kib, tpr, cfg in variants(n, eb, staged, args, own_choice):
                 try:
                     if backward:
-                        fn = ops.compile_backward(cfg, dtype, False)
+                        fn = ops.compile_backward(cfg, dtype, args.log)
                         call = lambda: fn(y, dy, dx)  # noqa: E731
                     else:
-                        fn = ops.compile_forward(cfg, dtype, False)
+                        fn = ops.compile_forward(cfg, dtype, args.log)
                         call = lambda: fn(x, y)  # noqa: E731
                     call()
                     ms = time_device_ms(call)
@@ -109,6 +133,7 @@ def main(argv=None):
                 print(f"{name:5s} {mn:>12s} {direction} vpt={vpt:3d} kib={kib:3d} tpr={tpr:4d} "
                       f"cl={cfg.cluster_size:2d} thr={cfg.threads_per_row:4d} "
                       f"vecs={cfg.vecs_per_thread:2d} ch={cfg.num_chunks} {cfg.staging:9s} "
+                      f"held={cfg.register_chunks} "
                       f"{ms * 1e3:8.1f}us {pct:5.1f}%", flush=True)
         del x, dy, y, dx
         torch.cuda.empty_cache()

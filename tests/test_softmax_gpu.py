@@ -1,5 +1,7 @@
 """Softmax / log-softmax CUDA kernels against an fp64 reference (run on an H200)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -79,6 +81,40 @@ def test_rows_of_16_and_32_warps(n, dtype, threads):
         dx = torch.full_like(x, float("nan"))
         ops.compile_backward(bwd_cfg, dtype, log)(y, dy, dx)
         check_backward(dx, y, dy, log)
+
+
+@pytest.mark.parametrize("n, dtype", [(1 << 20, torch.bfloat16), (1000003, torch.bfloat16),
+                                      (262144, torch.float32), (131073, torch.float16),
+                                      (100000, torch.bfloat16), (4097, torch.float32)])
+def test_register_chunks(n, dtype):
+    """Shares holding their last chunks in registers (RowConfig.register_chunks), on
+    poisoned outputs: aligned and ragged rows (the pad past the row end, vectors of one
+    value), -inf values and a row whose only finite value is in a held chunk; the
+    backward (y and dy held) where its share is staged."""
+    eb = torch.finfo(dtype).bits // 8
+
+    def held(staged_tensors):
+        staged = row_config(n, eb, staged_tensors, values_per_thread=8 if n < 65536 else None)
+        return dataclasses.replace(staged, register_chunks=max(1, staged.num_chunks // 4)), \
+            staged.staging == "smem"
+
+    fwd_cfg, _ = held(1)
+    bwd_cfg, bwd_staged = held(2)
+    assert fwd_cfg.staging == "smem" and fwd_cfg.smem_chunks >= 1, fwd_cfg
+    x = fresh((5, n), dtype)
+    x[1] = -float("inf")
+    x[1, n - 1] = 2.0
+    x[2, ::5] = -float("inf")
+    dy = fresh((5, n), dtype)
+    for log in (False, True):
+        y = torch.full_like(x, float("nan"))
+        ops.compile_forward(fwd_cfg, dtype, log)(x, y)
+        assert_close(y, reference(x, log), dtype)
+        if bwd_staged:
+            y = ops.softmax_forward(x[3:], log)
+            dx = torch.full_like(y, float("nan"))
+            ops.compile_backward(bwd_cfg, dtype, log)(y, dy[3:], dx)
+            check_backward(dx, y, dy[3:], log)
 
 
 @pytest.mark.parametrize("n", [3000, 65536, 1 << 20])

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ..kernels.softmax import SoftmaxBackward, SoftmaxForward
 from ..primitives.compile_cache import compile_kernel, fake_rows
-from ..primitives.config import RowConfig, copies_async, row_config
+from ..primitives.config import RowConfig, copies_async, row_config, with_held_chunk
 from .common import (
     as_rows,
     check_float_dtype,
@@ -28,7 +28,9 @@ from .common import (
 # ----------------------------------------------------------------------------- configs
 @functools.lru_cache(maxsize=None)
 def forward_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None) -> RowConfig:
-    return row_config(n_cols, torch.finfo(dtype).bits // 8, staged_tensors=1, max_vec=max_vec)
+    elem = torch.finfo(dtype).bits // 8
+    return with_held_chunk(row_config(n_cols, elem, staged_tensors=1, max_vec=max_vec), elem,
+                           full_clusters_too=False)
 
 
 @functools.lru_cache(maxsize=None)
@@ -41,7 +43,7 @@ def backward_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None)
     elem = torch.finfo(dtype).bits // 8
     both = row_config(n_cols, elem, staged_tensors=2, max_vec=max_vec)
     if both.staging != "global":
-        return both
+        return with_held_chunk(both, 2 * elem, full_clusters_too=True)
     y_alone = row_config(n_cols, elem, staged_tensors=2, bytes_per_col=elem, max_vec=max_vec)
     return y_alone if y_alone.staging == "smem" and copies_async(y_alone, elem) else both
 

@@ -13,7 +13,9 @@ Vocabulary:
                combine their partial reductions through distributed shared memory
   staging      where the CTA's share of the row lives between the reduction pass and
                the output pass: "registers" (one chunk), "smem" (every chunk staged in
-               shared memory), or "global" (re-read from memory, mostly from L2)
+               shared memory), or "global" (re-read from memory, mostly from L2);
+               a share in shared memory may hold its last ``register_chunks`` chunks
+               in registers instead (loaded straight there, kept in their own dtype)
   stages       staging buffers of a kernel looping over row blocks: 2 lets a CTA load
                its next row block while it reduces and stores the current one
 """
@@ -116,6 +118,12 @@ class RowConfig:
     num_chunks: int
     staging: str  # "registers" | "smem" | "global"
     stages: int = 1  # staging buffers; 2: prefetch the next row block (looping kernels)
+    register_chunks: int = 0  # of an "smem" share: its last chunks held in registers
+
+    @property
+    def smem_chunks(self) -> int:
+        """Chunks of the share staged in shared memory (the first ones)."""
+        return self.num_chunks - self.register_chunks if self.staging == "smem" else 1
 
     @property
     def threads_per_block(self) -> int:
@@ -144,8 +152,8 @@ class RowConfig:
 
     def staging_smem_bytes(self, bytes_per_col: int) -> int:
         """Shared memory holding the staged row tiles of all staged tensors."""
-        chunks = self.num_chunks if self.staging == "smem" else 1
-        return self.rows_per_block * self.cols_per_chunk * chunks * bytes_per_col * self.stages
+        return self.rows_per_block * self.cols_per_chunk * self.smem_chunks * bytes_per_col \
+            * self.stages
 
 
 def vector_width(n_cols: int, elem_bytes: int, max_vec: int | None = None) -> int:
@@ -212,6 +220,45 @@ def staging_for(chunks: int, chunk_bytes: int) -> str:
     if chunks * chunk_bytes <= STAGING_SMEM_BYTES:
         return "smem"
     return "global"
+
+
+# A softmax share staged in shared memory holds its last chunk in registers instead
+# (RowConfig.register_chunks: loaded straight there, kept in its own dtype) where that
+# lets two CTAs share an SM (the rest staged within TWO_CTA_STAGING_BYTES), and a forward
+# share otherwise re-read from global memory is staged so wherever the rest fits. H200,
+# kernels alone, softmax / log_softmax, % of the copy ceiling (benchmarks/sweep_softmax.py
+# --register-chunks, results/softmax_register_chunks_sweep_H200_20261130.txt and
+# held_chunk_backward_norm_sweep_H200_20261130.txt):
+# - fp32 512x262144 forward 89.1 / 89.0 -> 93.2 / 93.6 (128 -> 96 KiB staged), backward
+#   84.9 / 84.2 -> 97.4 / 97.3;
+# - fp32 128x1048576 forward 69.2 / 69.1 -> 72.2 / 75.2 (staged instead of re-read);
+# - fp32 1024x131072 backward (8 CTAs) 96.0 -> 100.7 (softmax only).
+# The forward's 16-CTA clusters lost with two CTAs per SM (fp32 256x524288 79.6 -> 77.8,
+# softmax only), so the forward holds a chunk for that only on smaller clusters (its
+# re-read rows, on 16, gained). Where the rest still took the SM alone it did not pay: bf16 128x1048576 forward 71.2 /
+# 71.6 -> 71.9 / 72.6 (112 KiB), bf16 512x262144 backward 86.7 / 77.7 -> 82.8 / 76.0 (120
+# KiB); nor did two or three chunks held (bf16 1M forward at 99 KiB, two CTAs per SM:
+# 68.1%, 128 registers). A held chunk is at most HELD_CHUNK_BYTES_PER_THREAD (the 32
+# values measured) so that it never spills. The norm forward did not gain (RMSNorm fp32
+# 512x262144 88.9% with its early columns, 88.8% with a held chunk instead).
+TWO_CTA_STAGING_BYTES = 100 * 1024
+HELD_CHUNK_BYTES_PER_THREAD = 128
+
+
+def with_held_chunk(cfg: RowConfig, bytes_per_col: int, full_clusters_too: bool) -> RowConfig:
+    """``cfg`` with its last chunk held in registers where that pays (see
+    TWO_CTA_STAGING_BYTES); ``full_clusters_too``: also for two CTAs per SM on clusters
+    of MAX_CLUSTER_SIZE CTAs (the backward; the forward lost there)."""
+    held_bytes = cfg.vec * cfg.vecs_per_thread * bytes_per_col
+    if cfg.staging == "registers" or cfg.stages > 1 or held_bytes > HELD_CHUNK_BYTES_PER_THREAD:
+        return cfg
+    held = dataclasses.replace(cfg, staging="smem", register_chunks=1)
+    staged = held.staging_smem_bytes(bytes_per_col)
+    if cfg.staging == "global":
+        return held if staged <= STAGING_SMEM_BYTES else cfg
+    if cfg.cluster_size == MAX_CLUSTER_SIZE and not full_clusters_too:
+        return cfg
+    return held if staged <= TWO_CTA_STAGING_BYTES < cfg.staging_smem_bytes(bytes_per_col) else cfg
 
 
 def row_config(n_cols: int, elem_bytes: int, staged_tensors: int = 1,
@@ -611,6 +658,7 @@ class ColumnSumConfig:
     threads_per_block: int = COLUMN_SUM_THREADS
     cluster_size: int = 1
     staging: str = "registers"
+    register_chunks: int = 0  # (the RowConfig fields the resource report prints)
 
     @property
     def width(self) -> int:

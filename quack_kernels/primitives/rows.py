@@ -204,13 +204,16 @@ class RowTiles:
         self.tidx = tidx
         self.staged = staged
         self.smem_tiles = []
-        chunks_in_smem = cfg.num_chunks if cfg.staging == "smem" else 1
+        # (tensor index, chunk) -> raw values of a register chunk (cfg.register_chunks)
+        self.held = {}
+        assert cfg.register_chunks == 0 or (cfg.staging == "smem" and cfg.stages == 1), \
+            "register chunks: one staging buffer of a share in shared memory"
         for mX in staged:
             if cutlass.const_expr(cfg.staging != "global"):
                 self.smem_tiles.append(
                     smem.allocate_tensor(
                         mX.element_type,
-                        cute.make_ordered_layout((*tiler, chunks_in_smem, cfg.stages),
+                        cute.make_ordered_layout((*tiler, cfg.smem_chunks, cfg.stages),
                                                  order=(1, 0, 2, 3)),
                         byte_alignment=16,
                     )
@@ -273,7 +276,12 @@ class RowTiles:
     def _gmem_tile(self, mX, chunk: int):
         return cute.local_tile(mX, tiling.chunk_tiler(self.cfg), (self.block_row, self.chunk_index(chunk)))
 
+    def in_registers(self, chunk: int) -> bool:
+        """Whether ``chunk`` is held in registers rather than staged (cfg.register_chunks)."""
+        return self.cfg.staging == "smem" and chunk >= self.cfg.smem_chunks
+
     def _smem_slot(self, i: int, chunk: int):
+        assert not self.in_registers(chunk), "a register chunk has no staging buffer"
         slot = chunk if self.cfg.staging == "smem" else 0
         return self.smem_tiles[i][None, None, slot, self.stage]
 
@@ -282,7 +290,7 @@ class RowTiles:
         """cp.async commit groups one ``issue_loads`` makes (one per staged chunk)."""
         if self.cfg.staging == "global":
             return 0
-        return self.cfg.num_chunks if self.cfg.staging == "smem" else 1
+        return self.cfg.smem_chunks
 
     @cute.jit
     def issue_loads(self):
@@ -291,7 +299,8 @@ class RowTiles:
         row, so the number of groups in flight is known at compile time. In "global"
         staging nothing is staged and values() loads directly. Each thread later reads
         back only what it copied, so a buffer is free again for this thread's next copy
-        once it has read it: no block barrier."""
+        once it has read it: no block barrier. Register chunks are loaded last (their
+        values are used last), straight into registers."""
         cfg = self.cfg
         if cutlass.const_expr(cfg.staging != "global"):
             for c in cutlass.range_constexpr(self.load_groups):
@@ -302,6 +311,25 @@ class RowTiles:
                     if self.row_in_bounds:
                         cute.copy(self.copy_g2s[i], tXgX, tXsX, pred=self.preds[c])
                 cute.arch.cp_async_commit_group()
+            for c in cutlass.range_constexpr(cfg.num_chunks):
+                if cutlass.const_expr(self.in_registers(c)):
+                    for i, _ in enumerate(self.staged):
+                        # past the row end: the pad, as a staged chunk reads there
+                        self.held[i, c] = self._read_global(
+                            i, c, 0.0 if self.pad is None else self.pad)
+
+    @cute.jit
+    def _read_global(self, i: cutlass.Constexpr[int], chunk: cutlass.Constexpr[int],
+                     fill: cutlass.Constexpr) -> cute.TensorSSA:
+        """Staged tensor ``i``'s values of ``chunk`` in its own dtype, read from global
+        memory; ``fill`` past the row end and in rows past M."""
+        thr = self.copy_vec[i].get_slice(self.tidx)
+        tXgX = thr.partition_S(self._gmem_tile(self.staged[i], chunk))
+        tXrX = cute.make_fragment_like(tXgX)
+        tXrX.fill(fill)
+        if self.row_in_bounds:
+            cute.copy(self.copy_vec[i], tXgX, tXrX, pred=self.preds[chunk])
+        return tXrX.load()
 
     def stage_columns(self, smem, mV: cute.Tensor) -> cute.Tensor:
         """This CTA's columns of the per-column vector ``mV`` (N,), every chunk, copied
@@ -349,7 +377,7 @@ class RowTiles:
         """Wait until this thread's copies of ``chunk`` have landed; with two staging
         buffers the next row block's loads (issued after this block's, see begin_block)
         may stay in flight."""
-        if cutlass.const_expr(self.cfg.staging != "global"):
+        if cutlass.const_expr(self.cfg.staging != "global" and not self.in_registers(chunk)):
             prefetched = self.load_groups if self.cfg.stages == 2 else 0
             cute.arch.cp_async_wait_group(self.load_groups - 1 - chunk + prefetched)
             if cutlass.const_expr(self.pad is not None):
@@ -363,21 +391,21 @@ class RowTiles:
         ``fill`` when given (else unspecified). ``mask_rows``: rows past M read as 0
         (the staging buffer of a row never loaded may hold anything, NaN included)."""
         cfg = self.cfg
-        mX = self.staged[i]
-        thr = self.copy_vec[i].get_slice(self.tidx)
-        tXgX = thr.partition_S(self._gmem_tile(mX, chunk))
-        tXrX = cute.make_fragment_like(tXgX)
         if cutlass.const_expr(cfg.staging == "global"):
-            tXrX.fill(0)
-            if self.row_in_bounds:
-                cute.copy(self.copy_vec[i], tXgX, tXrX, pred=self.preds[chunk])
-        elif cutlass.const_expr(mask_rows):
-            tXrX.fill(0)
-            if self.row_in_bounds:
-                cute.autovec_copy(thr.partition_S(self._smem_slot(i, chunk)), tXrX)
+            x = self._read_global(i, chunk, 0.0).to(Float32)
+        elif cutlass.const_expr(self.in_registers(chunk)):
+            assert not mask_rows, "a register chunk's rows past M read as the pad"
+            x = self.held[i, chunk].to(Float32)
         else:
-            cute.autovec_copy(thr.partition_S(self._smem_slot(i, chunk)), tXrX)
-        x = tXrX.load().to(Float32)
+            thr = self.copy_vec[i].get_slice(self.tidx)
+            tXrX = cute.make_fragment_like(thr.partition_S(self._gmem_tile(self.staged[i], chunk)))
+            if cutlass.const_expr(mask_rows):
+                tXrX.fill(0)
+                if self.row_in_bounds:
+                    cute.autovec_copy(thr.partition_S(self._smem_slot(i, chunk)), tXrX)
+            else:
+                cute.autovec_copy(thr.partition_S(self._smem_slot(i, chunk)), tXrX)
+            x = tXrX.load().to(Float32)
         if cutlass.const_expr(fill is not None and cfg.needs_col_predicate):
             if cutlass.const_expr(self.pad is None):
                 x = tiling.mask_out_of_row(x, self.coords[chunk], cfg.n_cols, fill)
