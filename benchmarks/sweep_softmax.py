@@ -58,6 +58,9 @@ def parse_args(argv):
     p.add_argument("--kib", type=ints, default=[16, 32, 64], help="row KiB per CTA")
     p.add_argument("--tpr", type=ints, default=[256], help="max threads per row")
     p.add_argument("--log", action="store_true", help="log_softmax instead of softmax")
+    p.add_argument("--op-config", action="store_true",
+                   help="the op's own share (ops.softmax.forward_config / backward_config) "
+                        "instead of --vpt/--kib/--tpr; --register-chunks still applies")
     add_wide_cluster_option(p)
     add_register_chunks_option(p)
     return p.parse_args(argv)
@@ -88,15 +91,20 @@ def variants(n, elem_bytes, staged, args, own_choice=lambda cfg: cfg):
     seen = set()
     for vpt, kib, tpr, held in itertools.product(args.vpt, args.kib, args.tpr,
                                                  args.register_chunks):
-        cfg = row_config(n, elem_bytes, staged, values_per_thread=vpt,
-                         cta_row_bytes=kib * 1024, max_threads_per_row=tpr)
+        if getattr(args, "op_config", False):
+            cfg = dataclasses.replace(own_choice(None), register_chunks=0)
+        else:
+            cfg = row_config(n, elem_bytes, staged, values_per_thread=vpt,
+                             cta_row_bytes=kib * 1024, max_threads_per_row=tpr)
         if held is None:
             cfg = own_choice(cfg)
         elif held:
             if held >= cfg.num_chunks or cfg.staging == "registers":
                 continue
             cfg = dataclasses.replace(cfg, staging="smem", register_chunks=held)
-        if cfg in seen or cfg.staging_smem_bytes(elem_bytes * staged) > SMEM_BYTES_PER_CTA - 4096:
+        # (the op's own share may stage fewer tensors: compile_kernel refuses what won't fit)
+        too_big = cfg.staging_smem_bytes(elem_bytes * staged) > SMEM_BYTES_PER_CTA - 4096
+        if cfg in seen or (too_big and not getattr(args, "op_config", False)):
             continue
         seen.add(cfg)
         yield vpt, kib, tpr, cfg
@@ -113,8 +121,12 @@ def main(argv=None):
         for direction in args.direction:
             backward = direction == "bwd"
             staged = 2 if backward else 1
-            own_choice = (lambda cfg: cfg) if backward else \
-                (lambda cfg: config.with_held_chunk(cfg, eb, full_clusters_too=False))
+            if args.op_config:
+                config_for = ops.backward_config if backward else ops.forward_config
+                own_choice = lambda _: config_for(n, dtype)  # noqa: E731
+            else:
+                own_choice = (lambda cfg: cfg) if backward else \
+                    (lambda cfg: config.with_held_chunk(cfg, eb, full_clusters_too=False))
             for vpt, kib, tpr, cfg in variants(n, eb, staged, args, own_choice):
                 try:
                     if backward:

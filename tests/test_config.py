@@ -63,9 +63,9 @@ def test_wide_cluster_shares_move_to_eight_ctas_unless_looping():
 
 
 def test_softmax_holds_a_chunk_in_registers_where_two_ctas_then_fit():
-    """config.with_held_chunk: one chunk held where the rest of the share leaves room for
-    two CTAs per SM, or replaces a forward re-read from global memory; not where the SM
-    would still hold one CTA, nor for shares already small."""
+    """config.with_held_chunk: the fewest chunks held that leave room for two CTAs per
+    SM, or one replacing a forward re-read from global memory; not on the forward's
+    16-CTA clusters, nor for shares already small."""
     from quack_kernels.ops.softmax import backward_config, forward_config
 
     def held(config_for, n, dtype):
@@ -75,10 +75,10 @@ def test_softmax_holds_a_chunk_in_registers_where_two_ctas_then_fit():
     assert held(forward_config, 262144, torch.float32) == ("smem", 1)  # 128 -> 96 KiB
     assert held(backward_config, 262144, torch.float32) == ("smem", 1)  # y, dy: 128 -> 96
     assert held(forward_config, 1 << 20, torch.float32) == ("smem", 1)  # 192 KiB staged
-    assert held(forward_config, 1 << 20, torch.bfloat16) == ("smem", 0)  # 112 KiB: one CTA
+    assert held(forward_config, 1 << 20, torch.bfloat16) == ("smem", 0)  # 16 CTAs, forward
     assert held(forward_config, 524288, torch.float32) == ("smem", 0)  # 16 CTAs, forward
     assert held(backward_config, 131072, torch.float32) == ("smem", 1)  # 8 CTAs
-    assert held(backward_config, 262144, torch.bfloat16) == ("smem", 0)  # 120 KiB: one CTA
+    assert held(backward_config, 262144, torch.bfloat16) == ("smem", 2)  # 128 -> 96 KiB
     assert held(forward_config, 262144, torch.bfloat16) == ("smem", 0)  # 32-KiB shares
     assert held(forward_config, 131072, torch.float32) == ("registers", 0)
     assert held(forward_config, 1 << 21, torch.float32) == ("global", 0)  # 448 KiB left
@@ -86,6 +86,9 @@ def test_softmax_holds_a_chunk_in_registers_where_two_ctas_then_fit():
         cfg = forward_config(n, dtype)
         assert cfg.staging_smem_bytes(4) == cfg.cols_per_chunk * (cfg.num_chunks - 1) * 4
         assert cfg.vec * cfg.vecs_per_thread * 4 <= config.HELD_CHUNK_BYTES_PER_THREAD
+    cfg = backward_config(262144, torch.bfloat16)  # y and dy: two 64-byte chunks per thread
+    assert 2 * cfg.vec * cfg.vecs_per_thread * 4 <= config.HELD_CHUNK_BYTES_PER_THREAD
+    assert cfg.staging_smem_bytes(4) <= config.TWO_CTA_STAGING_BYTES
 
 
 def test_staging_paths_for_large_rows():

@@ -222,8 +222,8 @@ def staging_for(chunks: int, chunk_bytes: int) -> str:
     return "global"
 
 
-# A softmax share staged in shared memory holds its last chunk in registers instead
-# (RowConfig.register_chunks: loaded straight there, kept in its own dtype) where that
+# A softmax share staged in shared memory holds its last chunks in registers instead
+# (RowConfig.register_chunks: loaded straight there, kept in their own dtype) where that
 # lets two CTAs share an SM (the rest staged within TWO_CTA_STAGING_BYTES), and a forward
 # share otherwise re-read from global memory is staged so wherever the rest fits. H200,
 # kernels alone, softmax / log_softmax, % of the copy ceiling (benchmarks/sweep_softmax.py
@@ -232,33 +232,50 @@ def staging_for(chunks: int, chunk_bytes: int) -> str:
 # - fp32 512x262144 forward 89.1 / 89.0 -> 93.2 / 93.6 (128 -> 96 KiB staged), backward
 #   84.9 / 84.2 -> 97.4 / 97.3;
 # - fp32 128x1048576 forward 69.2 / 69.1 -> 72.2 / 75.2 (staged instead of re-read);
-# - fp32 1024x131072 backward (8 CTAs) 96.0 -> 100.7 (softmax only).
+# - fp32 1024x131072 backward (8 CTAs) 96.0 -> 100.7 (softmax only);
+# - bf16 512x262144 backward (8 CTAs, two 16-KiB chunks of y and dy held) 90.0 / 82.9 ->
+#   97.1 / 97.2 (three chunks: 96.1 / 98.3);
+# - bf16 256x524288 (softmax, default shares, two chunks held): forward on 8 CTAs 80.1 ->
+#   84.7, backward on 16 CTAs 80.6 -> 94.4.
 # The forward's 16-CTA clusters lost with two CTAs per SM (fp32 256x524288 79.6 -> 77.8,
 # softmax only), so the forward holds a chunk for that only on smaller clusters (its
 # re-read rows, on 16, gained). Where the rest still took the SM alone it did not pay: bf16 128x1048576 forward 71.2 /
 # 71.6 -> 71.9 / 72.6 (112 KiB), bf16 512x262144 backward 86.7 / 77.7 -> 82.8 / 76.0 (120
 # KiB); nor did two or three chunks held (bf16 1M forward at 99 KiB, two CTAs per SM:
-# 68.1%, 128 registers). A held chunk is at most HELD_CHUNK_BYTES_PER_THREAD (the 32
-# values measured) so that it never spills. The norm forward did not gain (RMSNorm fp32
+# 68.1%, 128 registers), nor the bf16 1M backward (y and dy staged with 2-4 chunks held
+# instead of dy re-read: 69.0 / 67.8 -> 69.1-73.2 / 69.7-78.2, at 200-255 registers).
+# The held chunks are at most HELD_CHUNK_BYTES_PER_THREAD (as measured) so that they
+# never spill. The norm forward did not gain (RMSNorm fp32
 # 512x262144 88.9% with its early columns, 88.8% with a held chunk instead).
 TWO_CTA_STAGING_BYTES = 100 * 1024
 HELD_CHUNK_BYTES_PER_THREAD = 128
+# ... and such kernels are compiled for two CTAs of 256 threads per SM (RowKernel.launch):
+# left to itself the compiler took up to 159 registers (fp16 softmax of 524288 columns),
+# which keeps one CTA per SM.
+HELD_CHUNK_REGISTERS = 128
 
 
 def with_held_chunk(cfg: RowConfig, bytes_per_col: int, full_clusters_too: bool) -> RowConfig:
-    """``cfg`` with its last chunk held in registers where that pays (see
-    TWO_CTA_STAGING_BYTES); ``full_clusters_too``: also for two CTAs per SM on clusters
-    of MAX_CLUSTER_SIZE CTAs (the backward; the forward lost there)."""
-    held_bytes = cfg.vec * cfg.vecs_per_thread * bytes_per_col
-    if cfg.staging == "registers" or cfg.stages > 1 or held_bytes > HELD_CHUNK_BYTES_PER_THREAD:
+    """``cfg`` with its last chunks held in registers where that pays (see
+    TWO_CTA_STAGING_BYTES): the fewest that bring the rest within TWO_CTA_STAGING_BYTES,
+    or one for a share otherwise re-read; ``full_clusters_too``: also for two CTAs per SM
+    on clusters of MAX_CLUSTER_SIZE CTAs (the backward; the forward lost there)."""
+    chunk_bytes = cfg.vec * cfg.vecs_per_thread * bytes_per_col  # per thread
+    if cfg.staging == "registers" or cfg.stages > 1:
         return cfg
-    held = dataclasses.replace(cfg, staging="smem", register_chunks=1)
-    staged = held.staging_smem_bytes(bytes_per_col)
     if cfg.staging == "global":
-        return held if staged <= STAGING_SMEM_BYTES else cfg
-    if cfg.cluster_size == MAX_CLUSTER_SIZE and not full_clusters_too:
+        held = dataclasses.replace(cfg, staging="smem", register_chunks=1)
+        fits = chunk_bytes <= HELD_CHUNK_BYTES_PER_THREAD \
+            and held.staging_smem_bytes(bytes_per_col) <= STAGING_SMEM_BYTES
+        return held if fits else cfg
+    if cfg.cluster_size == MAX_CLUSTER_SIZE and not full_clusters_too \
+            or cfg.staging_smem_bytes(bytes_per_col) <= TWO_CTA_STAGING_BYTES:
         return cfg
-    return held if staged <= TWO_CTA_STAGING_BYTES < cfg.staging_smem_bytes(bytes_per_col) else cfg
+    for chunks in range(1, HELD_CHUNK_BYTES_PER_THREAD // chunk_bytes + 1):
+        held = dataclasses.replace(cfg, register_chunks=chunks)
+        if chunks < cfg.num_chunks and held.staging_smem_bytes(bytes_per_col) <= TWO_CTA_STAGING_BYTES:
+            return held
+    return cfg
 
 
 def row_config(n_cols: int, elem_bytes: int, staged_tensors: int = 1,

@@ -26,7 +26,8 @@ from cutlass import Boolean, Float32, Int32, Int64
 
 from . import reduce as red
 from . import tiling
-from .config import LOOP_REGS_PER_THREAD, RowConfig, loop_ctas_per_sm, sums_in_registers
+from .config import (HELD_CHUNK_REGISTERS, LOOP_REGS_PER_THREAD, RowConfig, loop_ctas_per_sm,
+                     sums_in_registers)
 
 
 def broadcast_rows(mV: cute.Tensor, num_rows, n_cols: int) -> cute.Tensor:
@@ -112,15 +113,19 @@ class RowKernel:
         (default one block per rows_per_block rows). A looping grid is sized for
         ``ctas_per_sm`` resident CTAs, so the compiler is held to the registers that
         many need (a CTA that does not fit would run as a second, mostly idle wave); a
-        one-block launch only where the kernel sets ``block_registers``."""
+        one-block launch only where the kernel sets ``block_registers``, or holds chunks
+        in registers (HELD_CHUNK_REGISTERS)."""
         cfg = self.cfg
         occupancy = {}
+        registers = self.block_registers
+        if registers is None and cfg.register_chunks:
+            registers = HELD_CHUNK_REGISTERS
         # carveout given so that the DSL does not query a device for it (CPU builds)
         if grid_rows is None:
             grid_rows = cute.ceil_div(num_rows, cfg.rows_per_block)
-            if self.block_registers is not None:
+            if registers is not None:
                 occupancy = dict(min_blocks_per_mp=loop_ctas_per_sm(
-                    cfg, self.smem_bytes(), self.block_registers), preferred_smem_carveout=100)
+                    cfg, self.smem_bytes(), registers), preferred_smem_carveout=100)
         else:
             occupancy = dict(min_blocks_per_mp=self.ctas_per_sm(), preferred_smem_carveout=100)
         kernel.launch(
