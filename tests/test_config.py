@@ -294,7 +294,7 @@ def test_layer_norm_forward_of_x_alone_takes_wider_shares():
     assert layer_res.cluster_size == norm_ops.forward_config(
         16384, True, bf16, bf16, True, bf16, bf16).cluster_size
     # rows up to 16 KiB are the same either way; the capped 16-CTA rows share their
-    # cluster and CTA share, RMSNorm's in chunks of RMS_WIDE_SHARE_VALUES per thread
+    # cluster and CTA share, RMSNorm's in chunks of WIDE_SHARE_VALUES per thread
     assert norm_ops.forward_config(4096, False, bf16, bf16, False, bf16, bf16, bf16) == \
         norm_ops.forward_config(4096, True, bf16, bf16, False, bf16, bf16)
     wide_layer = norm_ops.forward_config(262144, False, bf16, bf16, False, bf16, bf16, bf16)
@@ -302,7 +302,7 @@ def test_layer_norm_forward_of_x_alone_takes_wider_shares():
     assert (wide_layer.cluster_size, wide_layer.cols_per_cta) == \
         (wide_rms.cluster_size, wide_rms.cols_per_cta) == (16, 16384)
     assert (wide_layer.vec * wide_layer.vecs_per_thread,
-            wide_rms.vec * wide_rms.vecs_per_thread) == (16, config.RMS_WIDE_SHARE_VALUES)
+            wide_rms.vec * wide_rms.vecs_per_thread) == (16, config.WIDE_SHARE_VALUES)
 
 
 def test_norm_forward_keeps_sixteen_cta_clusters_for_mebibyte_rows():
@@ -351,3 +351,20 @@ def test_norm_forward_keeps_long_residual_rows_in_registers(rms, x_dtype, r_dtyp
     for n in (first - 8, most + 8):
         assert cfg(n) != ruled(n)
     assert cfg(most, residual=False).staging != "registers"
+
+
+def test_softmax_forward_takes_wide_values_for_wide_16bit_shares():
+    """config.wide_16bit_share: 16-bit softmax rows whose 16-CTA shares outgrow
+    CTA_ROW_BYTES take WIDE_SHARE_VALUES per thread where staged; rows of 256 KiB,
+    misaligned or fp32 rows, and rows re-read from global memory keep the default."""
+    from quack_kernels.ops.softmax import forward_config
+
+    def values(n, dtype=torch.bfloat16, max_vec=None):
+        cfg = forward_config(n, dtype, max_vec)
+        return cfg.vec * cfg.vecs_per_thread
+
+    assert values(262144) == values(200000) == config.WIDE_SHARE_VALUES
+    assert values(262144, torch.float16) == config.WIDE_SHARE_VALUES
+    assert values(131072) == values(262144, max_vec=4) == 16
+    assert values(262144, torch.float32) == 32  # fp32's own default
+    assert values(1 << 21) == 16 and forward_config(1 << 21, torch.bfloat16).staging == "global"

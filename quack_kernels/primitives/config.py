@@ -470,16 +470,25 @@ RESIDUAL_REGISTER_ROW_BYTES = 1024 * 1024
 RESIDUAL_REGISTER_VALUES = 128  # per thread, over both staged tensors
 RESIDUAL_REGISTER_MAX_COLS = \
     MAX_CLUSTER_SIZE * MAX_THREADS_PER_ROW * RESIDUAL_REGISTER_VALUES // 2
-# An RMSNorm forward of 16-bit x alone, every tensor 16-bit and read in whole 16-byte
-# vectors (measured only so: not with an fp32 weight or output, nor misaligned), whose
-# 16-CTA shares outgrow CTA_ROW_BYTES takes 32 values per thread (half the chunks of the
-# share). H200, kernel alone (results/kernel_ab_rms_forward_values_H200_20261130.txt):
+# An RMSNorm or softmax forward of one 16-bit tensor staged alone and read in whole
+# 16-byte vectors (measured only so: not misaligned), whose 16-CTA shares outgrow
+# CTA_ROW_BYTES, takes 32 values per thread (half the chunks of the share).
+# RMSNorm, H200, kernel alone (results/kernel_ab_rms_forward_values_H200_20261130.txt):
 # bf16 512x262144 85.2% -> 88.3%, 656x200000 75.2% -> 81.2%, fp16 512x262144 85.7% ->
 # 88.4%; first seen in benchmarks/sweep_norm_forward.py (results/norm_forward_values_
 # sweep_H200_20261130.txt). Shorter rows were the same within 0.3 points (2048x65536,
 # 8192x16384); LayerNorm lost with it (8192x16384 91.1% -> 86.5%, 512x262144 74.5% ->
-# 72.7%).
-RMS_WIDE_SHARE_VALUES = 32
+# 72.7%). Softmax / log_softmax, each twice (results/softmax_wide_share_values_H200_
+# 20261130.txt): bf16 512x262144 93.4, 92.9 / 87.8, 87.5% -> 92.6, 92.9 / 92.2, 92.2%;
+# fp16 85.0, 84.7 / 88.6, 88.1% -> 93.2, 92.9 / 93.5, 93.5% (softmax shares re-read from
+# global memory keep their default: not measured).
+WIDE_SHARE_VALUES = 32
+
+
+def wide_16bit_share(n_cols: int, bytes_per_col: int, access_bytes: int) -> bool:
+    """Whether one 16-bit tensor read ``access_bytes`` at a time takes WIDE_SHARE_VALUES."""
+    return bytes_per_col == 2 and access_bytes == ACCESS_BYTES \
+        and n_cols * bytes_per_col > MAX_CLUSTER_SIZE * CTA_ROW_BYTES
 
 
 def keeps_residual_in_registers(staged_tensors: int, n_cols: int, bytes_per_col: int) -> bool:
@@ -494,14 +503,13 @@ def norm_forward_share(rms: bool, staged_tensors: int, n_cols: int, bytes_per_co
     """(CTA row bytes, whether to keep 16-CTA clusters, values per thread or None for
     the default) of a norm forward whose widest tensor is read ``access_bytes`` at a
     time (see LAYER_NORM_CTA_ROW_BYTES, RESIDUAL_REGISTER_ROW_BYTES and
-    RMS_WIDE_SHARE_VALUES)."""
+    WIDE_SHARE_VALUES)."""
     if not rms and staged_tensors == 1:
         return LAYER_NORM_CTA_ROW_BYTES, True, None
     if keeps_residual_in_registers(staged_tensors, n_cols, bytes_per_col):
         return CTA_ROW_BYTES, True, RESIDUAL_REGISTER_VALUES
-    if staged_tensors == 1 and bytes_per_col == 2 and access_bytes == ACCESS_BYTES \
-            and n_cols * bytes_per_col > MAX_CLUSTER_SIZE * CTA_ROW_BYTES:
-        return CTA_ROW_BYTES, False, RMS_WIDE_SHARE_VALUES
+    if staged_tensors == 1 and wide_16bit_share(n_cols, bytes_per_col, access_bytes):
+        return CTA_ROW_BYTES, False, WIDE_SHARE_VALUES
     return CTA_ROW_BYTES, False, None
 
 
