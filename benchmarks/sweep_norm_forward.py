@@ -70,7 +70,7 @@ def main(argv=None):
             bias = None if rms else torch.randn(n, device="cuda", dtype=dtype)
         for vpt, kib, tpr, cfg in variants(n, eb, staged, args):
             if args.staging == "global" and cfg.num_chunks > 1:
-                cfg = dataclasses.replace(cfg, staging="global")
+                cfg = dataclasses.replace(cfg, staging="global", register_chunks=0)
             label = (f"{args.norm:5s} {name:5s} {mn:>12s} res={residual} vpt={vpt:3d} "
                      f"kib={kib:3d} tpr={tpr:4d} "
                      f"cl={cfg.cluster_size:2d} thr={cfg.threads_per_row:4d} "

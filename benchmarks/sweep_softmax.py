@@ -10,6 +10,7 @@ flush before each call) and its copy ceiling.
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import sys
 
@@ -84,6 +85,14 @@ def apply_wide_cluster_option(args):
         config.WIDE_CLUSTER_SHARE_BYTES = float("inf")
 
 
+def held_as_the_op_holds(cfg, bytes_per_col, backward):
+    """The chunks ops.softmax would hold of ``cfg`` (a backward re-read from global
+    memory holds none: its op stages y alone there instead)."""
+    if backward and cfg.staging == "global":
+        return cfg
+    return config.with_held_chunk(cfg, bytes_per_col, full_clusters_too=backward)
+
+
 def variants(n, elem_bytes, staged, args, own_choice=lambda cfg: cfg):
     """(vpt, kib, tpr, cfg) of each distinct config the options ask for; ``own_choice``
     maps a share to the op's default (its register chunks) where --register-chunks
@@ -104,7 +113,11 @@ def variants(n, elem_bytes, staged, args, own_choice=lambda cfg: cfg):
             cfg = dataclasses.replace(cfg, staging="smem", register_chunks=held)
         # (the op's own share may stage fewer tensors: compile_kernel refuses what won't fit)
         too_big = cfg.staging_smem_bytes(elem_bytes * staged) > SMEM_BYTES_PER_CTA - 4096
-        if cfg in seen or (too_big and not getattr(args, "op_config", False)):
+        if too_big and getattr(args, "op_config", False) and not held:
+            cfg = dataclasses.replace(cfg, staging="global")  # the share before it was held
+        elif too_big and not getattr(args, "op_config", False):
+            continue
+        if cfg in seen:
             continue
         seen.add(cfg)
         yield vpt, kib, tpr, cfg
@@ -125,8 +138,8 @@ def main(argv=None):
                 config_for = ops.backward_config if backward else ops.forward_config
                 own_choice = lambda _: config_for(n, dtype)  # noqa: E731
             else:
-                own_choice = (lambda cfg: cfg) if backward else \
-                    (lambda cfg: config.with_held_chunk(cfg, eb, full_clusters_too=False))
+                own_choice = functools.partial(held_as_the_op_holds, bytes_per_col=eb * staged,
+                                               backward=backward)
             for vpt, kib, tpr, cfg in variants(n, eb, staged, args, own_choice):
                 try:
                     if backward:

@@ -163,7 +163,8 @@ def main(argv=None) -> int:
                 flag = "  <-- SPILL" if spills(res) else ""
                 flag += "  <-- WARPSYNC" if res["warp_syncs"] else ""
                 # "smem+1r": a share in shared memory holding 1 chunk in registers
-                stage = cfg.staging + (f"+{cfg.register_chunks}r" if cfg.register_chunks else "")
+                held = getattr(cfg, "register_chunks", 0)  # (RowConfig only)
+                stage = cfg.staging + (f"+{held}r" if held else "")
                 print(f"{name:18s} {str(dtype).replace('torch.', ''):9s} {n:8d} {cfg.threads_per_block:5d} "
                       f"{cfg.cluster_size:4d} {stage:>9s} {res['regs']:5d} {res['static_smem']:8d} "
                       f"{kernel.smem_bytes():8d} {res['stack']:6d} {res['local']:6d} "

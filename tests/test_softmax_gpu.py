@@ -83,24 +83,31 @@ def test_rows_of_16_and_32_warps(n, dtype, threads):
         check_backward(dx, y, dy, log)
 
 
-@pytest.mark.parametrize("n, dtype", [(1 << 20, torch.bfloat16), (1000003, torch.bfloat16),
-                                      (262144, torch.float32), (131073, torch.float16),
-                                      (100000, torch.bfloat16), (4097, torch.float32)])
-def test_register_chunks(n, dtype):
+@pytest.mark.parametrize("n, dtype, threads", [
+    (1 << 20, torch.bfloat16, None), (1000003, torch.bfloat16, None),
+    (262144, torch.float32, None), (131073, torch.float16, None),
+    (131080, torch.bfloat16, None), (100000, torch.bfloat16, None),
+    (4097, torch.float32, None), (2048, torch.float32, 32)])
+def test_register_chunks(n, dtype, threads):
     """Shares holding their last chunks in registers (RowConfig.register_chunks), on
     poisoned outputs: aligned and ragged rows (the pad past the row end, vectors of one
-    value), -inf values and a row whose only finite value is in a held chunk; the
-    backward (y and dy held) where its share is staged."""
+    value, 131080: the row ends inside a held chunk of 16-byte vectors), four rows per
+    block (2048 on 32 threads: rows past M in the last block), -inf values and a row
+    whose only finite value is in a held chunk; the backward (y and dy held) where its
+    share is staged (not 1M and 1000003 16-bit: y and dy are re-read there)."""
     eb = torch.finfo(dtype).bits // 8
 
     def held(staged_tensors):
-        staged = row_config(n, eb, staged_tensors, values_per_thread=8 if n < 65536 else None)
+        staged = row_config(n, eb, staged_tensors, values_per_thread=8 if n < 65536 else None,
+                            max_threads_per_row=threads)
         return dataclasses.replace(staged, register_chunks=max(1, staged.num_chunks // 4)), \
             staged.staging == "smem"
 
     fwd_cfg, _ = held(1)
     bwd_cfg, bwd_staged = held(2)
     assert fwd_cfg.staging == "smem" and fwd_cfg.smem_chunks >= 1, fwd_cfg
+    assert bwd_staged == (n < 1000000)
+    assert (fwd_cfg.rows_per_block > 1) == (threads is not None)
     x = fresh((5, n), dtype)
     x[1] = -float("inf")
     x[1, n - 1] = 2.0

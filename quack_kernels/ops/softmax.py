@@ -36,7 +36,9 @@ def forward_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None) 
     cfg = share()
     if wide_16bit_share(n_cols, elem, cfg.vec * elem):
         wide = share(values_per_thread=WIDE_SHARE_VALUES)
-        cfg = wide if wide.staging == "smem" else cfg
+        # (only where it halves the chunks: rows whose shares already take more values
+        # per thread, past MAX_CHUNKS_PER_SHARE chunks, keep them)
+        cfg = wide if wide.staging == "smem" and wide.num_chunks < cfg.num_chunks else cfg
     return with_held_chunk(cfg, elem, full_clusters_too=False)
 
 

@@ -231,7 +231,8 @@ def staging_for(chunks: int, chunk_bytes: int) -> str:
 # held_chunk_backward_norm_sweep_H200_20261130.txt):
 # - fp32 512x262144 forward 89.1 / 89.0 -> 93.2 / 93.6 (128 -> 96 KiB staged), backward
 #   84.9 / 84.2 -> 97.4 / 97.3;
-# - fp32 128x1048576 forward 69.2 / 69.1 -> 72.2 / 75.2 (staged instead of re-read);
+# - fp32 128x1048576 forward 69.2 / 69.1 -> 72.2 / 75.2 (staged instead of re-read; 68.9
+#   / 69.0 -> 69.9 / 70.4 on a later machine);
 # - fp32 1024x131072 backward (8 CTAs) 96.0 -> 100.7 (softmax only);
 # - bf16 512x262144 backward (8 CTAs, two 16-KiB chunks of y and dy held) 90.0 / 82.9 ->
 #   97.1 / 97.2 (three chunks: 96.1 / 98.3);
@@ -249,9 +250,9 @@ def staging_for(chunks: int, chunk_bytes: int) -> str:
 # 512x262144 88.9% with its early columns, 88.8% with a held chunk instead).
 TWO_CTA_STAGING_BYTES = 100 * 1024
 HELD_CHUNK_BYTES_PER_THREAD = 128
-# ... and such kernels are compiled for two CTAs of 256 threads per SM (RowKernel.launch):
-# left to itself the compiler took up to 159 registers (fp16 softmax of 524288 columns),
-# which keeps one CTA per SM.
+# ... and such kernels are compiled for at most 128 registers per thread (RowKernel.launch),
+# two CTAs of 256 threads per SM where shared memory allows: left to itself the compiler
+# took up to 159 registers (fp16 softmax of 524288 columns), which keeps one CTA per SM.
 HELD_CHUNK_REGISTERS = 128
 
 
@@ -264,8 +265,11 @@ def with_held_chunk(cfg: RowConfig, bytes_per_col: int, full_clusters_too: bool)
     if cfg.staging == "registers" or cfg.stages > 1:
         return cfg
     if cfg.staging == "global":
+        # (as measured: whole 16-byte vectors, within the chunks a staged share may have)
         held = dataclasses.replace(cfg, staging="smem", register_chunks=1)
         fits = chunk_bytes <= HELD_CHUNK_BYTES_PER_THREAD \
+            and cfg.vec * bytes_per_col == ACCESS_BYTES \
+            and held.smem_chunks <= MAX_CHUNKS_PER_SHARE \
             and held.staging_smem_bytes(bytes_per_col) <= STAGING_SMEM_BYTES
         return held if fits else cfg
     if cfg.cluster_size == MAX_CLUSTER_SIZE and not full_clusters_too \
@@ -683,7 +687,6 @@ class ColumnSumConfig:
     threads_per_block: int = COLUMN_SUM_THREADS
     cluster_size: int = 1
     staging: str = "registers"
-    register_chunks: int = 0  # (the RowConfig fields the resource report prints)
 
     @property
     def width(self) -> int:

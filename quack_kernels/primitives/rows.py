@@ -320,21 +320,9 @@ class RowTiles:
                 if cutlass.const_expr(self.in_registers(c)):
                     for i, _ in enumerate(self.staged):
                         # past the row end: the pad, as a staged chunk reads there
-                        self.held[i, c] = self._read_global(
-                            i, c, 0.0 if self.pad is None else self.pad)
-
-    @cute.jit
-    def _read_global(self, i: cutlass.Constexpr[int], chunk: cutlass.Constexpr[int],
-                     fill: cutlass.Constexpr) -> cute.TensorSSA:
-        """Staged tensor ``i``'s values of ``chunk`` in its own dtype, read from global
-        memory; ``fill`` past the row end and in rows past M."""
-        thr = self.copy_vec[i].get_slice(self.tidx)
-        tXgX = thr.partition_S(self._gmem_tile(self.staged[i], chunk))
-        tXrX = cute.make_fragment_like(tXgX)
-        tXrX.fill(fill)
-        if self.row_in_bounds:
-            cute.copy(self.copy_vec[i], tXgX, tXrX, pred=self.preds[chunk])
-        return tXrX.load()
+                        self.held[i, c] = self.load(
+                            self.staged[i], c, fill=0.0 if self.pad is None else self.pad,
+                            raw=True)
 
     def stage_columns(self, smem, mV: cute.Tensor) -> cute.Tensor:
         """This CTA's columns of the per-column vector ``mV`` (N,), every chunk, copied
@@ -397,7 +385,7 @@ class RowTiles:
         (the staging buffer of a row never loaded may hold anything, NaN included)."""
         cfg = self.cfg
         if cutlass.const_expr(cfg.staging == "global"):
-            x = self._read_global(i, chunk, 0.0).to(Float32)
+            x = self.load(self.staged[i], chunk)
         elif cutlass.const_expr(self.in_registers(chunk)):
             assert not mask_rows, "a register chunk's rows past M read as the pad"
             x = self.held[i, chunk].to(Float32)
@@ -477,11 +465,12 @@ class RowTiles:
 
     @cute.jit
     def load(self, mX: cute.Tensor, chunk, fill: cutlass.Constexpr = 0.0,
-             guard_rows: cutlass.Constexpr[bool] = True) -> cute.TensorSSA:
-        """fp32 values of an unstaged (M, N) tensor (or a ``broadcast_rows`` vector, with
-        ``guard_rows=False``) in ``chunk`` (an int, or a runtime index), read straight
-        from global memory; vectors past the row end (and rows past M when guarded)
-        read as ``fill``."""
+             guard_rows: cutlass.Constexpr[bool] = True,
+             raw: cutlass.Constexpr[bool] = False) -> cute.TensorSSA:
+        """fp32 values (``raw``: in mX's own dtype) of an unstaged (M, N) tensor (or a
+        ``broadcast_rows`` vector, with ``guard_rows=False``) in ``chunk`` (an int, or a
+        runtime index), read straight from global memory; vectors past the row end (and
+        rows past M when guarded) read as ``fill``."""
         atom = tiling.vector_copy_atom(mX.element_type, self.cfg)
         tiled = tiling.tiled_copy(atom, self.cfg)
         thr = tiled.get_slice(self.tidx)
@@ -495,7 +484,7 @@ class RowTiles:
                 cute.copy(tiled, tXgX, tXrX, pred=self.chunk_predicate(chunk))
         else:
             cute.copy(tiled, tXgX, tXrX, pred=self.chunk_predicate(chunk))
-        return tXrX.load().to(Float32)
+        return tXrX.load() if cutlass.const_expr(raw) else tXrX.load().to(Float32)
 
     def accumulator(self, smem, chunk: int, in_registers: bool) -> cute.Tensor:
         """fp32 per-column sums of this thread's values in ``chunk`` that live across
