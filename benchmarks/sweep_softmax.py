@@ -98,9 +98,10 @@ def variants(n, elem_bytes, staged, args, own_choice=lambda cfg: cfg):
     maps a share to the op's default (its register chunks) where --register-chunks
     leaves them to the op."""
     seen = set()
+    op_config = getattr(args, "op_config", False)  # (the norm sweep has no such option)
     for vpt, kib, tpr, held in itertools.product(args.vpt, args.kib, args.tpr,
                                                  args.register_chunks):
-        if getattr(args, "op_config", False):
+        if op_config:
             cfg = dataclasses.replace(own_choice(None), register_chunks=0)
         else:
             cfg = row_config(n, elem_bytes, staged, values_per_thread=vpt,
@@ -113,9 +114,9 @@ def variants(n, elem_bytes, staged, args, own_choice=lambda cfg: cfg):
             cfg = dataclasses.replace(cfg, staging="smem", register_chunks=held)
         # (the op's own share may stage fewer tensors: compile_kernel refuses what won't fit)
         too_big = cfg.staging_smem_bytes(elem_bytes * staged) > SMEM_BYTES_PER_CTA - 4096
-        if too_big and getattr(args, "op_config", False) and not held:
+        if too_big and op_config and not held:
             cfg = dataclasses.replace(cfg, staging="global")  # the share before it was held
-        elif too_big and not getattr(args, "op_config", False):
+        elif too_big and not op_config:
             continue
         if cfg in seen:
             continue

@@ -240,14 +240,15 @@ def staging_for(chunks: int, chunk_bytes: int) -> str:
 #   84.7, backward on 16 CTAs 80.6 -> 94.4.
 # The forward's 16-CTA clusters lost with two CTAs per SM (fp32 256x524288 79.6 -> 77.8,
 # softmax only), so the forward holds a chunk for that only on smaller clusters (its
-# re-read rows, on 16, gained). Where the rest still took the SM alone it did not pay: bf16 128x1048576 forward 71.2 /
-# 71.6 -> 71.9 / 72.6 (112 KiB), bf16 512x262144 backward 86.7 / 77.7 -> 82.8 / 76.0 (120
-# KiB); nor did two or three chunks held (bf16 1M forward at 99 KiB, two CTAs per SM:
-# 68.1%, 128 registers), nor the bf16 1M backward (y and dy staged with 2-4 chunks held
-# instead of dy re-read: 69.0 / 67.8 -> 69.1-73.2 / 69.7-78.2, at 200-255 registers).
-# The held chunks are at most HELD_CHUNK_BYTES_PER_THREAD (as measured) so that they
-# never spill. The norm forward did not gain (RMSNorm fp32
-# 512x262144 88.9% with its early columns, 88.8% with a held chunk instead).
+# re-read rows, on 16, gained). Where the rest still took the SM alone it did not pay:
+# bf16 128x1048576 forward 71.2 / 71.6 -> 71.9 / 72.6 (112 KiB), bf16 512x262144 backward
+# 86.7 / 77.7 -> 82.8 / 76.0 (120 KiB); nor did two or three chunks held on the forward's
+# 16-CTA clusters (bf16 1M at 99 KiB: 68.1%, 128 registers), nor the bf16 1M backward (y
+# and dy staged with 2-4 chunks held instead of dy re-read: 69.0 / 67.8 -> 69.1-73.2 /
+# 69.7-78.2, at 200-255 registers). The held chunks are at most
+# HELD_CHUNK_BYTES_PER_THREAD (as measured) so that they never spill. The norm forward
+# did not gain (RMSNorm fp32 512x262144 88.9% with its early columns, 88.8% with a held
+# chunk instead).
 TWO_CTA_STAGING_BYTES = 100 * 1024
 HELD_CHUNK_BYTES_PER_THREAD = 128
 # ... and such kernels are compiled for at most 128 registers per thread (RowKernel.launch),
@@ -275,9 +276,10 @@ def with_held_chunk(cfg: RowConfig, bytes_per_col: int, full_clusters_too: bool)
     if cfg.cluster_size == MAX_CLUSTER_SIZE and not full_clusters_too \
             or cfg.staging_smem_bytes(bytes_per_col) <= TWO_CTA_STAGING_BYTES:
         return cfg
-    for chunks in range(1, HELD_CHUNK_BYTES_PER_THREAD // chunk_bytes + 1):
+    # (at least one chunk stays staged)
+    for chunks in range(1, min(HELD_CHUNK_BYTES_PER_THREAD // chunk_bytes, cfg.num_chunks - 1) + 1):
         held = dataclasses.replace(cfg, register_chunks=chunks)
-        if chunks < cfg.num_chunks and held.staging_smem_bytes(bytes_per_col) <= TWO_CTA_STAGING_BYTES:
+        if held.staging_smem_bytes(bytes_per_col) <= TWO_CTA_STAGING_BYTES:
             return held
     return cfg
 
