@@ -59,6 +59,24 @@ def test_public_function_matches_torch(combo):
     assert_close(ours_x.grad, ref_x.grad, torch.float32, name="grad")
 
 
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_create_graph_gives_the_gradient_and_refuses_a_second_order(reduction):
+    """backward with create_graph=True and an upstream gradient that itself requires
+    grad: the first-order gradient as torch's, and differentiating it again raises (the
+    fused gradient is not differentiable) instead of a silent None or a wrong second
+    derivative."""
+    x, target, _ = make_case()
+    ours_x, ref_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ours, ref = qk.cross_entropy(ours_x, target, reduction=reduction), \
+        F.cross_entropy(ref_x, target, reduction=reduction)
+    upstream = (torch.rand_like(ref) + 0.5).requires_grad_()
+    (grad,) = torch.autograd.grad(ours, ours_x, upstream, create_graph=True)
+    (ref_grad,) = torch.autograd.grad(ref, ref_x, upstream)
+    assert_close(grad, ref_grad, torch.float32, name="grad")
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad.square().sum().backward()
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("inplace", [False, True])

@@ -212,12 +212,11 @@ def test_backward_fast_and_rescaled_paths(reduction, inplace, dtype):
 @pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_plain_backward_moves_no_gradient_bytes(monkeypatch, reduction, weighted):
-    """On CUDA too (the mean's 1 / denominator computed as a reciprocal in the forward
-    and as a division in the backward): helpers.check_plain_backward_rescales_no_row,
-    through the CUDA rescale."""
+    """On CUDA too (the backward compares the reduced loss's upstream gradient with 1):
+    helpers.check_plain_backward_rescales_no_row, through the CUDA rescale's launch."""
     x, target = fresh(64, 4096, torch.bfloat16)
     weight = torch.rand(4096, device="cuda") + 0.5 if weighted else None
-    check_plain_backward_rescales_no_row(monkeypatch, "_cross_entropy_rescale_grad_cuda",
+    check_plain_backward_rescales_no_row(monkeypatch, "_rescale_launch",
                                          x, target, weight, reduction)
 
 
@@ -314,9 +313,9 @@ def test_loss_reduced_in_the_kernel(monkeypatch, m, v, dtype, options):
     CTAs of short rows (the most rows the kernel reduces, and one more), streamed rows
     split over a cluster, staged weights; against
     torch in fp64 and the op path's reduction of the row losses, bitwise the same on a
-    second call, NaN / 0 when every target is ignored. The row stats it reads back and
-    its result from poisoned blocks, so a row read before its CTA's write was visible,
-    or a result never written, shows."""
+    second call (the stream's ticket reused: zeroed by the last CTA), NaN / 0 when every
+    target is ignored. The row stats it reads back and its result from poisoned blocks,
+    so a row read before its CTA's write was visible, or a result never written, shows."""
     calls = []
     monkeypatch.setattr(ops, "reduced_loss_cuda",
                         lambda *a: calls.append(a[7]) or REDUCED_LOSS_CUDA(*a))  # (reduction)
@@ -343,6 +342,8 @@ def test_loss_reduced_in_the_kernel(monkeypatch, m, v, dtype, options):
         poison_allocator(stats_like, lse_like, word, word)
         assert torch.equal(ours, qk.cross_entropy(x, target, weight, reduction=reduction, **kw))
         assert ours.shape == () and lse.shape == (m,)
+        # each stream's ticket is zeroed again by the launch's last CTA, ready for the next
+        assert all(int(t.view(torch.int32)[0]) == 0 for t in ops._tickets.values())
     leaf, xr = x.clone().requires_grad_(), x.double().requires_grad_()
     trained = qk.cross_entropy(leaf, target, weight, **kw)
     trained.backward()
@@ -407,33 +408,50 @@ def test_torch_compile_fullgraph():
             assert_close(a.grad, ar.grad, torch.bfloat16, scale=2.0)
 
 
-def test_cuda_graph_capture():
+@pytest.mark.parametrize("cold_constants", [False, True])
+def test_cuda_graph_capture(monkeypatch, cold_constants):
+    """Captured after a warm-up; ``cold_constants``: with the cached ticket and unit
+    scales dropped first, so the capture is their first use (they must not be cached
+    then: a tensor made during capture is filled only at replay). An eager step after
+    the replays checks the same."""
     x, target = fresh(128, 50257, torch.bfloat16)
     static_x = x.clone().requires_grad_()
 
-    def step():
-        loss = qk.cross_entropy(static_x, target, label_smoothing=0.1)
+    def step(**options):
+        loss = qk.cross_entropy(static_x, target, **options)
         (grad,) = torch.autograd.grad(loss, static_x)
         return loss, grad
+
+    def check(loss, grad, inputs, **options):
+        xr = inputs.double().requires_grad_()
+        ref = F.cross_entropy(xr, target, **options)
+        ref.backward()
+        assert_close(loss, ref, LOSS_TOL, scale=LOSS_SCALE)
+        assert_close(grad, xr.grad, torch.bfloat16, scale=2.0)
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        step()  # compile and warm up outside the capture
+        step(label_smoothing=0.1)  # compile and warm up outside the capture
+        step()
+        if cold_constants:
+            monkeypatch.setattr(ops, "_tickets", {})
+            monkeypatch.setattr(ops, "_units", {})
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, stream=s):
-            loss, grad = step()
+            smoothed = step(label_smoothing=0.1)
+            plain = step()  # (the mean reduced in the kernel: its ticket)
     torch.cuda.current_stream().wait_stream(s)
+    assert not ops._units and not ops._tickets if cold_constants else ops._units
     new_x, _ = fresh(128, 50257, torch.bfloat16, seed=1)
     with torch.no_grad():
         static_x.copy_(new_x)
-    g.replay()
+    for _ in range(2):
+        g.replay()
     torch.cuda.synchronize()
-    xr = new_x.double().requires_grad_()
-    ref = F.cross_entropy(xr, target, label_smoothing=0.1)
-    ref.backward()
-    assert_close(loss, ref, LOSS_TOL, scale=LOSS_SCALE)
-    assert_close(grad, xr.grad, torch.bfloat16, scale=2.0)
+    check(*smoothed, new_x, label_smoothing=0.1)
+    check(*plain, new_x)
+    check(*step(), new_x)
 
 
 def test_more_than_2_31_elements():

@@ -120,6 +120,13 @@ def vector_limit(*rows: torch.Tensor) -> int:
     return max(1, limit)
 
 
+def alignment_key(rows: torch.Tensor) -> tuple:
+    """What vector_limit reads of a (M, N) tensor besides its dtype, cheaply: the base
+    pointer and the row stride modulo 16 (every access width divides 16 elements) and
+    whether the stride matters (more than one row). Keys launch caches."""
+    return rows.data_ptr() % 16, rows.stride(0) % 16, rows.shape[0] > 1
+
+
 def kernel_key(name: str, *parts) -> tuple:
     return (name, target_arch(), *parts)
 
@@ -135,6 +142,7 @@ __all__ = [
     "flat",
     "rows_view",
     "vector_limit",
+    "alignment_key",
     "kernel_key",
     "compiled",
     "cutlass_dtype",

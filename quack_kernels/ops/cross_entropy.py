@@ -54,6 +54,7 @@ from ..primitives.config import (
     with_prefetch,
 )
 from .common import (
+    alignment_key,
     as_rows,
     check_gpu,
     compiled,
@@ -320,6 +321,66 @@ def _check_grad_scale(grad_scale: Optional[Tensor], logits: Tensor, name: str = 
 
 
 # ----------------------------------------------------------------------------- CUDA
+# Launch plans and the reduction's tickets, looked up by what decides them: a repeated
+# call skips the config, flag, compile-cache and residency lookups (about 50 us of
+# Python per call on the H200's host, where a training step is host-bound up to
+# M x C = 2^27).
+_forward_plans: dict = {}
+_rescale_plans: dict = {}
+_tickets: dict = {}
+_units: dict = {}
+
+
+def _forward_plan(rows: Tensor, target: Tensor, grad_out: Tensor, weighted: bool,
+                  stage_weight: bool, smoothing: bool, zloss: bool, softcap: float,
+                  write_grad: bool, reduce: str):
+    """(compiled kernel, config of a looping kernel or None, its resident row blocks)."""
+    key = (rows.shape[1], rows.dtype, target.dtype, rows.device.index, *alignment_key(rows),
+           *alignment_key(grad_out), weighted, stage_weight, smoothing, zloss, softcap,
+           write_grad, reduce)
+    plan = _forward_plans.get(key)
+    if plan is None:
+        cfg = forward_config(rows.shape[1], rows.dtype, stage_weight, write_grad,
+                             vector_limit(rows, grad_out), softcap != 0.0)
+        flags = kernel_flags(cfg, weighted=weighted, smoothing=smoothing, zloss=zloss,
+                             softcap=softcap, write_grad=write_grad, reduce=reduce)
+        fn = compile_forward(cfg, rows.dtype, target.dtype, **flags)
+        kernel = forward_kernel_object(cfg, rows.dtype, **flags)
+        plan = (fn, None, None)
+        if kernel.loops:
+            plan = (fn, cfg, resident_row_blocks(kernel, rows.device))
+        _forward_plans[key] = plan
+    return plan
+
+
+def _grid_ticket(device: torch.device) -> Tensor:
+    """The zeroed int32 word (as fp32) a reducing launch counts its CTAs in: one per
+    stream, reused (the kernel's last CTA zeroes it again, see RowKernel.ends_last_cta).
+    A graph being captured gets its own, so that no replay shares one with eager
+    launches (a tensor made during the capture is zeroed by each replay)."""
+    make = functools.partial(torch.zeros, 1, dtype=torch.float32, device=device)
+    if torch.cuda.is_current_stream_capturing():
+        return make()
+    key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))
+    ticket = _tickets.get(key)
+    if ticket is None:
+        ticket = _tickets[key] = make()
+    return ticket
+
+
+def _unit(dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A 0-d 1 of ``dtype`` on ``device``: the upstream gradient a gradient is computed
+    for (expanded to one per row), made once per CUDA device outside torch.compile and
+    CUDA-graph capture (a tensor made during a capture is filled only by its replays)."""
+    cached = device.type == "cuda" and not torch.compiler.is_compiling()
+    unit = _units.get((dtype, device.index)) if cached else None
+    if unit is None:
+        unit = torch.ones((), dtype=dtype, device=device)
+        if cached and not torch.cuda.is_current_stream_capturing():
+            _units[(dtype, device.index)] = unit
+    return unit
+
+
 def _launch(rows: Tensor, target: Tensor, weight: Optional[Tensor], stats: Tensor, lse: Tensor,
             grad: Optional[Tensor], grad_scale: Optional[Tensor], ignore_index: int,
             label_smoothing: float, lse_square_scale: float, softcap: float,
@@ -329,9 +390,8 @@ def _launch(rows: Tensor, target: Tensor, weight: Optional[Tensor], stats: Tenso
     only), scaled per row by ``grad_scale`` (None: 1). With ``reduce`` "sum" or "mean",
     ``reduced`` (a 0-d fp32 tensor) receives the loss reduced over the rows."""
     assert (reduced is None) == (reduce == "none"), "a reduced loss needs its tensor"
-    loss, row_weight = stats
+    loss, row_weight = stats.unbind(0)
     check_gpu(rows)
-    n_cols = rows.shape[1]
     smoothing = label_smoothing != 0.0
     stage_weight = weight is not None and smoothing
     if weight is not None:
@@ -339,22 +399,19 @@ def _launch(rows: Tensor, target: Tensor, weight: Optional[Tensor], stats: Tenso
         if stage_weight and weight.data_ptr() % 16:
             weight = weight.clone()
     if grad is not None and grad_scale is None:
-        grad_scale = torch.ones_like(loss)
+        grad_scale = _unit(torch.float32, rows.device).expand(rows.shape[0])
     target = target.contiguous()
     grad_out = rows if grad is None else grad
-    cfg = forward_config(n_cols, rows.dtype, stage_weight, grad is not None,
-                         vector_limit(rows, grad_out), softcap != 0.0)
-    flags = kernel_flags(cfg, weighted=weight is not None, smoothing=smoothing,
-                         zloss=lse_square_scale != 0.0, softcap=softcap,
-                         write_grad=grad is not None, reduce=reduce)
-    fn = compile_forward(cfg, rows.dtype, target.dtype, **flags)
-    kernel = forward_kernel_object(cfg, rows.dtype, **flags)
-    grid_rows = loop_grid_rows(cfg, rows.shape[0], resident_row_blocks(kernel, rows.device)) \
-        if kernel.loops else rows.shape[0]  # (unused without the loop)
+    fn, loop_cfg, resident = _forward_plan(rows, target, grad_out, weight is not None,
+                                           stage_weight, smoothing, lse_square_scale != 0.0,
+                                           softcap, grad is not None, reduce)
+    # (a grid of one row block per CTA ignores grid_rows)
+    grid_rows = rows.shape[0] if loop_cfg is None else \
+        loop_grid_rows(loop_cfg, rows.shape[0], resident)
     # fp32 vectors the variant does not read (no weights, no gradient, no reduction) are
-    # filled by loss; the reduction's ticket is one fp32 0 the kernel counts in as int32
+    # filled by loss
     reduced_out, ticket = (loss, loss) if reduced is None else \
-        (reduced.view(1), torch.zeros(1, dtype=torch.float32, device=rows.device))
+        (reduced.view(1), _grid_ticket(rows.device))
     fn(rows, target, loss if weight is None else weight, loss, row_weight, lse, grad_out,
        loss if grad_scale is None else grad_scale, reduced_out, ticket, ignore_index,
        label_smoothing, lse_square_scale, abs(softcap) if softcap else 1.0, grid_rows)
@@ -515,9 +572,18 @@ def _cross_entropy_rescale_grad_cuda(grad, target, dloss, held, ignore_index):
     _check_rescale_inputs(grad, target, dloss, held)
     if grad.shape[0] > 0:
         check_gpu(grad)
+        _rescale_launch(grad, target.contiguous(), dloss, held, ignore_index)
+
+
+def _rescale_launch(grad: Tensor, target: Tensor, dloss: Tensor, held: Tensor,
+                    ignore_index: int) -> None:
+    """The rescale kernel on checked inputs (the autograd backward's own, or the op's)."""
+    key = (grad.shape[1], grad.dtype, target.dtype, grad.device.index, *alignment_key(grad))
+    fn = _rescale_plans.get(key)
+    if fn is None:
         cfg = rescale_config(grad.shape[1], grad.dtype, vector_limit(grad))
-        fn = compile_rescale(cfg, grad.dtype, target.dtype)
-        fn(grad, target.contiguous(), dloss, held, ignore_index)
+        fn = _rescale_plans[key] = compile_rescale(cfg, grad.dtype, target.dtype)
+    fn(grad, target, dloss, held, ignore_index)
 
 
 @cross_entropy_rescale_grad_.register_fake
@@ -562,11 +628,11 @@ class CrossEntropyFunction(torch.autograd.Function):
     forward computes the gradient for the upstream gradient a plain backward() of the
     result gives each row: 1 / denominator for a mean (as torch's DivBackward computes
     it, so that the two compare equal), 1 for a sum or per-row losses. The backward
-    rescales only the rows where the actual upstream gradient differs, so in the
-    expected case it moves no gradient bytes. The reduction happens here rather than
-    in autograd-recorded torch ops, which saves the host two autograd nodes per step
-    (eagerly, where config.ce_reduces_in_kernel, in the kernel: reduced_loss_cuda).
-    lse is not differentiable."""
+    rescales only the rows where the actual upstream gradient of the result differs
+    from 1, so in the expected case it moves no gradient bytes. The reduction happens
+    here rather than in autograd-recorded torch ops, which saves the host two autograd
+    nodes per step (eagerly, where config.ce_reduces_in_kernel, in the kernel:
+    reduced_loss_cuda). lse is not differentiable."""
 
     @staticmethod
     def forward(ctx, logits, target, weight, ignore_index, label_smoothing, lse_square_scale,
@@ -581,7 +647,7 @@ class CrossEntropyFunction(torch.autograd.Function):
             held = torch.reciprocal(denominator).expand(num_rows)
         else:
             # (an expanded scalar: the kernels take per-row scales with any stride)
-            held = torch.ones((), dtype=loss_dtype, device=logits.device).expand(num_rows)
+            held = _unit(loss_dtype, logits.device).expand(num_rows)
         options = (ignore_index, label_smoothing, lse_square_scale, softcap)
         reduced = None
         stage_weight = weight is not None and label_smoothing != 0.0
@@ -600,7 +666,8 @@ class CrossEntropyFunction(torch.autograd.Function):
         ctx.ignore_index = ignore_index
         ctx.reduction = reduction
         ctx.inplace = inplace
-        ctx.save_for_backward(grad, target, held, denominator)
+        ctx.loss_dtype = loss_dtype
+        ctx.save_for_backward(grad, target)
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # no zeros for the lse's gradient
         if reduced is not None:
@@ -614,28 +681,45 @@ class CrossEntropyFunction(torch.autograd.Function):
         return (total / denominator if reduction == "mean" else total), lse
 
     @staticmethod
-    @once_differentiable  # (no double backward: an error, not a silent None)
     def backward(ctx, dout, dlse):
-        if dout is None:
-            return (None,) * 10
-        grad, target, held, denominator = ctx.saved_tensors
-        dloss = dout.to(held.dtype)
-        if ctx.reduction == "mean":
-            dloss = (dloss / denominator).expand(held.shape)
-        elif ctx.reduction == "sum":
-            dloss = dloss.expand(held.shape)
-        if torch.compiler.is_compiling() or torch._C._autograd._get_current_graph_task_keep_graph():
-            # the graph may run backward again (retain_graph, gradcheck) or is being
-            # traced: leave the saved buffer intact
-            dlogits = rescaled_grad(grad, target, dloss, held, ctx.ignore_index)
-        else:
-            # last use of the buffer: rescale in place and hand it to autograd
-            rescale = _cross_entropy_rescale_grad_cuda if ctx.eager else cross_entropy_rescale_grad_
-            rescale(grad, target, dloss, held, ctx.ignore_index)
-            # in place, the buffer is the logits: as the input tensor itself, autograd
-            # would copy it into the leaf's .grad; a view it takes over
-            dlogits = grad.view_as(grad) if ctx.inplace else grad
-        return dlogits, None, None, None, None, None, None, None, None, None
+        if torch.is_grad_enabled():  # (create_graph: see _once_differentiable_backward)
+            return _once_differentiable_backward(ctx, dout, dlse)
+        return _backward(ctx, dout, dlse)
+
+
+def _backward(ctx, dout, dlse):
+    if dout is None:
+        return (None,) * 10
+    grad, target = ctx.saved_tensors
+    num_rows = grad.shape[0]
+    # the saved gradient is the one for an upstream gradient of 1 on every row's loss
+    # (reduction "none") or on the reduced loss: the rows are rescaled by dout where
+    # it differs from 1
+    dloss = dout.to(ctx.loss_dtype)
+    if ctx.reduction != "none":
+        dloss = dloss.expand(num_rows)
+    held = _unit(ctx.loss_dtype, grad.device).expand(num_rows)
+    if torch.compiler.is_compiling() or torch._C._autograd._get_current_graph_task_keep_graph():
+        # the graph may run backward again (retain_graph, gradcheck) or is being
+        # traced: leave the saved buffer intact
+        dlogits = rescaled_grad(grad, target, dloss, held, ctx.ignore_index)
+    else:
+        # last use of the buffer: rescale in place and hand it to autograd
+        if not ctx.eager:
+            cross_entropy_rescale_grad_(grad, target, dloss, held, ctx.ignore_index)
+        elif num_rows > 0:
+            # (inputs the forward made or checked: no second check)
+            _rescale_launch(grad, target.contiguous(), dloss, held, ctx.ignore_index)
+        # in place, the buffer is the logits: as the input tensor itself, autograd
+        # would copy it into the leaf's .grad; a view it takes over
+        dlogits = grad.view_as(grad) if ctx.inplace else grad
+    return dlogits, None, None, None, None, None, None, None, None, None
+
+
+# A backward with create_graph=True (grad mode on) must not be differentiated again: this
+# backward is not differentiable (an error then, not a silent None); once_differentiable's
+# wrapper costs ~10 us of host time, so only that case pays it.
+_once_differentiable_backward = once_differentiable(_backward)
 
 
 # ------------------------------------------------------------------------ public API

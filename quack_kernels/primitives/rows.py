@@ -63,15 +63,19 @@ class RowKernel:
         """Whether this CTA is the last of the grid to get here, for a grid-wide result
         computed with no second launch: after a CTA barrier over its threads' global
         writes, thread 0 takes a ticket (an acq_rel atomic add on ``ticket``, one int32
-        that is 0 at launch and is left at the grid size: zero it before each launch);
-        the last one sees every other CTA's writes. ``flag``: one int32 of shared
-        memory. Every thread calls it; the result is the same in all of a CTA's."""
+        that is 0 at launch); the last one sees every other CTA's writes and sets the
+        ticket back to 0, so one ticket serves every launch of a stream. ``flag``: one
+        int32 of shared memory. Every thread calls it; the result is the same in all of
+        a CTA's."""
         cute.arch.barrier()
         if cute.arch.thread_idx()[0] == 0:
             cute.arch.fence_acq_rel_gpu()
             grid = cute.arch.grid_dim()
             taken = cute.arch.atomic_add(ticket.iterator, Int32(1), sem="acq_rel", scope="gpu")
-            flag[0] = cutlass.select_(taken == grid[0] * grid[1] * grid[2] - 1, Int32(1), Int32(0))
+            last = taken == grid[0] * grid[1] * grid[2] - 1
+            flag[0] = cutlass.select_(last, Int32(1), Int32(0))
+            if last:
+                ticket[0] = Int32(0)
         cute.arch.barrier()
         return flag[0] == Int32(1)
 
