@@ -152,7 +152,8 @@ def test_short_fp32_rows_take_threads_before_vectors():
 
 def test_norm_forward_loads_columns_early_where_measured():
     """config.norm_forward_early_columns: rows over a cluster, RMSNorm or a registers
-    share, not h kept in registers with its residual."""
+    share, not h kept in registers with its residual, nor shares too wide to hold the
+    weight through the row."""
     from quack_kernels.ops.norm import forward_config
 
     def early(n, rms, dtype, residual=False):
@@ -167,6 +168,9 @@ def test_norm_forward_loads_columns_early_where_measured():
     assert early(65536, True, torch.bfloat16, residual=True)
     assert not early(262144, True, torch.bfloat16, residual=True)  # h kept in registers
     assert not early(1 << 20, True, torch.float32)  # re-read from global memory
+    # more than EARLY_COLUMN_VALUES per thread held through the row (spilled at 1.1M)
+    assert early(400000, True, torch.bfloat16) and not early(524288, True, torch.bfloat16)
+    assert not early(1100000, True, torch.bfloat16)
 
 
 def test_rejects_empty_rows():
@@ -368,3 +372,22 @@ def test_softmax_forward_takes_wide_values_for_wide_16bit_shares():
     assert values(131072) == values(262144, max_vec=4) == 16
     assert values(262144, torch.float32) == 32  # fp32's own default
     assert values(1 << 21) == 16 and forward_config(1 << 21, torch.bfloat16).staging == "global"
+
+
+@pytest.mark.parametrize("n", [200000, 262144, 1_100_000, 1_300_000, 1_600_000, 1 << 21])
+def test_wide_16bit_shares_only_where_they_halve_the_chunks(n):
+    """config.widened_16bit_share, the one rule of RMSNorm (x alone) and softmax: a
+    16-bit share widened to WIDE_SHARE_VALUES per thread only where that stays staged in
+    shared memory with fewer chunks. Past MAX_CHUNKS_PER_SHARE chunks (16-bit rows of
+    1.05M-1.6M columns) the default already takes more values per thread, and rows
+    re-read from global memory keep theirs: there both ops take the default share."""
+    from quack_kernels.ops import norm, softmax
+
+    dt = torch.bfloat16
+    rms = norm.forward_config(n, True, dt, dt, False, dt, dt)
+    default = config.row_config(n, 2, staged_tensors=1)
+    assert rms == softmax.forward_config(n, dt)
+    assert rms.num_chunks <= default.num_chunks
+    widened = rms.vec * rms.vecs_per_thread == config.WIDE_SHARE_VALUES
+    assert widened == (n <= 262144)
+    assert widened or rms == default

@@ -87,6 +87,26 @@ def test_262144_columns(dtype, rms):
     check_backward(dy, h, w, None if rms else mean, rstd, 0.0, rms)
 
 
+@pytest.mark.parametrize("n", [524288, 1100000])
+def test_rms_forward_of_rows_past_the_early_columns(n):
+    """16-bit RMSNorm rows whose shares hold more than EARLY_COLUMN_VALUES per thread
+    (their weight loaded chunk by chunk, not held through the row) and, at 1.1M
+    columns, the default share rather than WIDE_SHARE_VALUES (config.widened_16bit_share):
+    the forward against the fp32 reference from poisoned outputs."""
+    from quack_kernels.primitives import config
+
+    m, dtype = 5, torch.bfloat16
+    cfg = ops.forward_config(n, True, dtype, dtype, False, dtype, dtype)
+    assert not config.norm_forward_early_columns(True, 1, 2, cfg)
+    x, w = fresh((m, n), dtype, 2.0, 0.5), fresh(n, dtype, 0.5, 1.0)
+    stats = torch.empty(m, dtype=torch.float32, device="cuda")
+    poison_allocator(x, stats, stats)
+    y, _, _, rstd = ops.norm_forward(x, w, None, None, 1e-6, 0.0, True, None, None, False)
+    ry, _, _, rrstd = forward_ref(x, w, None, None, 1e-6, 0.0, True)
+    assert_close(y, ry, dtype)
+    assert_close(rstd, rrstd, torch.float32, name="rstd")
+
+
 @pytest.mark.parametrize("mean,std", [(300.0, 1e-3), (-1e4, 1.0), (0.5, 2.0)])
 def test_layer_norm_statistics_of_rows_far_from_zero(mean, std):
     """LayerNorm of x alone on rows a cluster merges as (count, mean, centered sum of

@@ -36,7 +36,7 @@ from ..primitives.config import (
     row_blocks_in_flight,
     row_config,
     sums_in_registers,
-    vector_width,
+    widened_16bit_share,
     with_prefetch,
 )
 from .common import (
@@ -73,18 +73,21 @@ def forward_config(n_cols: int, rms: bool, x_dtype, residual_dtype, has_residual
                    residual_in_dtype=None) -> RowConfig:
     """Vector width from the widest tensor touched per column (a 16-byte access of it);
     staged: x, and the residual (of ``residual_in_dtype``, default the stream's
-    ``residual_dtype``) when given; CTA shares from config.norm_forward_share."""
+    ``residual_dtype``) when given; CTA shares from config.norm_forward_share, RMSNorm's
+    of x alone widened by config.widened_16bit_share."""
     residual_in_dtype = residual_in_dtype or residual_dtype
     staged = [x_dtype, residual_in_dtype] if has_residual else [x_dtype]
     widest = max(_bytes(*staged, residual_dtype if has_residual else None, out_dtype,
                         weight_dtype, bias_dtype))
     bytes_per_col = sum(_bytes(*staged))
-    access_bytes = vector_width(n_cols, widest, max_vec) * widest
     cta_row_bytes, wide_clusters, values_per_thread = norm_forward_share(
-        rms, len(staged), n_cols, bytes_per_col, access_bytes)
-    return row_config(n_cols, widest, staged_tensors=len(staged), bytes_per_col=bytes_per_col,
-                      max_vec=max_vec, values_per_thread=values_per_thread,
-                      cta_row_bytes=cta_row_bytes, wide_clusters=wide_clusters)
+        rms, len(staged), n_cols, bytes_per_col)
+    share = functools.partial(row_config, n_cols, widest, staged_tensors=len(staged),
+                              bytes_per_col=bytes_per_col, max_vec=max_vec,
+                              cta_row_bytes=cta_row_bytes, wide_clusters=wide_clusters)
+    if rms and not has_residual:
+        return widened_16bit_share(share, bytes_per_col, widest)
+    return share(values_per_thread=values_per_thread)
 
 
 @functools.lru_cache(maxsize=None)  # on every call

@@ -11,8 +11,8 @@ from torch import Tensor
 
 from ..kernels.softmax import SoftmaxBackward, SoftmaxForward
 from ..primitives.compile_cache import compile_kernel, fake_rows
-from ..primitives.config import (WIDE_SHARE_VALUES, RowConfig, copies_async, row_config,
-                                 wide_16bit_share, with_held_chunk)
+from ..primitives.config import (RowConfig, copies_async, row_config, widened_16bit_share,
+                                 with_held_chunk)
 from .common import (
     as_rows,
     check_float_dtype,
@@ -29,17 +29,12 @@ from .common import (
 # ----------------------------------------------------------------------------- configs
 @functools.lru_cache(maxsize=None)
 def forward_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None) -> RowConfig:
-    """Wide 16-bit shares in chunks of WIDE_SHARE_VALUES per thread where they are staged
-    (config.wide_16bit_share); chunks held in registers by config.with_held_chunk."""
+    """Wide 16-bit shares in chunks of WIDE_SHARE_VALUES per thread where that halves
+    their staged chunks (config.widened_16bit_share); chunks held in registers by
+    config.with_held_chunk."""
     elem = torch.finfo(dtype).bits // 8
     share = functools.partial(row_config, n_cols, elem, staged_tensors=1, max_vec=max_vec)
-    cfg = share()
-    if wide_16bit_share(n_cols, elem, cfg.vec * elem):
-        wide = share(values_per_thread=WIDE_SHARE_VALUES)
-        # (only where it halves the chunks: rows whose shares already take more values
-        # per thread, past MAX_CHUNKS_PER_SHARE chunks, keep them)
-        cfg = wide if wide.staging == "smem" and wide.num_chunks < cfg.num_chunks else cfg
-    return with_held_chunk(cfg, elem, full_clusters_too=False)
+    return with_held_chunk(widened_16bit_share(share, elem, elem), elem, full_clusters_too=False)
 
 
 @functools.lru_cache(maxsize=None)

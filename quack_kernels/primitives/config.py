@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Callable
 
 # Hopper limits (sm_90): 16 CTAs per cluster with the non-portable attribute,
 # 227 KB of shared memory per CTA, 64K 32-bit registers per SM.
@@ -497,6 +498,21 @@ def wide_16bit_share(n_cols: int, bytes_per_col: int, access_bytes: int) -> bool
         and n_cols * bytes_per_col > MAX_CLUSTER_SIZE * CTA_ROW_BYTES
 
 
+def widened_16bit_share(share: Callable[..., RowConfig], bytes_per_col: int,
+                        access_elem_bytes: int) -> RowConfig:
+    """``share()`` (row_config with the caller's arguments: one staged tensor of
+    ``bytes_per_col``, accessed ``cfg.vec`` elements of ``access_elem_bytes`` at a time),
+    in chunks of WIDE_SHARE_VALUES per thread where wide_16bit_share and where that
+    halves the chunks of a share staged in shared memory: rows whose shares already take
+    more values per thread (past MAX_CHUNKS_PER_SHARE chunks: 16-bit rows of 1.05M-1.6M
+    columns) keep theirs."""
+    cfg = share()
+    if not wide_16bit_share(cfg.n_cols, bytes_per_col, cfg.vec * access_elem_bytes):
+        return cfg
+    wide = share(values_per_thread=WIDE_SHARE_VALUES)
+    return wide if wide.staging == "smem" and wide.num_chunks < cfg.num_chunks else cfg
+
+
 def keeps_residual_in_registers(staged_tensors: int, n_cols: int, bytes_per_col: int) -> bool:
     """Whether a norm forward with a residual keeps h in registers (see
     RESIDUAL_REGISTER_ROW_BYTES)."""
@@ -504,18 +520,16 @@ def keeps_residual_in_registers(staged_tensors: int, n_cols: int, bytes_per_col:
         and n_cols <= RESIDUAL_REGISTER_MAX_COLS
 
 
-def norm_forward_share(rms: bool, staged_tensors: int, n_cols: int, bytes_per_col: int,
-                       access_bytes: int) -> tuple[int, bool, int | None]:
+def norm_forward_share(rms: bool, staged_tensors: int, n_cols: int,
+                       bytes_per_col: int) -> tuple[int, bool, int | None]:
     """(CTA row bytes, whether to keep 16-CTA clusters, values per thread or None for
-    the default) of a norm forward whose widest tensor is read ``access_bytes`` at a
-    time (see LAYER_NORM_CTA_ROW_BYTES, RESIDUAL_REGISTER_ROW_BYTES and
-    WIDE_SHARE_VALUES)."""
+    the default) of a norm forward (see LAYER_NORM_CTA_ROW_BYTES and
+    RESIDUAL_REGISTER_ROW_BYTES; RMSNorm of x alone may widen its share:
+    ops.norm.forward_config)."""
     if not rms and staged_tensors == 1:
         return LAYER_NORM_CTA_ROW_BYTES, True, None
     if keeps_residual_in_registers(staged_tensors, n_cols, bytes_per_col):
         return CTA_ROW_BYTES, True, RESIDUAL_REGISTER_VALUES
-    if staged_tensors == 1 and wide_16bit_share(n_cols, bytes_per_col, access_bytes):
-        return CTA_ROW_BYTES, False, WIDE_SHARE_VALUES
     return CTA_ROW_BYTES, False, None
 
 
@@ -535,11 +549,18 @@ def norm_forward_share(rms: bool, staged_tensors: int, n_cols: int, bytes_per_co
 # for RMSNorm (bf16 512x262144 91.3% -> 78.3%, fp32 85.3% -> 82.8%; LayerNorm fp32
 # gained, 71.5% -> 78.0%, not taken). Rows one CTA holds were not measured, nor rows
 # re-read from global memory (no staged loads to overlap, and every chunk's columns held
-# through both passes spilled: sm_90a, RMSNorm fp32 of 1M columns 200 bytes).
+# through both passes spilled: sm_90a, RMSNorm fp32 of 1M columns 200 bytes), nor
+# shares of more than EARLY_COLUMN_VALUES per thread (the weight held through the row:
+# RMSNorm bf16 of 1.1M columns, 288-320 values, spilled 72-168 bytes at 255 registers;
+# the measured wins above hold 64 or fewer).
+EARLY_COLUMN_VALUES = 128
+
+
 def norm_forward_early_columns(rms: bool, staged_tensors: int, bytes_per_col: int,
                                cfg: RowConfig) -> bool:
     return cfg.cluster_size > 1 and cfg.staging != "global" \
         and (rms or cfg.staging == "registers") \
+        and cfg.cols_per_cta <= EARLY_COLUMN_VALUES * cfg.threads_per_row \
         and not keeps_residual_in_registers(staged_tensors, cfg.n_cols, bytes_per_col)
 
 
