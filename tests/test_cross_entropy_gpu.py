@@ -220,6 +220,35 @@ def test_plain_backward_moves_no_gradient_bytes(monkeypatch, reduction, weighted
                                          x, target, weight, reduction)
 
 
+@pytest.mark.parametrize("m", [1, 37, 4097, 131073])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("target_dtype", [torch.int32, torch.int64])
+def test_mean_denominator_kernel(m, weighted, target_dtype):
+    """kernels.mean_denominator against the torch ops it replaces on the eager path
+    (_mean_denominator, then torch.reciprocal): ignored rows and bad targets (negative,
+    past C: counted, their weight's index clamped), bitwise for a count and for the
+    reciprocal of the same D (IEEE division), within fp32 rounding for summed weights
+    (another order), bitwise the same on a second call; every target ignored gives
+    D = 0 and 1 / D = inf."""
+    v = 1000
+    g = torch.Generator(device="cuda").manual_seed(m)
+    target = torch.randint(0, v, (m,), device="cuda", generator=g)
+    target[::5], target[1::97], target[2::89] = -100, v + 3, -7
+    target = target.to(target_dtype)
+    weight = torch.rand(v, device="cuda", generator=g) + 0.5 if weighted else None
+    den, inverse = ops._mean_denominator_cuda(target, weight, -100)
+    ref = ops._mean_denominator(target, weight, -100, v, torch.float32)
+    if weighted:
+        torch.testing.assert_close(den, ref, rtol=1e-6, atol=0.0)
+    else:
+        assert torch.equal(den, ref)
+    assert torch.equal(inverse, torch.reciprocal(den).view(1))
+    again, _ = ops._mean_denominator_cuda(target, weight, -100)
+    assert torch.equal(den, again)
+    den, inverse = ops._mean_denominator_cuda(torch.full_like(target, -100), weight, -100)
+    assert den.item() == 0.0 and inverse.item() == math.inf
+
+
 @pytest.mark.parametrize("v", [1001, 524288])
 def test_rescale_kernel_matches_cpu_op(v):
     """The CUDA rescale against the CPU op: matching, differing, ignored, bad-target

@@ -36,6 +36,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from ..kernels.cross_entropy import CrossEntropyForward, CrossEntropyGradRescale
+from ..kernels.mean_denominator import MeanDenominator
 from ..primitives.compile_cache import (
     SUPPORTED_DTYPES,
     compile_kernel,
@@ -44,6 +45,7 @@ from ..primitives.compile_cache import (
     fake_vector,
 )
 from ..primitives.config import (
+    MeanDenominatorConfig,
     RowConfig,
     ce_fixed_max,
     ce_reduces_in_kernel,
@@ -168,6 +170,27 @@ def compile_rescale(cfg: RowConfig, dtype: torch.dtype, target_dtype: torch.dtyp
                     lambda: compile_kernel(*rescale_kernel(cfg, dtype, target_dtype)))
 
 
+def mean_denominator_kernel(weighted: bool, target_dtype: torch.dtype):
+    """(kernel object, *fake arguments it compiles against)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    return (
+        MeanDenominator(MeanDenominatorConfig(weighted)),
+        fake_vector(cutlass.Int32 if target_dtype == torch.int32 else cutlass.Int64,
+                    cute.sym_int()),
+        fake_vector(cutlass.Float32, cute.sym_int()),
+        fake_vector(cutlass.Float32, 2),
+        cutlass.Int64(-100),
+    )
+
+
+@functools.lru_cache(maxsize=None)  # on every call: skip building the key
+def compile_mean_denominator(weighted: bool, target_dtype: torch.dtype):
+    return compiled(kernel_key("cross_entropy_mean_denominator", weighted, target_dtype),
+                    lambda: compile_kernel(*mean_denominator_kernel(weighted, target_dtype)))
+
+
 def kernel_flags(cfg: RowConfig, *, weighted: bool, smoothing: bool, zloss: bool,
                  softcap: float, write_grad: bool, reduce: str = "none") -> dict:
     """The compile-time switches of the forward kernel launched with these options
@@ -219,6 +242,10 @@ def report_variants(n_grid, dtypes):
             cfg = rescale_config(n, dtype)
             yield ("xent_rescale", n, dtype, cfg,
                    lambda dtype=dtype, cfg=cfg: rescale_kernel(cfg, dtype, torch.int64))
+    for weighted in (False, True):  # (no row length or logits dtype of its own)
+        yield (f"xent_mean_den{'_w' if weighted else ''}", 0, torch.int64,
+               MeanDenominatorConfig(weighted),
+               lambda weighted=weighted: mean_denominator_kernel(weighted, torch.int64))
 
 
 # -------------------------------------------------------------------------- reference
@@ -623,6 +650,17 @@ def _mean_denominator(target: Tensor, weight: Optional[Tensor], ignore_index: in
     return (weight.to(loss_dtype)[safe] * kept).sum()
 
 
+def _mean_denominator_cuda(target: Tensor, weight: Optional[Tensor],
+                           ignore_index: int) -> tuple[Tensor, Tensor]:
+    """(_mean_denominator, its reciprocal as a (1,) tensor) of CUDA targets, in one
+    launch (kernels.mean_denominator)."""
+    out = torch.empty(2, dtype=torch.float32, device=target.device)
+    fn = compile_mean_denominator(weight is not None, target.dtype)
+    fn(target.contiguous(), out if weight is None else weight.to(torch.float32).contiguous(),
+       out, ignore_index)
+    return out[0], out[1:]
+
+
 class CrossEntropyFunction(torch.autograd.Function):
     """(M, C) logits -> (the loss reduced as ``reduction`` asks, per-row lse). The
     forward computes the gradient for the upstream gradient a plain backward() of the
@@ -641,7 +679,10 @@ class CrossEntropyFunction(torch.autograd.Function):
         loss_dtype = _loss_dtype(logits)
         num_rows = logits.shape[0]
         denominator = None
-        if reduction == "mean":
+        if reduction == "mean" and eager:
+            denominator, inverse = _mean_denominator_cuda(target, weight, ignore_index)
+            held = inverse.expand(num_rows)
+        elif reduction == "mean":
             denominator = _mean_denominator(target, weight, ignore_index, logits.shape[1],
                                             loss_dtype)
             held = torch.reciprocal(denominator).expand(num_rows)

@@ -725,6 +725,22 @@ def column_sum_config(n_cols: int, segments: int) -> ColumnSumConfig:
 
 
 # ------------------------------------------------------------------ cross-entropy
+# The mean's denominator (kernels.mean_denominator): one CTA, its threads each with
+# MEAN_TARGETS_IN_FLIGHT target loads issued before they are added, so that 131072
+# targets (1 MiB of int64) take 32 rounds of loads rather than 256.
+MEAN_DENOMINATOR_THREADS = 512
+MEAN_TARGETS_IN_FLIGHT = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class MeanDenominatorConfig:
+    weighted: bool
+    threads_per_block: int = MEAN_DENOMINATOR_THREADS
+    targets_in_flight: int = MEAN_TARGETS_IN_FLIGHT
+    cluster_size: int = 1  # (fields the resource report prints)
+    staging: str = "registers"
+
+
 # Row bytes per CTA: 32 KiB halves the cluster of long 16-bit rows (131072 bf16 columns:
 # 8 CTAs instead of 16, 57% vs 39% of the copy ceiling loss only, same sweep); the
 # cross-entropy epilogue per row is longer than softmax's, so fewer, fuller CTAs win.

@@ -1,0 +1,72 @@
+"""What a cross-entropy mean divides by, and its reciprocal, in one launch.
+
+Every CTA of the loss kernel scales the gradient rows it writes by 1 / D, D the summed
+class weight of the non-ignored targets (their count without class weights; a target
+outside [0, C) counts, with the weight of its index clamped into range, and makes its
+row's loss NaN). Built from torch ops, D and 1 / D take three launches (a comparison,
+a sum, a reciprocal) whose host time a host-bound training step pays in full; here they
+take one. One CTA adds the targets in an order fixed by its thread count, so the same
+targets give bitwise the same D.
+
+Bytes: the M targets (and the C weights, read where a target points).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int64
+from cutlass.memory import SmemAllocator
+
+from ..primitives import reduce as red
+from ..primitives.config import MeanDenominatorConfig
+
+
+class MeanDenominator:
+    """mOut[0] = D, mOut[1] = 1 / D (IEEE division, as torch.reciprocal) of the targets
+    ``mTarget`` (M,) with fp32 class weights ``mWeight`` (C,), or unweighted when the
+    config says so (mWeight is then only a placeholder)."""
+
+    def __init__(self, cfg: MeanDenominatorConfig):
+        self.cfg = cfg
+
+    def smem_bytes(self) -> int:
+        return self.cfg.threads_per_block // 32 * 4 + 16
+
+    @cute.jit
+    def __call__(self, mTarget: cute.Tensor, mWeight: cute.Tensor, mOut: cute.Tensor,
+                 ignore_index: Int64, stream):
+        self.kernel(mTarget, mWeight, mOut, ignore_index).launch(
+            grid=[1, 1, 1], block=[self.cfg.threads_per_block, 1, 1], smem=self.smem_bytes(),
+            stream=stream)
+
+    @cute.kernel
+    def kernel(self, mTarget: cute.Tensor, mWeight: cute.Tensor, mOut: cute.Tensor,
+               ignore_index: Int64):
+        threads = self.cfg.threads_per_block
+        in_flight = self.cfg.targets_in_flight
+        tidx = cute.arch.thread_idx()[0]
+        scratch = SmemAllocator().allocate_tensor(
+            Float32, cute.make_layout((threads // 32, 1), stride=(1, 1)), byte_alignment=16)
+        num_rows = mTarget.shape[0]
+        last_class = Int64(mWeight.shape[0] - 1)
+        total = Float32(0.0)
+        for first in cutlass.range(tidx, num_rows, threads * in_flight, unroll=1):
+            # independent loads, the index clamped into the targets and masked
+            targets = []
+            for k in cutlass.range_constexpr(in_flight):
+                row = first + k * threads
+                targets.append(Int64(mTarget[cutlass.select_(row < num_rows, row, 0)]))
+            for k in cutlass.range_constexpr(in_flight):
+                kept = (first + k * threads < num_rows) & (targets[k] != ignore_index)
+                if cutlass.const_expr(self.cfg.weighted):
+                    index = cutlass.select_(kept, targets[k], Int64(0))
+                    index = cutlass.select_(index < 0, Int64(0), index)
+                    index = cutlass.select_(index > last_class, last_class, index)
+                    total = total + cutlass.select_(kept, mWeight[index], Float32(0.0))
+                else:
+                    total = total + cutlass.select_(kept, Float32(1.0), Float32(0.0))
+        (total,) = red.block_sum((total,), scratch)
+        if tidx == 0:
+            mOut[0] = total
+            mOut[1] = Float32(1.0) / total
