@@ -151,9 +151,9 @@ def test_short_fp32_rows_take_threads_before_vectors():
 
 
 def test_norm_forward_loads_columns_early_where_measured():
-    """config.norm_forward_early_columns: rows over a cluster, RMSNorm or a registers
-    share, not h kept in registers with its residual, nor shares too wide to hold the
-    weight through the row."""
+    """config.norm_forward_early_columns: RMSNorm, or LayerNorm's registers shares over
+    a cluster; not h kept in registers with its residual, nor shares too wide to hold
+    the weight through the row."""
     from quack_kernels.ops.norm import forward_config
 
     def early(n, rms, dtype, residual=False):
@@ -164,7 +164,8 @@ def test_norm_forward_loads_columns_early_where_measured():
     assert early(262144, True, torch.float32) and early(65536, True, torch.bfloat16)
     assert early(65536, False, torch.float32)  # a LayerNorm share kept in registers
     assert not early(65536, False, torch.bfloat16)  # ... staged in shared memory
-    assert not early(4096, True, torch.float32)  # one CTA holds the row
+    assert early(4096, True, torch.float32)  # one CTA holds the row: RMSNorm only
+    assert not early(4096, False, torch.float32) and not early(1024, False, torch.bfloat16)
     assert early(65536, True, torch.bfloat16, residual=True)
     assert not early(262144, True, torch.bfloat16, residual=True)  # h kept in registers
     assert not early(1 << 20, True, torch.float32)  # re-read from global memory

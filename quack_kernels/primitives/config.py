@@ -547,19 +547,23 @@ def norm_forward_share(rms: bool, staged_tensors: int, n_cols: int,
 # LayerNorm fp32 2048x65536 91.7% -> 93.9%, LayerNorm bf16 (shared memory) 84.8% ->
 # 75.5%; rows kept in registers with their residual (keeps_residual_in_registers) lost
 # for RMSNorm (bf16 512x262144 91.3% -> 78.3%, fp32 85.3% -> 82.8%; LayerNorm fp32
-# gained, 71.5% -> 78.0%, not taken). Rows one CTA holds were not measured, nor rows
-# re-read from global memory (no staged loads to overlap, and every chunk's columns held
+# gained, 71.5% -> 78.0%, not taken). Not for rows re-read from global memory (not
+# measured: no staged loads to overlap, and every chunk's columns held
 # through both passes spilled: sm_90a, RMSNorm fp32 of 1M columns 200 bytes), nor
 # shares of more than EARLY_COLUMN_VALUES per thread (the weight held through the row:
 # RMSNorm bf16 of 1.1M columns, 288-320 values, spilled 72-168 bytes at 255 registers;
-# the measured wins above hold 64 or fewer).
+# the measured wins above hold up to 128: fp32 262144 at 8-CTA clusters).
+# Rows one CTA holds (kernel_ab_norm_early_columns_one_cta_H200_20261201.txt): RMSNorm
+# gains or ties (bf16 32768x4096 92.3% -> 94.0%, fp32 131072x1024 with a residual 93.7%
+# -> 97.2%), LayerNorm bf16 loses 3-3.6 points (90.9% -> 87.3% at 32768x4096), so they
+# load early for RMSNorm only.
 EARLY_COLUMN_VALUES = 128
 
 
 def norm_forward_early_columns(rms: bool, staged_tensors: int, bytes_per_col: int,
                                cfg: RowConfig) -> bool:
-    return cfg.cluster_size > 1 and cfg.staging != "global" \
-        and (rms or cfg.staging == "registers") \
+    return cfg.staging != "global" \
+        and (rms or (cfg.cluster_size > 1 and cfg.staging == "registers")) \
         and cfg.cols_per_cta <= EARLY_COLUMN_VALUES * cfg.threads_per_row \
         and not keeps_residual_in_registers(staged_tensors, cfg.n_cols, bytes_per_col)
 
