@@ -59,6 +59,22 @@ def test_public_function_matches_torch(combo):
     assert_close(ours_x.grad, ref_x.grad, torch.float32, name="grad")
 
 
+def test_fake_tensors_leave_no_cached_unit(monkeypatch):
+    """The cached 1 the gradient is computed for (ops._unit) is made and handed out only
+    for plain eager calls: under FakeTensorMode (tracing, meta analyses) a fake CUDA 1 is
+    made afresh, neither cached for later real calls nor taken from the cache."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    real = torch.ones(())  # stands in for a cached CUDA 1 (this machine has no GPU)
+    monkeypatch.setattr(ops, "_units", {(torch.float32, 0): real})
+    with FakeTensorMode():
+        unit = ops._unit(torch.float32, torch.device("cuda", 0))
+        fresh = ops._unit(torch.bfloat16, torch.device("cuda", 0))
+    assert isinstance(unit, FakeTensor) and unit.device.type == "cuda"
+    assert isinstance(fresh, FakeTensor)
+    assert ops._units == {(torch.float32, 0): real}
+
+
 @pytest.mark.parametrize("reduction", ["none", "mean"])
 def test_create_graph_gives_the_gradient_and_refuses_a_second_order(reduction):
     """backward with create_graph=True and an upstream gradient that itself requires

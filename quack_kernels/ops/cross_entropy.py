@@ -397,13 +397,16 @@ def _grid_ticket(device: torch.device) -> Tensor:
 
 def _unit(dtype: torch.dtype, device: torch.device) -> Tensor:
     """A 0-d 1 of ``dtype`` on ``device``: the upstream gradient a gradient is computed
-    for (expanded to one per row), made once per CUDA device outside torch.compile and
-    CUDA-graph capture (a tensor made during a capture is filled only by its replays)."""
-    cached = device.type == "cuda" and not torch.compiler.is_compiling()
+    for (expanded to one per row), made once per CUDA device for plain eager calls: not
+    under torch.compile or a dispatch mode (a fake tensor must not reach later real
+    calls, nor a real one a fake call), nor during CUDA-graph capture (a tensor made
+    then is filled only by its replays)."""
+    cached = device.type == "cuda" and not torch.compiler.is_compiling() \
+        and not torch._C._len_torch_dispatch_stack()
     unit = _units.get((dtype, device.index)) if cached else None
     if unit is None:
         unit = torch.ones((), dtype=dtype, device=device)
-        if cached and not torch.cuda.is_current_stream_capturing():
+        if cached and type(unit) is torch.Tensor and not torch.cuda.is_current_stream_capturing():
             _units[(dtype, device.index)] = unit
     return unit
 
