@@ -1,6 +1,6 @@
 """sm_90a resource report: compile every kernel variant and read its resource use.
 
-    python -m quack_kernels.report [--quick] [--family softmax ...]
+    python -m quack_kernels.report [--quick] [--family softmax ...] [--jobs N]
 
 Works without a GPU: ``CUTE_DSL_ARCH=sm_90a`` (set by the package on import when no GPU
 is visible, see compile_cache.compile_for_hopper_without_gpu) lets
@@ -9,7 +9,9 @@ is visible, see compile_cache.compile_for_hopper_without_gpu) lets
 kernels call no functions, so a stack frame (STACK > 0) holds spilled registers
 (nvdisasm marks its loads and stores "SpillRefill"), as does local memory (LOCAL > 0);
 ``cuobjdump -sass`` (with ``nvidia-cuda-nvdisasm``) shows any WARPSYNC (see
-warp_syncs). The report exits 1 when it sees a spill or a warp sync.
+warp_syncs). The report exits 1 when it sees a spill or a warp sync. Compiling is
+single-threaded, so ``--jobs`` worker processes (default: the cores, at most 4) share
+the variants.
 """
 
 from __future__ import annotations
@@ -130,13 +132,71 @@ def measure(variants, dump_dir: str, cuobjdump: str):
         yield name, n, dtype, cfg, kernel, res
 
 
+def _variant_lines(args, cuobjdump: str, shard: tuple[int, int]):
+    """(index, spilled, synced, printed line) of every variant of the report whose
+    index (in the report's fixed order) is ``shard[0]`` modulo ``shard[1]``."""
+    import torch
+
+    dtypes = [torch.float32, torch.float16, torch.bfloat16]
+    part, parts = shard
+    first = 0  # index of the family's first variant
+    with tempfile.TemporaryDirectory(prefix="quack_kernels_report_") as dump_dir:
+        for family, (variants, n_grid) in families().items():
+            if args.family and family not in args.family:
+                continue
+            grid = [n for n in n_grid if n in QUICK_N_GRID] if args.quick else n_grid
+            every = list(variants(grid, dtypes))  # (configs only: builds are deferred)
+            mine = [(first + i, v) for i, v in enumerate(every) if (first + i) % parts == part]
+            first += len(every)
+            rows = measure([v for _, v in mine], dump_dir, cuobjdump)
+            for (index, _), (name, n, dtype, cfg, kernel, res) in zip(mine, rows):
+                flag = "  <-- SPILL" if spills(res) else ""
+                flag += "  <-- WARPSYNC" if res["warp_syncs"] else ""
+                # "smem+1r": a share in shared memory holding 1 chunk in registers
+                held = getattr(cfg, "register_chunks", 0)  # (RowConfig only)
+                stage = cfg.staging + (f"+{held}r" if held else "")
+                line = (f"{name:18s} {str(dtype).replace('torch.', ''):9s} {n:8d} "
+                        f"{cfg.threads_per_block:5d} {cfg.cluster_size:4d} {stage:>9s} "
+                        f"{res['regs']:5d} {res['static_smem']:8d} {kernel.smem_bytes():8d} "
+                        f"{res['stack']:6d} {res['local']:6d} {res['warp_syncs']:5d}{flag}")
+                yield index, spills(res) > 0, res["warp_syncs"] > 0, line
+
+
+def _worker_lines(args, jobs: int):
+    """_variant_lines from ``jobs`` worker processes (``--shard k/jobs``), in index
+    order once all are done: compiling is single-threaded, so this divides the wall
+    time by the cores given. Workers write to files (no pipe to fill and stall them)."""
+    argv = (["--quick"] if args.quick else []) + [a for f in args.family or [] for a in ("--family", f)]
+    with tempfile.TemporaryDirectory(prefix="quack_kernels_report_jobs_") as folder:
+        logs = [(open(os.path.join(folder, f"{k}.out"), "w+"),
+                 open(os.path.join(folder, f"{k}.err"), "w+")) for k in range(jobs)]
+        workers = [subprocess.Popen([sys.executable, "-m", "quack_kernels.report", *argv,
+                                     "--jobs", "1", "--shard", f"{k}/{jobs}"],
+                                    stdout=out, stderr=err, text=True)
+                   for k, (out, err) in enumerate(logs)]
+        lines = []
+        for worker, (out, err) in zip(workers, logs):
+            returncode = worker.wait()
+            out.seek(0)
+            err.seek(0)
+            if returncode:
+                raise RuntimeError(f"report worker failed ({returncode}):\n{err.read()[-4000:]}")
+            for record in out.read().splitlines():
+                index, spilled, synced, line = record.split("\t", 3)
+                lines.append((int(index), spilled == "1", synced == "1", line))
+            out.close()
+            err.close()
+    return sorted(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a representative subset of N")
     parser.add_argument("--family", action="append", help="kernel families to report (default: all)")
+    parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1),
+                        help="compiling processes (default: the cores, at most 4)")
+    parser.add_argument("--shard", help=argparse.SUPPRESS)  # "k/n": a worker's share
     args = parser.parse_args(argv)
-
-    import torch
 
     from .primitives.compile_cache import target_arch
 
@@ -144,33 +204,28 @@ def main(argv=None) -> int:
     if cuobjdump is None:
         print("cuobjdump not found: pip install 'nvidia-cuda-cuobjdump>=13.4'", file=sys.stderr)
         return 2
-    dtypes = [torch.float32, torch.float16, torch.bfloat16]
+    if args.shard:  # a worker: one tab-separated record per variant
+        part, parts = map(int, args.shard.split("/"))
+        for index, spilled, synced, line in _variant_lines(args, cuobjdump, (part, parts)):
+            print(f"{index}\t{int(spilled)}\t{int(synced)}\t{line}", flush=True)
+        return 0
     print(f"resource report for {target_arch()} (registers/thread, shared memory/block in bytes)")
     print(f"{'kernel':18s} {'dtype':9s} {'N':>8s} {'thr':>5s} {'clu':>4s} {'stage':>9s} "
           f"{'regs':>5s} {'smem_st':>8s} {'smem_dyn':>8s} {'stack':>6s} {'spill':>6s} "
-          f"{'wsync':>5s}")
-    spilled = synced = count = 0
+          f"{'wsync':>5s}", flush=True)
     start = time.time()
-    with tempfile.TemporaryDirectory(prefix="quack_kernels_report_") as dump_dir:
-        for family, (variants, n_grid) in families().items():
-            if args.family and family not in args.family:
-                continue
-            grid = [n for n in n_grid if n in QUICK_N_GRID] if args.quick else n_grid
-            for name, n, dtype, cfg, kernel, res in measure(variants(grid, dtypes), dump_dir, cuobjdump):
-                count += 1
-                spilled += spills(res) > 0
-                synced += res["warp_syncs"] > 0
-                flag = "  <-- SPILL" if spills(res) else ""
-                flag += "  <-- WARPSYNC" if res["warp_syncs"] else ""
-                # "smem+1r": a share in shared memory holding 1 chunk in registers
-                held = getattr(cfg, "register_chunks", 0)  # (RowConfig only)
-                stage = cfg.staging + (f"+{held}r" if held else "")
-                print(f"{name:18s} {str(dtype).replace('torch.', ''):9s} {n:8d} {cfg.threads_per_block:5d} "
-                      f"{cfg.cluster_size:4d} {stage:>9s} {res['regs']:5d} {res['static_smem']:8d} "
-                      f"{kernel.smem_bytes():8d} {res['stack']:6d} {res['local']:6d} "
-                      f"{res['warp_syncs']:5d}{flag}", flush=True)
-    print(f"{count} variants compiled in {time.time() - start:.0f} s; {spilled} with spills, "
-          f"{synced} with warp syncs")
+    if args.jobs > 1:
+        lines = _worker_lines(args, args.jobs)
+    else:
+        lines = _variant_lines(args, cuobjdump, (0, 1))
+    spilled = synced = count = 0
+    for _, spill, sync, line in lines:
+        count += 1
+        spilled += spill
+        synced += sync
+        print(line, flush=True)
+    print(f"{count} variants compiled in {time.time() - start:.0f} s ({args.jobs} processes); "
+          f"{spilled} with spills, {synced} with warp syncs")
     return 1 if spilled or synced else 0
 
 

@@ -118,6 +118,25 @@ def test_report_refuses_cubins_of_another_arch(monkeypatch, tmp_path):
         next(report.measure([variant], str(tmp_path), find_cuobjdump()))
 
 
+def test_report_workers_split_the_variants_between_them(monkeypatch):
+    """--jobs N: worker k of N compiles the variants whose index is k modulo N; together
+    they cover every variant once, with the lines the serial report prints."""
+    import argparse
+    from types import SimpleNamespace
+
+    from quack_kernels import report
+
+    res = dict(regs=32, stack=0, static_smem=1024, local=0, warp_syncs=0)
+    kernel = SimpleNamespace(smem_bytes=lambda: 0)
+    monkeypatch.setattr(report, "measure", lambda variants, dump_dir, cuobjdump: (
+        (name, n, dtype, cfg, kernel, res) for name, n, dtype, cfg, _ in variants))
+    args = argparse.Namespace(quick=True, family=None)
+    serial = list(report._variant_lines(args, "cuobjdump", (0, 1)))
+    shards = sorted(row for k in range(3) for row in report._variant_lines(args, "cuobjdump", (k, 3)))
+    assert [row[0] for row in serial] == list(range(len(serial))) and len(serial) > 100
+    assert shards == serial
+
+
 @pytest.mark.parametrize("argv, expected", [([], []), (["--quick"], ["--quick"])])
 def test_bench_without_gpu_runs_the_report(monkeypatch, argv, expected):
     """The main job's CLI falls back to the resource report without a GPU (quick with
