@@ -175,17 +175,25 @@ def _worker_lines(args, jobs: int):
                                     stdout=out, stderr=err, text=True)
                    for k, (out, err) in enumerate(logs)]
         lines = []
-        for worker, (out, err) in zip(workers, logs):
-            returncode = worker.wait()
-            out.seek(0)
-            err.seek(0)
-            if returncode:
-                raise RuntimeError(f"report worker failed ({returncode}):\n{err.read()[-4000:]}")
-            for record in out.read().splitlines():
-                index, spilled, synced, line = record.split("\t", 3)
-                lines.append((int(index), spilled == "1", synced == "1", line))
-            out.close()
-            err.close()
+        try:
+            for worker, (out, err) in zip(workers, logs):
+                returncode = worker.wait()
+                out.seek(0)
+                err.seek(0)
+                if returncode:
+                    raise RuntimeError(f"report worker failed ({returncode}):\n"
+                                       f"{err.read()[-4000:]}")
+                for record in out.read().splitlines():
+                    index, spilled, synced, line = record.split("\t", 3)
+                    lines.append((int(index), spilled == "1", synced == "1", line))
+        finally:  # (a failed worker leaves no other running)
+            for worker in workers:
+                if worker.poll() is None:
+                    worker.kill()
+                    worker.wait()
+            for out, err in logs:
+                out.close()
+                err.close()
     return sorted(lines)
 
 
