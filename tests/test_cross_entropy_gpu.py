@@ -307,6 +307,15 @@ def test_empty_all_ignored_and_bad_targets():
         qk.cross_entropy(x, target.cpu())
     with pytest.raises(ValueError, match="target shape"):
         qk.cross_entropy(x, target[:4])
+    # the training step's mean reads targets and weights first (its denominator): the
+    # same clear errors before any kernel runs
+    leaf = x.clone().requires_grad_()
+    with pytest.raises(TypeError, match="int64 or torch.int32"):
+        qk.cross_entropy(leaf, target.to(torch.int16))
+    with pytest.raises(ValueError, match="weight must have shape"):
+        qk.cross_entropy(leaf, target, torch.ones(2, 3000, device="cuda"))
+    with pytest.raises(ValueError, match="weight must have shape"):
+        qk.cross_entropy(leaf, target, torch.ones(0, device="cuda"))
 
 
 @pytest.mark.parametrize("v", [3000, 151936])

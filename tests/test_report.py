@@ -118,7 +118,7 @@ def test_report_refuses_cubins_of_another_arch(monkeypatch, tmp_path):
         next(report.measure([variant], str(tmp_path), find_cuobjdump()))
 
 
-def test_report_workers_split_the_variants_between_them(monkeypatch):
+def test_report_workers_split_the_variants_between_them(monkeypatch, capsys):
     """--jobs N: worker k of N compiles the variants whose index is k modulo N; together
     they cover every variant once, with the lines the serial report prints."""
     import argparse
@@ -135,6 +135,12 @@ def test_report_workers_split_the_variants_between_them(monkeypatch):
     shards = sorted(row for k in range(3) for row in report._variant_lines(args, "cuobjdump", (k, 3)))
     assert [row[0] for row in serial] == list(range(len(serial))) and len(serial) > 100
     assert shards == serial
+    # a worker's printed records parse back to its rows (what the parent merges)
+    monkeypatch.setattr(report, "find_cuobjdump", lambda: "cuobjdump")
+    assert report.main(["--quick", "--family", "norm", "--shard", "1/2"]) == 0
+    printed = [report.parse_record(line) for line in capsys.readouterr().out.splitlines()]
+    norm = argparse.Namespace(quick=True, family=["norm"])
+    assert printed == list(report._variant_lines(norm, "cuobjdump", (1, 2))) and printed
 
 
 @pytest.mark.parametrize("argv, expected", [([], []), (["--quick"], ["--quick"])])

@@ -683,6 +683,8 @@ class CrossEntropyFunction(torch.autograd.Function):
         num_rows = logits.shape[0]
         denominator = None
         if reduction == "mean" and eager:
+            # (checked before the first kernel reads the targets and weights)
+            _check_op_inputs(logits, target, weight, None, cuda=True)
             denominator, inverse = _mean_denominator_cuda(target, weight, ignore_index)
             held = inverse.expand(num_rows)
         elif reduction == "mean":
