@@ -24,7 +24,7 @@ import subprocess
 import sys
 
 CASES = ("sm_fwd", "sm_bwd", "ce_loss", "ce_grad", "ce_loss_opts", "ce_grad_opts", "ce_mean",
-         "rms_fwd", "ln_fwd", "rms_fwd_res", "ln_fwd_res", "rms_bwd", "ln_bwd")
+         "ce_step", "rms_fwd", "ln_fwd", "rms_fwd_res", "ln_fwd_res", "rms_bwd", "ln_bwd")
 DEFAULT_SHAPES = "bf16:4096x128256,bf16:8192x151936,bf16:2048x65536,bf16:512x262144"
 
 
@@ -67,6 +67,14 @@ def case_call(case, x):
         target = torch.randint(0, n, (m,), device=x.device)
         if case == "ce_mean":
             return (lambda: qk.cross_entropy(x, target)), 1
+        if case == "ce_step":  # the training step: loss and gradient through autograd
+            leaf = x.detach().requires_grad_()
+
+            def step():
+                leaf.grad = None
+                with torch.enable_grad():
+                    qk.cross_entropy(leaf, target).backward()
+            return step, 2
         grad = case.startswith("ce_grad")
         options = (0.1, 1e-4, 30.0) if case.endswith("_opts") else (0.0, 0.0, 0.0)
         # an explicit per-row scale, so that no extra kernel fills one

@@ -8,10 +8,10 @@ is visible, see compile_cache.compile_for_hopper_without_gpu) lets
 ``nvidia-cuda-cuobjdump``) reads registers, stack and local memory from it. Our
 kernels call no functions, so a stack frame (STACK > 0) holds spilled registers
 (nvdisasm marks its loads and stores "SpillRefill"), as does local memory (LOCAL > 0);
-``cuobjdump -sass`` (with ``nvidia-cuda-nvdisasm``) shows any WARPSYNC (see
-warp_syncs). The report exits 1 when it sees a spill or a warp sync. Compiling is
-single-threaded, so ``--jobs`` worker processes (default: the cores, at most 4) share
-the variants.
+``cuobjdump -sass`` (with ``nvidia-cuda-nvdisasm``) shows any WARPSYNC in lane-dependent
+code (see divergent_warp_syncs). The report exits 1 when it sees a spill or such a warp
+sync. Compiling is single-threaded, so ``--jobs`` worker processes (default: the cores,
+at most 4) share the variants.
 """
 
 from __future__ import annotations
@@ -93,12 +93,40 @@ def spills(res: dict) -> int:
     return res["stack"] + res["local"]
 
 
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
+# what opens a region of lane-dependent control flow, and the address where it ends
+_DIVERGENT_REGION = re.compile(r"(?:BSSY\s+B\d+,|@!?P\d\s+BRA)\s*(?:`\()?0x([0-9a-f]+)")
+
+
+def divergent_warp_syncs(sass: str) -> int:
+    """WARPSYNC instructions inside a region some lanes of a warp may skip: between a
+    BSSY (where the compiler opens a region of lane-dependent control flow) or a
+    predicated forward branch and the address where the lanes meet again. The compiler emits one for a full-warp ``*_sync`` (a
+    shuffle, or ``cute.arch.warp_idx()``, which makes its result warp-uniform with one)
+    reached by part of a warp, which deadlocks when the other lanes wait at a barrier
+    (a reduced cross-entropy kernel hung so). One after every region has reconverged
+    (say, before the shuffles that follow a polling loop) waits only for lanes on
+    their way to it and is harmless."""
+    count = 0
+    open_until = []  # reconvergence addresses of the regions open here
+    for line in sass.splitlines():
+        if "Function :" in line:
+            open_until = []
+        match = _SASS_LINE.search(line)
+        if match is None:
+            continue
+        address, instruction = int(match.group(1), 16), match.group(2)
+        open_until = [end for end in open_until if address < end]
+        region = _DIVERGENT_REGION.search(instruction)
+        if region and int(region.group(1), 16) > address:
+            open_until.append(int(region.group(1), 16))
+        elif "WARPSYNC" in instruction and open_until:
+            count += 1
+    return count
+
+
 def warp_syncs(cubin: str, cuobjdump: str) -> int:
-    """WARPSYNC instructions in the cubin's SASS. Our kernels reconverge at barriers
-    and use shuffles only where the whole warp runs, so they have none; the compiler
-    emits one for a full-warp ``*_sync`` (a shuffle, or ``cute.arch.warp_idx()``, which
-    makes its result warp-uniform with one) reached by part of a warp, which deadlocks
-    when the other lanes wait at a barrier (a reduced cross-entropy kernel hung so)."""
+    """divergent_warp_syncs of the cubin's SASS (our kernels have none)."""
     # cuobjdump disassembles with nvdisasm, which pip installs next to it
     env = dict(os.environ, PATH=os.pathsep.join([os.path.dirname(cuobjdump),
                                                   os.environ.get("PATH", "")]))
@@ -106,7 +134,7 @@ def warp_syncs(cubin: str, cuobjdump: str) -> int:
     if run.returncode:
         raise RuntimeError(f"cuobjdump -sass failed (it needs nvdisasm: pip install "
                            f"'nvidia-cuda-nvdisasm>=13.4'): {run.stderr.strip()}")
-    return run.stdout.count("WARPSYNC")
+    return divergent_warp_syncs(run.stdout)
 
 
 def measure(variants, dump_dir: str, cuobjdump: str):

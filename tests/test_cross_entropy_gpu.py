@@ -338,22 +338,23 @@ def test_loss_alone_bad_and_in_row_ignored_targets(v):
     assert_close(lse[~bad], ref_lse, LOSS_TOL, scale=LOSS_SCALE)
 
 
-@pytest.mark.parametrize("m,v,dtype", [(config.CE_REDUCED_MAX_ROWS, 7, torch.float16),
+@pytest.mark.parametrize("m,v,dtype", [(4096, 7, torch.float16), (300000, 7, torch.float32),
+                                       (9_000_000, 7, torch.float32),
                                        (4000, 1000, torch.bfloat16),
-                                       (512, 4096, torch.bfloat16), (3, 151936, torch.bfloat16),
-                                       (40, 262145, torch.float32),
-                                       (config.CE_REDUCED_MAX_ROWS + 1, 7, torch.float32)])
+                                       (512, 4096, torch.bfloat16), (9000, 4096, torch.bfloat16),
+                                       (3, 151936, torch.bfloat16),
+                                       (40, 262145, torch.float32)])
 @pytest.mark.parametrize("options", ["plain", "weighted_smoothing", "zloss_softcap"])
 def test_loss_reduced_in_the_kernel(monkeypatch, m, v, dtype, options):
-    """The eager loss with a sum or mean is reduced by the kernel's last CTA
-    (reduced_loss_cuda), alone and with the gradient (not with the weight row staged,
-    nor past CE_REDUCED_MAX_ROWS rows: torch's reduction, checked the same way): many
-    CTAs of short rows (the most rows the kernel reduces, and one more), streamed rows
-    split over a cluster, staged weights; against
-    torch in fp64 and the op path's reduction of the row losses, bitwise the same on a
-    second call (the stream's ticket reused: zeroed by the last CTA), NaN / 0 when every
-    target is ignored. The row stats it reads back and its result from poisoned blocks,
-    so a row read before its CTA's write was visible, or a result never written, shows."""
+    """The eager loss with a sum or mean is reduced over the grid by the kernel
+    (reduced_loss_cuda, RowKernel.grid_sum), alone and with the gradient (not with the
+    weight row staged: torch's reduction, checked the same way): thousands of CTAs of
+    short rows (two groups of gathered CTAs; 35000 CTAs in the most groups, of more than
+    one round of loads each), the looping gradient
+    grid, streamed rows split over a cluster, staged weights; against torch in fp64 and
+    the op path's reduction of the row losses, bitwise the same on a second call (the
+    stream's partials reused: zeroed by the gathering CTAs), NaN / 0 when every target
+    is ignored. Its result from a poisoned block, so a result never written shows."""
     calls = []
     monkeypatch.setattr(ops, "reduced_loss_cuda",
                         lambda *a: calls.append(a[7]) or REDUCED_LOSS_CUDA(*a))  # (reduction)
@@ -365,7 +366,7 @@ def test_loss_reduced_in_the_kernel(monkeypatch, m, v, dtype, options):
                kw.get("softcap", 0.0), False)
     (losses, row_weights), lse_like, _ = ops.cross_entropy_forward(x, target, weight, *op_args)
     stats_like = torch.stack([losses, row_weights])  # (kept alive: only the poisoned blocks are free)
-    word = torch.empty(1, device="cuda")  # the 0-d result and the ticket: small blocks
+    word = torch.empty(1, device="cuda")  # the 0-d result: a small block
     for reduction in ("sum", "mean"):
         poison_allocator(stats_like, lse_like, word, word)
         ours, lse = qk.cross_entropy(x, target, weight, reduction=reduction, return_lse=True,
@@ -380,8 +381,8 @@ def test_loss_reduced_in_the_kernel(monkeypatch, m, v, dtype, options):
         poison_allocator(stats_like, lse_like, word, word)
         assert torch.equal(ours, qk.cross_entropy(x, target, weight, reduction=reduction, **kw))
         assert ours.shape == () and lse.shape == (m,)
-        # each stream's ticket is zeroed again by the launch's last CTA, ready for the next
-        assert all(int(t.view(torch.int32)[0]) == 0 for t in ops._tickets.values())
+        # each stream's partials are zeroed again by the gathering CTA, ready for the next
+        assert all(int(torch.count_nonzero(p)) == 0 for p in ops._partials.values())
     leaf, xr = x.clone().requires_grad_(), x.double().requires_grad_()
     trained = qk.cross_entropy(leaf, target, weight, **kw)
     trained.backward()
@@ -396,10 +397,8 @@ def test_loss_reduced_in_the_kernel(monkeypatch, m, v, dtype, options):
     ignored = torch.full_like(target, -100)
     assert torch.isnan(qk.cross_entropy(x, ignored, weight, **kw))
     assert qk.cross_entropy(x, ignored, weight, reduction="sum", **kw) == 0
-    in_kernel = m <= config.CE_REDUCED_MAX_ROWS
-    trains_in_kernel = in_kernel and options != "weighted_smoothing"
-    assert calls == ["sum"] * 2 * in_kernel + ["mean"] * 2 * in_kernel \
-        + ["mean"] * 2 * trains_in_kernel + ["mean", "sum"] * in_kernel
+    trains_in_kernel = options != "weighted_smoothing"
+    assert calls == ["sum"] * 2 + ["mean"] * 2 + ["mean"] * 2 * trains_in_kernel + ["mean", "sum"]
 
 
 def test_outputs_fully_written():
@@ -448,8 +447,8 @@ def test_torch_compile_fullgraph():
 
 @pytest.mark.parametrize("cold_constants", [False, True])
 def test_cuda_graph_capture(monkeypatch, cold_constants):
-    """Captured after a warm-up; ``cold_constants``: with the cached ticket and unit
-    scales dropped first, so the capture is their first use (they must not be cached
+    """Captured after a warm-up; ``cold_constants``: with the cached grid partials and
+    unit scales dropped first, so the capture is their first use (they must not be cached
     then: a tensor made during capture is filled only at replay). An eager step after
     the replays checks the same."""
     x, target = fresh(128, 50257, torch.bfloat16)
@@ -473,14 +472,14 @@ def test_cuda_graph_capture(monkeypatch, cold_constants):
         step(label_smoothing=0.1)  # compile and warm up outside the capture
         step()
         if cold_constants:
-            monkeypatch.setattr(ops, "_tickets", {})
+            monkeypatch.setattr(ops, "_partials", {})
             monkeypatch.setattr(ops, "_units", {})
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, stream=s):
             smoothed = step(label_smoothing=0.1)
-            plain = step()  # (the mean reduced in the kernel: its ticket)
+            plain = step()  # (the mean reduced in the kernel: its partials)
     torch.cuda.current_stream().wait_stream(s)
-    assert not ops._units and not ops._tickets if cold_constants else ops._units
+    assert not ops._units and not ops._partials if cold_constants else ops._units
     new_x, _ = fresh(128, 50257, torch.bfloat16, seed=1)
     with torch.no_grad():
         static_x.copy_(new_x)

@@ -114,7 +114,6 @@ class CrossEntropyForward(RowKernel):
     # bytes at 96.
     loop_registers = 96
     SOFTCAP_GRAD_LOOP_REGISTERS = 104
-    REDUCED_ROWS_IN_FLIGHT = 8  # rows a thread of the last CTA loads at once (reduce)
 
     def __init__(self, cfg: RowConfig, dtype, *, weighted: bool, smoothing: bool,
                  zloss: bool, softcap: bool, write_grad: bool, reduce: str = "none",
@@ -186,11 +185,11 @@ class CrossEntropyForward(RowKernel):
     def __call__(self, mX: cute.Tensor, mTarget: cute.Tensor, mWeight: cute.Tensor,
                  mLoss: cute.Tensor, mRowWeight: cute.Tensor, mLse: cute.Tensor,
                  mdX: cute.Tensor, mGradScale: cute.Tensor, mReduced: cute.Tensor,
-                 mTicket: cute.Tensor, ignore_index: Int64, smoothing: Float32,
+                 mPartials: cute.Tensor, ignore_index: Int64, smoothing: Float32,
                  lse_square_scale: Float32, softcap: Float32, grid_rows: Int32, stream):
         self.launch(
             self.kernel(mX, mTarget, mWeight, mLoss, mRowWeight, mLse, mdX, mGradScale,
-                        mReduced, mTicket, ignore_index, smoothing, lse_square_scale, softcap,
+                        mReduced, mPartials, ignore_index, smoothing, lse_square_scale, softcap,
                         grid_rows),
             mX.shape[0], stream, grid_rows=grid_rows if self.loops else None)
 
@@ -212,7 +211,7 @@ class CrossEntropyForward(RowKernel):
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mTarget: cute.Tensor, mWeight: cute.Tensor,
                mLoss: cute.Tensor, mRowWeight: cute.Tensor, mLse: cute.Tensor, mdX: cute.Tensor,
-               mGradScale: cute.Tensor, mReduced: cute.Tensor, mTicket: cute.Tensor,
+               mGradScale: cute.Tensor, mReduced: cute.Tensor, mPartials: cute.Tensor,
                ignore_index: Int64, smoothing: Float32, lse_square_scale: Float32,
                softcap: Float32, grid_rows: Int32):
         cfg = self.cfg
@@ -237,47 +236,34 @@ class CrossEntropyForward(RowKernel):
 
         options = (home, grid_rows, slot, mTarget, mWeight, mLoss, mRowWeight, mLse, mdX,
                    mGradScale, ignore_index, smoothing, lse_square_scale, softcap, inv_softcap)
-        if cutlass.const_expr(self.loops):
-            self.for_each_row_block(mX.shape[0], grid_rows, self._row_block, *options)
-        else:
-            self._row_block(cute.arch.block_idx()[0], None, *options)
+        # with a reduction, the (losses, row weights) of the rows this thread leads
+        sums = None
         if cutlass.const_expr(self.reduce != "none"):
-            self._reduce_rows(smem, mLoss, mRowWeight, mReduced, mTicket, mX.shape[0])
+            sums = (Float32(0.0), Float32(0.0))
+        if cutlass.const_expr(self.loops):
+            sums = self.for_each_row_block(mX.shape[0], grid_rows, self._row_block, *options,
+                                           carry=sums)
+        else:
+            sums = self._row_block(cute.arch.block_idx()[0], None, *options, carry=sums)
+        if cutlass.const_expr(self.reduce != "none"):
+            self._reduce_rows(smem, sums, mReduced, mPartials)
 
     @cute.jit
-    def _reduce_rows(self, smem, mLoss: cute.Tensor, mRowWeight: cute.Tensor,
-                     mReduced: cute.Tensor, mTicket: cute.Tensor, num_rows: Int32):
-        """mReduced[0] = the sum of the row losses (over the sum of the row weights for
-        a mean: NaN when every row is ignored, as torch), added by the grid's last CTA
-        in an order fixed by M and the block size; mTicket (one fp32 0 at launch) holds
-        the int32 ticket of ends_last_cta. The last CTA reads the rows' sums back from L2 (8 bytes a row) with
-        REDUCED_ROWS_IN_FLIGHT rows of loads in flight per thread: about M / 2048 L2
-        round trips, hence config.CE_REDUCED_MAX_ROWS."""
-        threads = self.cfg.threads_per_block
+    def _reduce_rows(self, smem, sums: tuple, mReduced: cute.Tensor, mPartials: cute.Tensor):
+        """mReduced[0] = the sum of the row losses (over the sum of the row weights for a
+        mean: NaN when every row is ignored, as torch); ``sums``: this thread's (losses,
+        row weights) of the rows it leads; RowKernel.grid_sum adds them over the grid
+        (``mPartials`` as there)."""
         scratch = smem.allocate_tensor(
-            Float32, cute.make_layout((threads // 32, self.grid_sums), stride=(self.grid_sums, 1)),
+            Float32, cute.make_layout((self.cfg.threads_per_block // 32, self.grid_sums),
+                                      stride=(self.grid_sums, 1)),
             byte_alignment=16)
-        flag = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=16)
-        ticket = cute.make_tensor(cute.recast_ptr(mTicket.iterator, dtype=Int32),
-                                  cute.make_layout(1))
-        if self.ends_last_cta(ticket, flag):
-            tidx = cute.arch.thread_idx()[0]
-            loss = Float32(0.0)
-            weight = Float32(0.0)
-            for first in cutlass.range(tidx, num_rows, threads * self.REDUCED_ROWS_IN_FLIGHT,
-                                       unroll=1):
-                for k in cutlass.range_constexpr(self.REDUCED_ROWS_IN_FLIGHT):
-                    # independent loads, the index clamped into the rows and masked
-                    row = first + k * threads
-                    inside = row < num_rows
-                    at = cutlass.select_(inside, row, Int32(0))
-                    loss = loss + cutlass.select_(inside, mLoss[at], Float32(0.0))
-                    weight = weight + cutlass.select_(inside, mRowWeight[at], Float32(0.0))
-            loss, weight = red.block_sum((loss, weight), scratch)
-            if tidx == 0:
-                if cutlass.const_expr(self.reduce == "mean"):
-                    loss = loss / weight
-                mReduced[0] = loss
+        holds, totals = self.grid_sum(sums, mPartials, scratch)
+        if holds & (cute.arch.thread_idx()[0] == 0):
+            if cutlass.const_expr(self.reduce == "mean"):
+                mReduced[0] = totals[0] / totals[1]
+            else:
+                mReduced[0] = totals[0]
 
     @cute.jit
     def _row_block(self, block_row: Int32, iteration, home: RowTiles, grid_rows: Int32,
@@ -285,9 +271,11 @@ class CrossEntropyForward(RowKernel):
                    mLoss: cute.Tensor, mRowWeight: cute.Tensor, mLse: cute.Tensor,
                    mdX: cute.Tensor, mGradScale: cute.Tensor, ignore_index: Int64,
                    smoothing: Float32, lse_square_scale: Float32, softcap: Float32,
-                   inv_softcap: Float32):
+                   inv_softcap: Float32, carry=None):
         """Loss, lse (and gradient) of the rows of block ``block_row``; ``iteration`` is
-        the loop count of a looping grid (None: one row block per CTA)."""
+        the loop count of a looping grid (None: one row block per CTA). ``carry``: None,
+        or the (losses, row weights) summed so far of the rows this thread leads, which
+        it returns with this block's added."""
         cfg = self.cfg
         n_cols = cfg.n_cols
         tiles = home.begin_block(block_row, grid_rows, iteration)
@@ -309,11 +297,13 @@ class CrossEntropyForward(RowKernel):
         if cutlass.const_expr(self.weighted):
             if lead & valid:
                 w_target = Float32(mWeight[target_col])
+        # the row's weight in a mean, stored now: kept until the loss is written it cost
+        # the looping gradient kernel registers (spills at 16384 bf16 columns); a
+        # reduction keeps it in its sums
+        row_weight = cutlass.select_(lead & valid, w_target if self.weighted else Float32(1.0),
+                                     Float32(0.0))
         if lead:
-            # the row's weight in a mean, stored now: kept until the loss is written it
-            # cost the looping gradient kernel registers (spills at 16384 bf16 columns)
-            mRowWeight[row] = cutlass.select_(valid, w_target if self.weighted else Float32(1.0),
-                                              Float32(0.0))
+            mRowWeight[row] = row_weight
 
         kept = []
         zero = Float32(0.0)
@@ -391,6 +381,7 @@ class CrossEntropyForward(RowKernel):
             eps_per_class = smoothing * Float32(1.0 / n_cols)
             nll_scale = (Float32(1.0) - smoothing) * w_target
 
+        row_loss = Float32(0.0)
         if lead:
             # -log p_t = log(sumexp) + (max - z_t) = log1p(sumexp_other * exp(max - z_t)):
             # the second form keeps the precision of a small loss (confident row)
@@ -414,6 +405,7 @@ class CrossEntropyForward(RowKernel):
             loss = cutlass.select_(inside | ignored, loss, Float32(math.nan))
             mLoss[row] = loss
             mLse[row] = lse
+            row_loss = loss
 
         if cutlass.const_expr(self.write_grad):
             # Row coefficients times the row's gradient scale; 0 for an ignored row
@@ -452,6 +444,9 @@ class CrossEntropyForward(RowKernel):
                 tiles.store_column(mdX, target_col, self._option_terms(
                     _target_gradient(p_target, coef_p, coef_t, one_minus_p_target), z_target,
                     None, coef_w, inv_softcap))
+        if cutlass.const_expr(carry is not None):
+            carry = (carry[0] + row_loss, carry[1] + row_weight)
+        return carry
 
     @cute.jit
     def _streamed_chunk_stats(self, tiles: RowTiles, chunk: Int32, target_col: Int32,

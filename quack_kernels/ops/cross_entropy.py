@@ -49,6 +49,7 @@ from ..primitives.config import (
     RowConfig,
     ce_fixed_max,
     ce_reduces_in_kernel,
+    grid_sum_slots,
     cross_entropy_row_config,
     elementwise_row_config,
     loop_grid_rows,
@@ -120,7 +121,7 @@ def forward_kernel(cfg: RowConfig, dtype: torch.dtype, target_dtype: torch.dtype
         fake_rows(dt, cfg.n_cols, cfg.vec, rows),
         fake_strided_vector(cutlass.Float32, rows),
         fake_vector(cutlass.Float32, cute.sym_int()),
-        fake_vector(cutlass.Float32, cute.sym_int()),
+        fake_vector(cutlass.Int64, cute.sym_int()),
         cutlass.Int64(-100),
         cutlass.Float32(0.0),
         cutlass.Float32(0.0),
@@ -348,20 +349,21 @@ def _check_grad_scale(grad_scale: Optional[Tensor], logits: Tensor, name: str = 
 
 
 # ----------------------------------------------------------------------------- CUDA
-# Launch plans and the reduction's tickets, looked up by what decides them: a repeated
+# Launch plans and the reduction's partials, looked up by what decides them: a repeated
 # call skips the config, flag, compile-cache and residency lookups (about 50 us of
 # Python per call on the H200's host, where a training step is host-bound up to
 # M x C = 2^27).
 _forward_plans: dict = {}
 _rescale_plans: dict = {}
-_tickets: dict = {}
+_partials: dict = {}
 _units: dict = {}
 
 
 def _forward_plan(rows: Tensor, target: Tensor, grad_out: Tensor, weighted: bool,
                   stage_weight: bool, smoothing: bool, zloss: bool, softcap: float,
                   write_grad: bool, reduce: str):
-    """(compiled kernel, config of a looping kernel or None, its resident row blocks)."""
+    """(compiled kernel, its config, the resident row blocks of a looping kernel or None
+    for one row block per CTA)."""
     key = (rows.shape[1], rows.dtype, target.dtype, rows.device.index, *alignment_key(rows),
            *alignment_key(grad_out), weighted, stage_weight, smoothing, zloss, softcap,
            write_grad, reduce)
@@ -373,26 +375,26 @@ def _forward_plan(rows: Tensor, target: Tensor, grad_out: Tensor, weighted: bool
                              softcap=softcap, write_grad=write_grad, reduce=reduce)
         fn = compile_forward(cfg, rows.dtype, target.dtype, **flags)
         kernel = forward_kernel_object(cfg, rows.dtype, **flags)
-        plan = (fn, None, None)
-        if kernel.loops:
-            plan = (fn, cfg, resident_row_blocks(kernel, rows.device))
+        plan = (fn, cfg, resident_row_blocks(kernel, rows.device) if kernel.loops else None)
         _forward_plans[key] = plan
     return plan
 
 
-def _grid_ticket(device: torch.device) -> Tensor:
-    """The zeroed int32 word (as fp32) a reducing launch counts its CTAs in: one per
-    stream, reused (the kernel's last CTA zeroes it again, see RowKernel.ends_last_cta).
-    A graph being captured gets its own, so that no replay shares one with eager
-    launches (a tensor made during the capture is zeroed by each replay)."""
-    make = functools.partial(torch.zeros, 1, dtype=torch.float32, device=device)
+def _grid_partials(device: torch.device, slots: int) -> Tensor:
+    """The zeroed int64 words, two per slot (config.grid_sum_slots), a reducing launch
+    adds its CTAs' sums in (RowKernel.grid_sum): one buffer per stream, reused (the gathering CTA zeroes
+    the words again) and replaced by a larger one when a launch needs more. A graph
+    being captured gets its own, so that no replay shares one with eager launches (a
+    tensor made during the capture is zeroed by each replay)."""
+    make = functools.partial(torch.zeros, 2 * slots, dtype=torch.int64, device=device)
     if torch.cuda.is_current_stream_capturing():
         return make()
     key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))
-    ticket = _tickets.get(key)
-    if ticket is None:
-        ticket = _tickets[key] = make()
-    return ticket
+    partials = _partials.get(key)
+    if partials is None or partials.numel() < 2 * slots:
+        # (the stream orders the old buffer's last use before any reuse of its memory)
+        partials = _partials[key] = make()
+    return partials
 
 
 def _unit(dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -432,18 +434,20 @@ def _launch(rows: Tensor, target: Tensor, weight: Optional[Tensor], stats: Tenso
         grad_scale = _unit(torch.float32, rows.device).expand(rows.shape[0])
     target = target.contiguous()
     grad_out = rows if grad is None else grad
-    fn, loop_cfg, resident = _forward_plan(rows, target, grad_out, weight is not None,
-                                           stage_weight, smoothing, lse_square_scale != 0.0,
-                                           softcap, grad is not None, reduce)
+    fn, cfg, resident = _forward_plan(rows, target, grad_out, weight is not None,
+                                      stage_weight, smoothing, lse_square_scale != 0.0,
+                                      softcap, grad is not None, reduce)
     # (a grid of one row block per CTA ignores grid_rows)
-    grid_rows = rows.shape[0] if loop_cfg is None else \
-        loop_grid_rows(loop_cfg, rows.shape[0], resident)
-    # fp32 vectors the variant does not read (no weights, no gradient, no reduction) are
-    # filled by loss
-    reduced_out, ticket = (loss, loss) if reduced is None else \
-        (reduced.view(1), _grid_ticket(rows.device))
+    grid_rows = rows.shape[0] if resident is None else \
+        loop_grid_rows(cfg, rows.shape[0], resident)
+    row_blocks = -(-rows.shape[0] // cfg.rows_per_block) if resident is None else grid_rows
+    # vectors the variant does not read (no weights, no gradient, no reduction) are
+    # filled by loss and by any int64 buffer
+    partials = _grid_partials(rows.device, grid_sum_slots(cfg, row_blocks) if reduced is not None
+                              else 1)
     fn(rows, target, loss if weight is None else weight, loss, row_weight, lse, grad_out,
-       loss if grad_scale is None else grad_scale, reduced_out, ticket, ignore_index,
+       loss if grad_scale is None else grad_scale,
+       loss if reduced is None else reduced.view(1), partials, ignore_index,
        label_smoothing, lse_square_scale, abs(softcap) if softcap else 1.0, grid_rows)
 
 
@@ -519,9 +523,9 @@ def reduced_loss_cuda(logits: Tensor, target: Tensor, weight: Optional[Tensor],
                       inplace: bool = False) -> tuple[Tensor, Tensor, Optional[Tensor]]:
     """(the loss reduced over the rows, "sum" or "mean", as a 0-d fp32 tensor; the
     per-row lse; the gradient or None) of (M, C) CUDA logits where
-    config.ce_reduces_in_kernel: the kernel's last CTA adds the row losses, so nothing
-    runs after the kernel (before it, the fill of its one-word ticket, and for a mean
-    with the gradient the caller's denominator). With ``grad_scale``
+    config.ce_reduces_in_kernel: the kernel adds the row losses over its grid, so
+    nothing runs after it (before it, for a mean with the gradient, the caller's
+    denominator). With ``grad_scale``
     the gradient too, as cross_entropy_forward computes it, in a new buffer or, with
     ``inplace``, over the logits (unit column stride). The eager path of cross_entropy;
     the ops and torch.compile reduce cross_entropy_forward's stats."""

@@ -784,20 +784,36 @@ CE_LOSS_MAX_VECS_PER_THREAD = 16
 CE_LOSS_VECS_PER_CHUNK = 4
 CE_LOSS_MIN_THREADS_PER_BLOCK = 256
 
-# The loss with its sum or mean, eagerly: the grid's last CTA adds the row losses
-# (kernels.cross_entropy._reduce_rows) instead of two launches after the kernel (a torch
-# sum and a division). It pays for few CTAs: every CTA waits at its end for its ticket (a
-# fence and an L2 atomic round trip), a cost paid once per wave of CTAs. H200, kernels
-# alone (results/kernel_ab_ce_reduced_H200_20261130.txt): bf16 512x4096 18.4 -> 12.1 us,
-# 2048x4096 16.7 -> 14.9 us, 8192x4096 34.2 -> 34.8 us, 8192x16384 82.2 -> 89.3 us,
-# 32768x4096 85.3 -> 98.4 us. Not for the gradient with the weight row staged (class
-# weights and label smoothing): with the epilogue those variants spilled 8-16 bytes
-# (sm_90a: fp32 1000 and 50257 columns, fp16 151936), two reloads inside the row-block loop.
-CE_REDUCED_MAX_ROWS = 4096
+# The loss with its sum or mean, eagerly: the kernel adds the row losses over the grid
+# (RowKernel.grid_sum: CTA sums published without a fence, gathered by the last row
+# block) instead of two launches after the kernel (a torch sum and a division), at any
+# row count. The grid's last CTA taking a ticket after a fence in every CTA and reading
+# every row's loss back had cost, kernels alone (results/kernel_ab_ce_reduced_H200_
+# 20261130.txt), bf16 8192x16384 82.2 -> 89.3 us and 32768x4096 85.3 -> 98.4 us. Not for
+# the gradient with the weight row staged (class weights and label smoothing): with the
+# epilogue those variants spilled 8-16 bytes (sm_90a: fp32 1000 and 50257 columns, fp16
+# 151936), two reloads inside the row-block loop.
+# CTA sums a thread of a gathering CTA loads at once (RowKernel.grid_sum): 4 keep the
+# gathering epilogue within the registers of the loss kernels it ends (with 8 and a
+# clamped address per slot, the bf16 loss alone went from 48 to 75-80 registers).
+GRID_SUM_SLOTS_IN_FLIGHT = 4
+# At most this many CTAs of a grid_sum gather (and wait): the row blocks come in groups
+# of at least one round of a gathering CTA's loads (threads x GRID_SUM_SLOTS_IN_FLIGHT). One gatherer for the whole grid took one L2 round trip
+# per round (about 0.6 us; 16384 CTAs cost 10 us).
+GRID_SUM_GROUPS = 32
+
+
+def grid_sum_slots(cfg: RowConfig, row_blocks, first_level: bool = False):
+    """Slots (of RowKernel.grid_sum's values) a launch of ``row_blocks`` row blocks
+    needs: one per row block, then one per group, each level with room for the
+    gathering CTA's loads past its last slot; ``first_level``: the first level's."""
+    slack = cfg.threads_per_block * GRID_SUM_SLOTS_IN_FLIGHT
+    first = row_blocks + slack
+    return first if first_level else first + GRID_SUM_GROUPS + slack
 
 
 def ce_reduces_in_kernel(num_rows: int, write_grad: bool, stage_weight: bool) -> bool:
-    return 0 < num_rows <= CE_REDUCED_MAX_ROWS and not (write_grad and stage_weight)
+    return num_rows > 0 and not (write_grad and stage_weight)
 
 
 def _short_loss_row_config(n_cols: int, elem: int, max_vec: int | None) -> RowConfig | None:

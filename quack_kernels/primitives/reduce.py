@@ -26,7 +26,7 @@ from typing import Callable, Tuple
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Boolean, Float32, Int32, Int64
 from cutlass._mlir.dialects import arith
 
 from .config import RowConfig
@@ -235,6 +235,29 @@ def row_allreduce(values: Values, combine: Callable, identity: Values,
             if cute.arch.thread_idx()[0] == 0:
                 cute.arch.mbarrier_arrive_and_expect_tx(mbar_ptr, scratch_tx_bytes(cfg, len(values)))
     return _reduce_slots(scratch, row, slots, combine, identity)
+
+
+# The high half of a grid-sum word once its CTA has written it (0: not yet, see
+# tagged_word).
+GRID_WORD_READY = 1
+
+
+def tagged_word(value: Float32) -> Int64:
+    """``value``'s bits in the low half of a 64-bit word and GRID_WORD_READY in the high
+    half: one single-copy-atomic store publishes a value and its flag together, so a
+    reader that sees the flag sees the value, with no fence between them."""
+    low = Int64(arith.extui(Int64.mlir_type, _as_i32(value).ir_value()))
+    return low | (Int64(GRID_WORD_READY) << 32)
+
+
+def word_value(word: Int64) -> Float32:
+    """The value of a tagged_word."""
+    low = arith.trunci(Int32.mlir_type, Int64(word).ir_value())
+    return Float32(arith.bitcast(Float32.mlir_type, low))
+
+
+def word_ready(word: Int64) -> Boolean:
+    return (word >> 32) == Int64(GRID_WORD_READY)
 
 
 @cute.jit
