@@ -793,10 +793,12 @@ CE_LOSS_MIN_THREADS_PER_BLOCK = 256
 # the gradient with the weight row staged (class weights and label smoothing): with the
 # epilogue those variants spilled 8-16 bytes (sm_90a: fp32 1000 and 50257 columns, fp16
 # 151936), two reloads inside the row-block loop.
-# CTA sums a thread of a gathering CTA loads at once (RowKernel.grid_sum): 4 keep the
-# gathering epilogue within the registers of the loss kernels it ends (with 8 and a
-# clamped address per slot, the bf16 loss alone went from 48 to 75-80 registers).
-GRID_SUM_SLOTS_IN_FLIGHT = 4
+# CTA sums a thread of a gathering CTA loads at once (RowKernel.grid_sum): 2 keep the
+# gathering epilogue within the registers of the loss kernels it ends (sm_90a: with 8
+# and a clamped address per slot the bf16 loss alone of short rows took 75-80 registers
+# instead of 48; with 4, fp32 short rows 40 instead of 32 and the streamed bf16 loss of
+# 128256 columns 56 instead of 44, one CTA per SM fewer).
+GRID_SUM_SLOTS_IN_FLIGHT = 2
 # At most this many CTAs of a grid_sum gather (and wait): the row blocks come in groups
 # of at least one round of a gathering CTA's loads (threads x GRID_SUM_SLOTS_IN_FLIGHT). One gatherer for the whole grid took one L2 round trip
 # per round (about 0.6 us; 16384 CTAs cost 10 us).
