@@ -520,18 +520,22 @@ def _rows_and_outputs(logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 def reduced_loss_cuda(logits: Tensor, target: Tensor, weight: Optional[Tensor],
                       ignore_index: int, label_smoothing: float, lse_square_scale: float,
                       softcap: float, reduction: str, grad_scale: Optional[Tensor] = None,
-                      inplace: bool = False) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+                      inplace: bool = False,
+                      checked: bool = False) -> tuple[Tensor, Tensor, Optional[Tensor]]:
     """(the loss reduced over the rows, "sum" or "mean", as a 0-d fp32 tensor; the
     per-row lse; the gradient or None) of (M, C) CUDA logits where
     config.ce_reduces_in_kernel: the kernel adds the row losses over its grid, so
     nothing runs after it (before it, for a mean with the gradient, the caller's
     denominator). With ``grad_scale``
     the gradient too, as cross_entropy_forward computes it, in a new buffer or, with
-    ``inplace``, over the logits (unit column stride). The eager path of cross_entropy;
-    the ops and torch.compile reduce cross_entropy_forward's stats."""
+    ``inplace``, over the logits (unit column stride). ``checked``: the caller has
+    checked the inputs already (a training step's mean, before its denominator). The
+    eager path of cross_entropy; the ops and torch.compile reduce cross_entropy_forward's
+    stats."""
     assert ce_reduces_in_kernel(logits.shape[0], grad_scale is not None,
                                 weight is not None and label_smoothing != 0.0), "see its rule"
-    _check_op_inputs(logits, target, weight, grad_scale, cuda=True)
+    if not checked:
+        _check_op_inputs(logits, target, weight, grad_scale, cuda=True)
     rows, stats, lse = _rows_and_outputs(logits)
     grad = None
     if grad_scale is not None:
@@ -686,7 +690,8 @@ class CrossEntropyFunction(torch.autograd.Function):
         loss_dtype = _loss_dtype(logits)
         num_rows = logits.shape[0]
         denominator = None
-        if reduction == "mean" and eager:
+        checked = reduction == "mean" and eager
+        if checked:
             # (checked before the first kernel reads the targets and weights)
             _check_op_inputs(logits, target, weight, None, cuda=True)
             denominator, inverse = _mean_denominator_cuda(target, weight, ignore_index)
@@ -704,7 +709,7 @@ class CrossEntropyFunction(torch.autograd.Function):
         if eager and reduction != "none" and (not inplace or logits.stride(-1) == 1) \
                 and ce_reduces_in_kernel(num_rows, True, stage_weight):
             reduced, lse, grad = reduced_loss_cuda(logits, target, weight, *options, reduction,
-                                                   held, inplace)
+                                                   held, inplace, checked)
         elif inplace:
             forward = _cross_entropy_forward_inplace_cuda if eager else cross_entropy_forward_inplace
             stats, lse = forward(logits, target, weight, *options, held)
