@@ -46,7 +46,7 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype=None, scale: float 
             f"got {o[idx].item()!r}, expected {r[idx].item()!r}; "
             f"nan mismatches {int(nan_mismatch.sum())}, max finite err {err.max().item():.3g}"
         )
-    norm = r[finite].norm()
+    norm = size[finite].norm()  # (with ``magnitude``, relative to the terms' size)
     if norm > 0:
         rel = (o[finite] - r[finite]).norm() / norm
         assert rel <= tol["rel"] * scale, f"{name}: relative error {rel:.3g} > {tol['rel'] * scale:.3g}"

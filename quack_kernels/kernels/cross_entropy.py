@@ -236,17 +236,43 @@ class CrossEntropyForward(RowKernel):
 
         options = (home, grid_rows, slot, mTarget, mWeight, mLoss, mRowWeight, mLse, mdX,
                    mGradScale, ignore_index, smoothing, lse_square_scale, softcap, inv_softcap)
-        # with a reduction, the (losses, row weights) of the rows this thread leads
-        sums = None
-        if cutlass.const_expr(self.reduce != "none"):
-            sums = (Float32(0.0), Float32(0.0))
         if cutlass.const_expr(self.loops):
-            sums = self.for_each_row_block(mX.shape[0], grid_rows, self._row_block, *options,
-                                           carry=sums)
+            self.for_each_row_block(mX.shape[0], grid_rows, self._row_block, *options)
+            if cutlass.const_expr(self.reduce != "none"):
+                self._reduce_rows(smem, self._own_row_sums(mLoss, mRowWeight, mX.shape[0],
+                                                           grid_rows), mReduced, mPartials)
         else:
+            # with a reduction, the (loss, row weight) of the row this thread leads
+            sums = None
+            if cutlass.const_expr(self.reduce != "none"):
+                sums = (Float32(0.0), Float32(0.0))
             sums = self._row_block(cute.arch.block_idx()[0], None, *options, carry=sums)
-        if cutlass.const_expr(self.reduce != "none"):
-            self._reduce_rows(smem, sums, mReduced, mPartials)
+            if cutlass.const_expr(self.reduce != "none"):
+                self._reduce_rows(smem, sums, mReduced, mPartials)
+
+    @cute.jit
+    def _own_row_sums(self, mLoss: cute.Tensor, mRowWeight: cute.Tensor, num_rows: Int32,
+                      grid_rows: Int32) -> tuple:
+        """This thread's share of the (losses, row weights) of the rows of this CTA of a
+        looping grid, read back after a CTA barrier from their lead threads' stores
+        (carried through the loop instead, they spilled 8 bytes of the 16-bit capped
+        gradient of 16384 columns, held to 128 registers)."""
+        rows_per_block = self.cfg.rows_per_block
+        threads = self.cfg.threads_per_block
+        cute.arch.barrier()
+        first_block = cute.arch.block_idx()[0]
+        num_blocks = (num_rows + rows_per_block - 1) // rows_per_block
+        iterations = (num_blocks - first_block + grid_rows - 1) // grid_rows
+        loss = Float32(0.0)
+        weight = Float32(0.0)
+        for i in cutlass.range(cute.arch.thread_idx()[0], iterations * rows_per_block, threads,
+                               unroll=1):
+            row = (first_block + (i // rows_per_block) * grid_rows) * rows_per_block \
+                + i % rows_per_block
+            if row < num_rows:
+                loss = loss + mLoss[row]
+                weight = weight + mRowWeight[row]
+        return loss, weight
 
     @cute.jit
     def _reduce_rows(self, smem, sums: tuple, mReduced: cute.Tensor, mPartials: cute.Tensor):

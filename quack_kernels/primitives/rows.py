@@ -231,8 +231,7 @@ class RowKernel:
         called, directly in a dynamic loop body become loop-carried values). With
         ``carry`` (a tuple of scalars) the call is ``carry = body(block_row, iteration,
         *args, carry=carry)``: values one iteration hands the next, such as loads issued
-        an iteration ahead; ``body`` returns a tuple of the same structure and types. Returns
-        the last carry."""
+        an iteration ahead; ``body`` returns a tuple of the same structure and types."""
         first_block = cute.arch.block_idx()[0]
         num_blocks = (num_rows + self.cfg.rows_per_block - 1) // self.cfg.rows_per_block
         # counting iterations (not row blocks) keeps a division out of the loop
@@ -242,7 +241,6 @@ class RowKernel:
                 body(first_block + iteration * grid_rows, iteration, *args)
             else:
                 carry = body(first_block + iteration * grid_rows, iteration, *args, carry=carry)
-        return carry
 
 
 class ReductionSlot:
