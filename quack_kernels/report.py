@@ -8,10 +8,10 @@ is visible, see compile_cache.compile_for_hopper_without_gpu) lets
 ``nvidia-cuda-cuobjdump``) reads registers, stack and local memory from it. Our
 kernels call no functions, so a stack frame (STACK > 0) holds spilled registers
 (nvdisasm marks its loads and stores "SpillRefill"), as does local memory (LOCAL > 0);
-``cuobjdump -sass`` (with ``nvidia-cuda-nvdisasm``) shows any WARPSYNC in lane-dependent
-code (see divergent_warp_syncs). The report exits 1 when it sees a spill or such a warp
-sync. Compiling is single-threaded, so ``--jobs`` worker processes (default: the cores,
-at most 4) share the variants.
+``cuobjdump -sass`` (with ``nvidia-cuda-nvdisasm``) shows any WARPSYNC (see
+warp_syncs). The report exits 1 when it sees a spill or a warp sync. Compiling is
+single-threaded, so ``--jobs`` worker processes (default: the cores, at most 4) share
+the variants.
 """
 
 from __future__ import annotations
@@ -93,40 +93,12 @@ def spills(res: dict) -> int:
     return res["stack"] + res["local"]
 
 
-_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
-# what opens a region of lane-dependent control flow, and the address where it ends
-_DIVERGENT_REGION = re.compile(r"(?:BSSY\s+B\d+,|@!?P\d\s+BRA)\s*(?:`\()?0x([0-9a-f]+)")
-
-
-def divergent_warp_syncs(sass: str) -> int:
-    """WARPSYNC instructions inside a region some lanes of a warp may skip: between a
-    BSSY (where the compiler opens a region of lane-dependent control flow) or a
-    predicated forward branch and the address where the lanes meet again. The compiler emits one for a full-warp ``*_sync`` (a
-    shuffle, or ``cute.arch.warp_idx()``, which makes its result warp-uniform with one)
-    reached by part of a warp, which deadlocks when the other lanes wait at a barrier
-    (a reduced cross-entropy kernel hung so). One after every region has reconverged
-    (say, before the shuffles that follow a polling loop) waits only for lanes on
-    their way to it and is harmless."""
-    count = 0
-    open_until = []  # reconvergence addresses of the regions open here
-    for line in sass.splitlines():
-        if "Function :" in line:
-            open_until = []
-        match = _SASS_LINE.search(line)
-        if match is None:
-            continue
-        address, instruction = int(match.group(1), 16), match.group(2)
-        open_until = [end for end in open_until if address < end]
-        region = _DIVERGENT_REGION.search(instruction)
-        if region and int(region.group(1), 16) > address:
-            open_until.append(int(region.group(1), 16))
-        elif "WARPSYNC" in instruction and open_until:
-            count += 1
-    return count
-
-
 def warp_syncs(cubin: str, cuobjdump: str) -> int:
-    """divergent_warp_syncs of the cubin's SASS (our kernels have none)."""
+    """WARPSYNC instructions in the cubin's SASS. Our kernels reconverge at barriers
+    and use shuffles only where the whole warp runs, so they have none; the compiler
+    emits one for a full-warp ``*_sync`` (a shuffle, or ``cute.arch.warp_idx()``, which
+    makes its result warp-uniform with one) reached by part of a warp, which deadlocks
+    when the other lanes wait at a barrier (a reduced cross-entropy kernel hung so)."""
     # cuobjdump disassembles with nvdisasm, which pip installs next to it
     env = dict(os.environ, PATH=os.pathsep.join([os.path.dirname(cuobjdump),
                                                   os.environ.get("PATH", "")]))
@@ -134,7 +106,7 @@ def warp_syncs(cubin: str, cuobjdump: str) -> int:
     if run.returncode:
         raise RuntimeError(f"cuobjdump -sass failed (it needs nvdisasm: pip install "
                            f"'nvidia-cuda-nvdisasm>=13.4'): {run.stderr.strip()}")
-    return divergent_warp_syncs(run.stdout)
+    return run.stdout.count("WARPSYNC")
 
 
 def measure(variants, dump_dir: str, cuobjdump: str):
@@ -190,16 +162,6 @@ def _variant_lines(args, cuobjdump: str, shard: tuple[int, int]):
                 yield index, spills(res) > 0, res["warp_syncs"] > 0, line
 
 
-def record(index: int, spilled: bool, synced: bool, line: str) -> str:
-    """A worker's output line for one variant (see parse_record)."""
-    return f"{index}\t{int(spilled)}\t{int(synced)}\t{line}"
-
-
-def parse_record(text: str) -> tuple[int, bool, bool, str]:
-    index, spilled, synced, line = text.split("\t", 3)
-    return int(index), spilled == "1", synced == "1", line
-
-
 def _worker_lines(args, jobs: int):
     """_variant_lines from ``jobs`` worker processes (``--shard k/jobs``), in index
     order once all are done: compiling is single-threaded, so this divides the wall
@@ -221,7 +183,9 @@ def _worker_lines(args, jobs: int):
                 if returncode:
                     raise RuntimeError(f"report worker failed ({returncode}):\n"
                                        f"{err.read()[-4000:]}")
-                lines += [parse_record(record) for record in out.read().splitlines()]
+                for record in out.read().splitlines():
+                    index, spilled, synced, line = record.split("\t", 3)
+                    lines.append((int(index), spilled == "1", synced == "1", line))
         finally:  # (a failed worker leaves no other running)
             for worker in workers:
                 if worker.poll() is None:
@@ -250,8 +214,8 @@ def main(argv=None) -> int:
         return 2
     if args.shard:  # a worker: one tab-separated record per variant
         part, parts = map(int, args.shard.split("/"))
-        for row in _variant_lines(args, cuobjdump, (part, parts)):
-            print(record(*row), flush=True)
+        for index, spilled, synced, line in _variant_lines(args, cuobjdump, (part, parts)):
+            print(f"{index}\t{int(spilled)}\t{int(synced)}\t{line}", flush=True)
         return 0
     print(f"resource report for {target_arch()} (registers/thread, shared memory/block in bytes)")
     print(f"{'kernel':18s} {'dtype':9s} {'N':>8s} {'thr':>5s} {'clu':>4s} {'stage':>9s} "

@@ -800,8 +800,9 @@ CE_LOSS_MIN_THREADS_PER_BLOCK = 256
 # 128256 columns 56 instead of 44, one CTA per SM fewer).
 GRID_SUM_SLOTS_IN_FLIGHT = 2
 # At most this many CTAs of a grid_sum gather (and wait): the row blocks come in groups
-# of at least one round of a gathering CTA's loads (threads x GRID_SUM_SLOTS_IN_FLIGHT). One gatherer for the whole grid took one L2 round trip
-# per round (about 0.6 us; 16384 CTAs cost 10 us).
+# of at least one round of a gathering CTA's loads (threads x GRID_SUM_SLOTS_IN_FLIGHT).
+# One gatherer for the whole grid took one L2 round trip per round (about 0.6 us; 16384
+# CTAs cost 10 us).
 GRID_SUM_GROUPS = 32
 
 
