@@ -162,6 +162,16 @@ def _variant_lines(args, cuobjdump: str, shard: tuple[int, int]):
                 yield index, spills(res) > 0, res["warp_syncs"] > 0, line
 
 
+def record(index: int, spilled: bool, synced: bool, line: str) -> str:
+    """A worker's output line for one variant (see parse_record)."""
+    return f"{index}\t{int(spilled)}\t{int(synced)}\t{line}"
+
+
+def parse_record(text: str) -> tuple[int, bool, bool, str]:
+    index, spilled, synced, line = text.split("\t", 3)
+    return int(index), spilled == "1", synced == "1", line
+
+
 def _worker_lines(args, jobs: int):
     """_variant_lines from ``jobs`` worker processes (``--shard k/jobs``), in index
     order once all are done: compiling is single-threaded, so this divides the wall
@@ -183,9 +193,7 @@ def _worker_lines(args, jobs: int):
                 if returncode:
                     raise RuntimeError(f"report worker failed ({returncode}):\n"
                                        f"{err.read()[-4000:]}")
-                for record in out.read().splitlines():
-                    index, spilled, synced, line = record.split("\t", 3)
-                    lines.append((int(index), spilled == "1", synced == "1", line))
+                lines += [parse_record(text) for text in out.read().splitlines()]
         finally:  # (a failed worker leaves no other running)
             for worker in workers:
                 if worker.poll() is None:
@@ -214,8 +222,8 @@ def main(argv=None) -> int:
         return 2
     if args.shard:  # a worker: one tab-separated record per variant
         part, parts = map(int, args.shard.split("/"))
-        for index, spilled, synced, line in _variant_lines(args, cuobjdump, (part, parts)):
-            print(f"{index}\t{int(spilled)}\t{int(synced)}\t{line}", flush=True)
+        for row in _variant_lines(args, cuobjdump, (part, parts)):
+            print(record(*row), flush=True)
         return 0
     print(f"resource report for {target_arch()} (registers/thread, shared memory/block in bytes)")
     print(f"{'kernel':18s} {'dtype':9s} {'N':>8s} {'thr':>5s} {'clu':>4s} {'stage':>9s} "

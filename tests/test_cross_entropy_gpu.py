@@ -344,11 +344,12 @@ def test_loss_alone_bad_and_in_row_ignored_targets(v):
                                        (512, 4096, torch.bfloat16), (9000, 4096, torch.bfloat16),
                                        (3, 151936, torch.bfloat16),
                                        (40, 262145, torch.float32)])
-@pytest.mark.parametrize("options", ["plain", "weighted_smoothing", "zloss_softcap"])
+@pytest.mark.parametrize("options", ["plain", "weighted", "weighted_smoothing", "zloss_softcap"])
 def test_loss_reduced_in_the_kernel(monkeypatch, m, v, dtype, options):
     """The eager loss with a sum or mean is reduced over the grid by the kernel
     (reduced_loss_cuda, RowKernel.grid_sum), alone and with the gradient (not with the
-    weight row staged: torch's reduction, checked the same way): thousands of CTAs of
+    weight row staged, class weights with label smoothing: torch's reduction, checked
+    the same way): thousands of CTAs of
     short rows (two groups of gathered CTAs; 35000 CTAs in the most groups, of more than
     one round of loads each), the looping gradient
     grid, streamed rows split over a cluster, staged weights; against torch in fp64 and
@@ -359,7 +360,7 @@ def test_loss_reduced_in_the_kernel(monkeypatch, m, v, dtype, options):
     monkeypatch.setattr(ops, "reduced_loss_cuda",
                         lambda *a: calls.append(a[7]) or REDUCED_LOSS_CUDA(*a))  # (reduction)
     x, target = fresh(m, v, dtype)
-    weight = torch.rand(v, device="cuda") + 0.5 if options == "weighted_smoothing" else None
+    weight = torch.rand(v, device="cuda") + 0.5 if options.startswith("weighted") else None
     kw = dict(weighted_smoothing=dict(label_smoothing=0.1),
               zloss_softcap=dict(lse_square_scale=1e-3, softcap=20.0)).get(options, {})
     op_args = (-100, kw.get("label_smoothing", 0.0), kw.get("lse_square_scale", 0.0),
@@ -383,9 +384,18 @@ def test_loss_reduced_in_the_kernel(monkeypatch, m, v, dtype, options):
         assert ours.shape == () and lse.shape == (m,)
         # each stream's partials are zeroed again by the gathering CTA, ready for the next
         assert all(int(torch.count_nonzero(p)) == 0 for p in ops._partials.values())
-    leaf, xr = x.clone().requires_grad_(), x.double().requires_grad_()
-    trained = qk.cross_entropy(leaf, target, weight, **kw)
-    trained.backward()
+    for reduction in ("sum", "mean"):  # with the gradient: the looping grid among them
+        runs = []
+        for _ in range(2):
+            leaf = x.clone().requires_grad_()
+            trained = qk.cross_entropy(leaf, target, weight, reduction=reduction, **kw)
+            trained.backward()
+            runs.append((trained.detach(), leaf.grad))
+        assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+        by_op = losses.double().sum() / (row_weights.double().sum() if reduction == "mean"
+                                         else 1.0)
+        torch.testing.assert_close(trained.double(), by_op, rtol=2e-5, atol=0.0)
+    xr = x.double().requires_grad_()
     torch_cross_entropy(xr, target, None if weight is None else weight.double(), **kw).backward()
     assert_close(trained, ref, LOSS_TOL, scale=LOSS_SCALE, name="mean with the gradient")
     assert_close(leaf.grad, xr.grad, dtype, scale=2.0, name="grad")
@@ -397,8 +407,14 @@ def test_loss_reduced_in_the_kernel(monkeypatch, m, v, dtype, options):
     ignored = torch.full_like(target, -100)
     assert torch.isnan(qk.cross_entropy(x, ignored, weight, **kw))
     assert qk.cross_entropy(x, ignored, weight, reduction="sum", **kw) == 0
-    trains_in_kernel = options != "weighted_smoothing"
-    assert calls == ["sum"] * 2 + ["mean"] * 2 + ["mean"] * 2 * trains_in_kernel + ["mean", "sum"]
+    for reduction in ("mean", "sum"):  # every row ignored, with the gradient
+        leaf.grad = None
+        trained = qk.cross_entropy(leaf, ignored, weight, reduction=reduction, **kw)
+        trained.backward()
+        assert torch.isnan(trained) if reduction == "mean" else trained == 0
+        assert int(torch.count_nonzero(leaf.grad)) == 0
+    in_kernel = ["sum"] * 2 + ["mean"] * 2 + ["sum"] * 2 + ["mean"] * 3 + ["mean", "sum"] * 2
+    assert calls == ([] if options == "weighted_smoothing" else in_kernel)
 
 
 def test_outputs_fully_written():

@@ -114,6 +114,7 @@ class CrossEntropyForward(RowKernel):
     # bytes at 96.
     loop_registers = 96
     SOFTCAP_GRAD_LOOP_REGISTERS = 104
+    GRID_SUM_VALUES = 2  # a reduction's sums over the grid: losses and row weights
 
     def __init__(self, cfg: RowConfig, dtype, *, weighted: bool, smoothing: bool,
                  zloss: bool, softcap: bool, write_grad: bool, reduce: str = "none",
@@ -126,7 +127,7 @@ class CrossEntropyForward(RowKernel):
         # (_reduce_rows) instead of by two more launches after this one
         assert reduce in ("none", "sum", "mean")
         self.reduce = reduce
-        self.grid_sums = 0 if reduce == "none" else 2
+        self.grid_sums = 0 if reduce == "none" else self.GRID_SUM_VALUES
         self.weighted = weighted
         self.smoothing = smoothing
         self.zloss = zloss
@@ -135,6 +136,7 @@ class CrossEntropyForward(RowKernel):
         # The weight row is staged next to the logits only when every class's weight
         # enters the result (label smoothing); otherwise only w_t is gathered.
         self.stage_weight = weighted and smoothing
+        assert reduce == "none" or not self.stage_weight, "see config.ce_reduces_in_kernel"
         self.staged_dtypes = (dtype, Float32) if self.stage_weight else (dtype,)
         # (max, sumexp, sumexp without the target, z_t, [w_t], [sum w z], [W])
         self.values_per_reduction = 4 + int(weighted) + int(smoothing) + int(self.stage_weight)
@@ -408,6 +410,10 @@ class CrossEntropyForward(RowKernel):
             nll_scale = (Float32(1.0) - smoothing) * w_target
 
         row_loss = Float32(0.0)
+        # the carried row weight, derived again here from values the loss needs anyway:
+        # carried from its store above, it spilled 8 bytes of one-block fp32 kernels
+        # (524288 columns with the gradient, 151936 with every option)
+        carried_weight = Float32(0.0)
         if lead:
             # -log p_t = log(sumexp) + (max - z_t) = log1p(sumexp_other * exp(max - z_t)):
             # the second form keeps the precision of a small loss (confident row)
@@ -432,6 +438,7 @@ class CrossEntropyForward(RowKernel):
             mLoss[row] = loss
             mLse[row] = lse
             row_loss = loss
+            carried_weight = cutlass.select_(valid, w_target, Float32(0.0))
 
         if cutlass.const_expr(self.write_grad):
             # Row coefficients times the row's gradient scale; 0 for an ignored row
@@ -471,7 +478,7 @@ class CrossEntropyForward(RowKernel):
                     _target_gradient(p_target, coef_p, coef_t, one_minus_p_target), z_target,
                     None, coef_w, inv_softcap))
         if cutlass.const_expr(carry is not None):
-            carry = (carry[0] + row_loss, carry[1] + row_weight)
+            carry = (carry[0] + row_loss, carry[1] + carried_weight)
         return carry
 
     @cute.jit

@@ -380,18 +380,18 @@ def _forward_plan(rows: Tensor, target: Tensor, grad_out: Tensor, weighted: bool
     return plan
 
 
-def _grid_partials(device: torch.device, slots: int) -> Tensor:
-    """The zeroed int64 words, two per slot (config.grid_sum_slots), a reducing launch
-    adds its CTAs' sums in (RowKernel.grid_sum): one buffer per stream, reused (the gathering CTA zeroes
-    the words again) and replaced by a larger one when a launch needs more. A graph
-    being captured gets its own, so that no replay shares one with eager launches (a
-    tensor made during the capture is zeroed by each replay)."""
-    make = functools.partial(torch.zeros, 2 * slots, dtype=torch.int64, device=device)
+def _grid_partials(device: torch.device, words: int) -> Tensor:
+    """The zeroed int64 words a reducing launch adds its CTAs' sums in
+    (RowKernel.grid_sum): one buffer per stream, reused (the gathering CTA zeroes the
+    words again) and replaced by a larger one when a launch needs more. A graph being
+    captured gets its own, so that no replay shares one with eager launches (a tensor
+    made during the capture is zeroed by each replay)."""
+    make = functools.partial(torch.zeros, words, dtype=torch.int64, device=device)
     if torch.cuda.is_current_stream_capturing():
         return make()
     key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))
     partials = _partials.get(key)
-    if partials is None or partials.numel() < 2 * slots:
+    if partials is None or partials.numel() < words:
         # (the stream orders the old buffer's last use before any reuse of its memory)
         partials = _partials[key] = make()
     return partials
@@ -442,9 +442,13 @@ def _launch(rows: Tensor, target: Tensor, weight: Optional[Tensor], stats: Tenso
         loop_grid_rows(cfg, rows.shape[0], resident)
     row_blocks = -(-rows.shape[0] // cfg.rows_per_block) if resident is None else grid_rows
     # vectors the variant does not read (no weights, no gradient, no reduction) are
-    # filled by loss and by any int64 buffer
-    partials = _grid_partials(rows.device, grid_sum_slots(cfg, row_blocks) if reduced is not None
-                              else 1)
+    # filled by loss and by any int64 vector (int64 targets: no lookup, nor a memset
+    # under graph capture)
+    if reduced is not None:
+        partials = _grid_partials(rows.device, CrossEntropyForward.GRID_SUM_VALUES
+                                  * grid_sum_slots(cfg, row_blocks))
+    else:
+        partials = target if target.dtype == torch.int64 else _grid_partials(rows.device, 1)
     fn(rows, target, loss if weight is None else weight, loss, row_weight, lse, grad_out,
        loss if grad_scale is None else grad_scale,
        loss if reduced is None else reduced.view(1), partials, ignore_index,
@@ -532,8 +536,8 @@ def reduced_loss_cuda(logits: Tensor, target: Tensor, weight: Optional[Tensor],
     checked the inputs already (a training step's mean, before its denominator). The
     eager path of cross_entropy; the ops and torch.compile reduce cross_entropy_forward's
     stats."""
-    assert ce_reduces_in_kernel(logits.shape[0], grad_scale is not None,
-                                weight is not None and label_smoothing != 0.0), "see its rule"
+    assert ce_reduces_in_kernel(logits.shape[0], weight is not None and label_smoothing != 0.0), \
+        "see its rule"
     if not checked:
         _check_op_inputs(logits, target, weight, grad_scale, cuda=True)
     rows, stats, lse = _rows_and_outputs(logits)
@@ -707,7 +711,7 @@ class CrossEntropyFunction(torch.autograd.Function):
         reduced = None
         stage_weight = weight is not None and label_smoothing != 0.0
         if eager and reduction != "none" and (not inplace or logits.stride(-1) == 1) \
-                and ce_reduces_in_kernel(num_rows, True, stage_weight):
+                and ce_reduces_in_kernel(num_rows, stage_weight):
             reduced, lse, grad = reduced_loss_cuda(logits, target, weight, *options, reduction,
                                                    held, inplace, checked)
         elif inplace:
@@ -839,7 +843,8 @@ def cross_entropy(logits: Tensor, target: Tensor, weight: Optional[Tensor] = Non
             # a view of the function's stats, which torch does not let callers modify
             # in place: hand out a copy (M floats)
             out = out.clone()
-    elif eager and reduction != "none" and ce_reduces_in_kernel(rows.shape[0], False, False):
+    elif eager and reduction != "none" \
+            and ce_reduces_in_kernel(rows.shape[0], weight is not None and label_smoothing != 0.0):
         out, lse, _ = reduced_loss_cuda(rows, *args, reduction)
     else:
         forward = _cross_entropy_forward_cuda if eager else cross_entropy_forward

@@ -789,10 +789,11 @@ CE_LOSS_MIN_THREADS_PER_BLOCK = 256
 # block) instead of two launches after the kernel (a torch sum and a division), at any
 # row count. The grid's last CTA taking a ticket after a fence in every CTA and reading
 # every row's loss back had cost, kernels alone (results/kernel_ab_ce_reduced_H200_
-# 20261130.txt), bf16 8192x16384 82.2 -> 89.3 us and 32768x4096 85.3 -> 98.4 us. Not for
-# the gradient with the weight row staged (class weights and label smoothing): with the
-# epilogue those variants spilled 8-16 bytes (sm_90a: fp32 1000 and 50257 columns, fp16
-# 151936), two reloads inside the row-block loop.
+# 20261130.txt), bf16 8192x16384 82.2 -> 89.3 us and 32768x4096 85.3 -> 98.4 us. Not
+# with the weight row staged (class weights and label smoothing): with the epilogue
+# those variants spilled 8-16 bytes (sm_90a, with the gradient: fp32 1000 and 50257
+# columns, fp16 151936, two reloads inside the row-block loop; the loss alone: fp32
+# 151936, a partial sum across the cluster reduction).
 # CTA sums a thread of a gathering CTA loads at once (RowKernel.grid_sum): 2 keep the
 # gathering epilogue within the registers of the loss kernels it ends (sm_90a: with 8
 # and a clamped address per slot the bf16 loss alone of short rows took 75-80 registers
@@ -815,8 +816,8 @@ def grid_sum_slots(cfg: RowConfig, row_blocks, first_level: bool = False):
     return first if first_level else first + GRID_SUM_GROUPS + slack
 
 
-def ce_reduces_in_kernel(num_rows: int, write_grad: bool, stage_weight: bool) -> bool:
-    return num_rows > 0 and not (write_grad and stage_weight)
+def ce_reduces_in_kernel(num_rows: int, stage_weight: bool) -> bool:
+    return num_rows > 0 and not stage_weight
 
 
 def _short_loss_row_config(n_cols: int, elem: int, max_vec: int | None) -> RowConfig | None:

@@ -73,10 +73,10 @@ class RowKernel:
         groups'. Each gathering is one round of loads per GRID_SUM_SLOTS_IN_FLIGHT x
         threads CTAs, in an order fixed by the grid and block sizes (bitwise
         reproducible), and zeroes the words it read for the stream's next launch.
-        ``partials``: int64, config.grid_sum_slots words, all 0 at launch. A gathering
-        CTA waits only for CTAs of lower index, started before it in practice, and
-        there are at most GRID_SUM_GROUPS of them. Every thread calls it; the result is
-        valid in every thread of the holding CTA."""
+        ``partials``: int64, len(values) words per slot of config.grid_sum_slots, all 0
+        at launch. A gathering CTA waits only for CTAs of lower index, started before it
+        in practice, and there are at most GRID_SUM_GROUPS of them. Every thread calls
+        it; the result is valid in every thread of the holding CTA."""
         n = len(values)
         block = cute.arch.block_idx()
         last = cute.arch.grid_dim()[0] - 1
