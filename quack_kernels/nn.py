@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from .ops.cross_entropy import cross_entropy
+from .ops.linear_cross_entropy import linear_cross_entropy
 from .ops.norm import layer_norm, rms_norm
 from .ops.softmax import log_softmax, softmax
 
@@ -60,6 +61,40 @@ class CrossEntropyLoss(torch.nn.Module):
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
                 f"label_smoothing={self.label_smoothing}, "
                 f"lse_square_scale={self.lse_square_scale}, softcap={self.softcap}")
+
+
+class LinearCrossEntropyLoss(torch.nn.Module):
+    """The loss of an LM head, ``CrossEntropyLoss`` of ``hidden @ weight.T + bias``,
+    computed in chunks of rows without the whole logits in memory; ``forward(hidden,
+    weight, target, bias=None)`` (the head's parameters are the caller's, e.g. tied
+    embeddings). See :func:`quack_kernels.linear_cross_entropy`."""
+
+    def __init__(self, class_weight: Tensor | None = None, ignore_index: int = -100,
+                 reduction: str = "mean", label_smoothing: float = 0.0,
+                 lse_square_scale: float = 0.0, softcap: float | None = None,
+                 chunk_rows: int | None = None):
+        super().__init__()
+        self.register_buffer("class_weight", class_weight)
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.label_smoothing = label_smoothing
+        self.lse_square_scale = lse_square_scale
+        self.softcap = softcap
+        self.chunk_rows = chunk_rows
+
+    def forward(self, hidden: Tensor, weight: Tensor, target: Tensor,
+                bias: Tensor | None = None) -> Tensor:
+        return linear_cross_entropy(
+            hidden, weight, target, bias, class_weight=self.class_weight,
+            ignore_index=self.ignore_index, reduction=self.reduction,
+            label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale,
+            softcap=self.softcap, chunk_rows=self.chunk_rows)
+
+    def extra_repr(self) -> str:
+        return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+                f"label_smoothing={self.label_smoothing}, "
+                f"lse_square_scale={self.lse_square_scale}, softcap={self.softcap}, "
+                f"chunk_rows={self.chunk_rows}")
 
 
 def _shape(normalized_shape) -> tuple:

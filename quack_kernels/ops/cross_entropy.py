@@ -782,6 +782,19 @@ _once_differentiable_backward = once_differentiable(_backward)
 
 
 # ------------------------------------------------------------------------ public API
+def check_loss_options(reduction: str, label_smoothing: float, lse_square_scale: float,
+                       softcap: Optional[float]) -> None:
+    """The public losses' options (cross_entropy, linear_cross_entropy)."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"quack_kernels: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"quack_kernels: label_smoothing must be in [0, 1], got {label_smoothing}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"quack_kernels: softcap must be None or > 0, got {softcap}")
+    if not math.isfinite(lse_square_scale):
+        raise ValueError(f"quack_kernels: lse_square_scale must be finite, got {lse_square_scale}")
+
+
 def cross_entropy(logits: Tensor, target: Tensor, weight: Optional[Tensor] = None, *,
                   ignore_index: int = -100, reduction: str = "mean",
                   label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
@@ -810,14 +823,7 @@ def cross_entropy(logits: Tensor, target: Tensor, weight: Optional[Tensor] = Non
     """
     if not isinstance(logits, Tensor) or not isinstance(target, Tensor):
         raise TypeError("quack_kernels: cross_entropy expects tensors for logits and target")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"quack_kernels: reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"quack_kernels: label_smoothing must be in [0, 1], got {label_smoothing}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"quack_kernels: softcap must be None or > 0, got {softcap}")
-    if not math.isfinite(lse_square_scale):
-        raise ValueError(f"quack_kernels: lse_square_scale must be finite, got {lse_square_scale}")
+    check_loss_options(reduction, label_smoothing, lse_square_scale, softcap)
     if logits.dim() < 1:
         raise ValueError("quack_kernels: logits need a class dimension (got a 0-d tensor)")
     if target.is_floating_point():

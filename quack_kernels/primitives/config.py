@@ -927,3 +927,22 @@ def cross_entropy_row_config(n_cols: int, elem: int, stage_weight: bool, write_g
             and not loops_over_row_blocks(cfg, write_grad):
         cfg = _kept_values_row_config(n_cols, elem, max_vec) or cfg
     return cfg
+
+
+# Linear + cross-entropy (ops.linear_cross_entropy): rows go through the LM head in
+# chunks so that the (M, V) logits never exist whole. A chunk's logits take about as
+# much memory as the hidden states they come from (M x H, so the loss adds about one
+# activation's worth), with at least LINEAR_CE_MIN_CHUNK_ROWS rows so that each chunk's
+# GEMMs (rows x H x V) still fill the GPU; the rows split evenly (no short last chunk),
+# each chunk at least that size.
+# Not yet tuned on a GPU.
+LINEAR_CE_MIN_CHUNK_ROWS = 1024
+
+
+def linear_ce_chunk_rows(num_rows: int, hidden_size: int, vocab: int) -> int:
+    """Rows per chunk of a linear + cross-entropy over ``num_rows`` rows (see above)."""
+    if num_rows == 0:
+        return 1
+    wanted = max(LINEAR_CE_MIN_CHUNK_ROWS, math.ceil(num_rows * hidden_size / max(vocab, 1)))
+    chunks = max(1, num_rows // wanted)
+    return math.ceil(num_rows / chunks)

@@ -1,0 +1,206 @@
+"""Linear layer + cross-entropy in chunks of rows: the loss of an LM head without its
+(M, V) logits in memory at once.
+
+  quack_kernels::linear_cross_entropy_forward   (stats, grad_hidden, grad_weight, grad_bias)
+
+Each chunk's logits (hidden @ weight^T + bias, in the inputs' dtype, by torch's GEMM)
+go through the cross-entropy kernel, which overwrites them with their gradient
+(quack_kernels::cross_entropy_forward_inplace, scaled per row by grad_scale); two more
+GEMMs turn that into the chunk's rows of grad_hidden and its share of grad_weight. So
+a training step's gradients are done in the forward pass and the backward of a mean or
+sum only scales them by the upstream gradient (one scalar). reduction="none" with a
+gradient runs the chunks again in the backward with the per-row upstream gradients:
+the weight's gradient, a sum over rows, cannot be rescaled per row afterwards.
+
+grad_weight (and grad_bias) accumulate over the chunks in the weight's dtype (each
+chunk's GEMM adds into it with fp32 accumulation inside: one rounding per chunk).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from ..primitives.config import linear_ce_chunk_rows
+from .common import check_same_device
+from .cross_entropy import (
+    CPU_DTYPES,
+    GPU_DTYPES,
+    TARGET_DTYPES,
+    _loss_dtype,
+    _mean_denominator,
+    check_loss_options,
+    cross_entropy_forward,
+    cross_entropy_forward_inplace,
+)
+
+
+def _check_inputs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
+                  chunk_rows: int) -> None:
+    dtypes = CPU_DTYPES if hidden.device.type == "cpu" else GPU_DTYPES
+    if hidden.dtype not in dtypes:
+        raise TypeError(f"quack_kernels: linear_cross_entropy hidden states have dtype "
+                        f"{hidden.dtype}; supported: {', '.join(map(str, dtypes))}")
+    if hidden.dim() != 2 or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"quack_kernels: linear_cross_entropy needs (M, H) hidden states and "
+                         f"a (V, H) weight, got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+    for name, tensor in (("weight", weight), ("bias", bias)):
+        if tensor is not None and tensor.dtype != hidden.dtype:
+            raise TypeError(f"quack_kernels: linear_cross_entropy {name} has dtype "
+                            f"{tensor.dtype}, the hidden states {hidden.dtype}; they must match")
+    if bias is not None and bias.shape != weight.shape[:1]:
+        raise ValueError(f"quack_kernels: bias must have shape ({weight.shape[0]},), "
+                         f"got {tuple(bias.shape)}")
+    if target.dtype not in TARGET_DTYPES or target.shape != hidden.shape[:1]:
+        raise ValueError(f"quack_kernels: target must be class indices (torch.int64 or "
+                         f"torch.int32) of shape ({hidden.shape[0]},), got {target.dtype} "
+                         f"{tuple(target.shape)}")
+    if chunk_rows < 1:
+        raise ValueError(f"quack_kernels: chunk_rows must be at least 1, got {chunk_rows}")
+    check_same_device(hidden=hidden, weight=weight, bias=bias, target=target)
+
+
+@torch.library.custom_op("quack_kernels::linear_cross_entropy_forward", mutates_args=())
+def linear_cross_entropy_forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
+                                 target: Tensor, class_weight: Optional[Tensor],
+                                 ignore_index: int, label_smoothing: float,
+                                 lse_square_scale: float, softcap: float,
+                                 grad_scale: Optional[Tensor], chunk_rows: int
+                                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(stats, grad_hidden, grad_weight, grad_bias) of cross-entropy over the logits
+    hidden (M, H) @ weight (V, H)^T + bias, ``chunk_rows`` rows at a time. ``stats``
+    (2, M) as cross_entropy_forward gives them; with ``grad_scale`` (the loss dtype, (M,))
+    the gradients of sum_i grad_scale_i loss_i, else empty tensors (grad_bias also
+    without a bias). One implementation for every device: the chunks' GEMMs are
+    torch's, their losses the cross-entropy ops' (the CUDA kernel or the CPU
+    reference)."""
+    _check_inputs(hidden, weight, bias, target, chunk_rows)
+    num_rows, vocab = hidden.shape[0], weight.shape[0]
+    stats = hidden.new_empty((2, num_rows), dtype=_loss_dtype(hidden))
+    with_grad = grad_scale is not None
+    grad_hidden = torch.empty_like(hidden) if with_grad else hidden.new_empty(0)
+    grad_weight = torch.zeros_like(weight) if with_grad else weight.new_empty(0)
+    grad_bias = hidden.new_zeros(vocab) if with_grad and bias is not None else hidden.new_empty(0)
+    options = (ignore_index, label_smoothing, lse_square_scale, softcap)
+    for start in range(0, num_rows, chunk_rows):
+        rows = slice(start, start + chunk_rows)
+        chunk = hidden[rows]
+        logits = chunk @ weight.t() if bias is None else torch.addmm(bias, chunk, weight.t())
+        if with_grad:
+            chunk_stats, _ = cross_entropy_forward_inplace(logits, target[rows], class_weight,
+                                                           *options, grad_scale[rows])
+            torch.mm(logits, weight, out=grad_hidden[rows])
+            grad_weight.addmm_(logits.t(), chunk)
+            if bias is not None:
+                grad_bias += logits.sum(0)
+        else:
+            chunk_stats, _, _ = cross_entropy_forward(logits, target[rows], class_weight,
+                                                      *options, False)
+        stats[:, rows] = chunk_stats
+    return stats, grad_hidden, grad_weight, grad_bias
+
+
+@linear_cross_entropy_forward.register_fake
+def _linear_cross_entropy_forward_fake(hidden, weight, bias, target, class_weight,
+                                       ignore_index, label_smoothing, lse_square_scale,
+                                       softcap, grad_scale, chunk_rows):
+    _check_inputs(hidden, weight, bias, target, chunk_rows)
+    stats = hidden.new_empty((2, hidden.shape[0]), dtype=_loss_dtype(hidden))
+    if grad_scale is None:
+        return stats, hidden.new_empty(0), weight.new_empty(0), hidden.new_empty(0)
+    grad_bias = hidden.new_empty(weight.shape[0]) if bias is not None else hidden.new_empty(0)
+    return stats, torch.empty_like(hidden), torch.empty_like(weight), grad_bias
+
+
+def _reduced(stats: Tensor, reduction: str) -> Tensor:
+    if reduction == "mean":
+        totals = stats.sum(1)
+        return totals[0] / totals[1]
+    if reduction == "sum":
+        return stats[0].sum()
+    return stats[0].clone()  # (not a view of the stats: callers may modify it in place)
+
+
+class LinearCrossEntropyFunction(torch.autograd.Function):
+    """(M, H) hidden states, (V, H) weight, bias -> the loss reduced as ``reduction``
+    asks; see the module docstring for where the gradients are computed."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, class_weight, ignore_index, label_smoothing,
+                lse_square_scale, softcap, reduction, chunk_rows):
+        options = (ignore_index, label_smoothing, lse_square_scale, softcap)
+        ctx.options, ctx.reduction, ctx.chunk_rows = options, reduction, chunk_rows
+        if reduction == "none":
+            stats, *_ = linear_cross_entropy_forward(hidden, weight, bias, target, class_weight,
+                                                     *options, None, chunk_rows)
+            ctx.save_for_backward(hidden, weight, bias, target, class_weight)
+            return _reduced(stats, reduction)
+        loss_dtype = _loss_dtype(hidden)
+        if reduction == "mean":
+            held = torch.reciprocal(_mean_denominator(target, class_weight, ignore_index,
+                                                      weight.shape[0], loss_dtype))
+        else:
+            held = torch.ones((), dtype=loss_dtype, device=hidden.device)
+        stats, *grads = linear_cross_entropy_forward(hidden, weight, bias, target, class_weight,
+                                                     *options, held.expand(hidden.shape[0]),
+                                                     chunk_rows)
+        ctx.save_for_backward(*grads)
+        return _reduced(stats, reduction)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dloss):
+        if ctx.reduction == "none":
+            hidden, weight, bias, target, class_weight = ctx.saved_tensors
+            _, *grads = linear_cross_entropy_forward(
+                hidden, weight, bias, target, class_weight, *ctx.options,
+                dloss.to(_loss_dtype(hidden)).contiguous(), ctx.chunk_rows)
+        else:
+            grads = [grad * dloss for grad in ctx.saved_tensors]
+        grad_hidden, grad_weight, grad_bias = grads
+        if grad_bias.numel() == 0:  # no bias
+            grad_bias = None
+        return grad_hidden, grad_weight, grad_bias, *(None,) * 8
+
+
+def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor,
+                         bias: Optional[Tensor] = None, *, class_weight: Optional[Tensor] = None,
+                         ignore_index: int = -100, reduction: str = "mean",
+                         label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
+                         softcap: Optional[float] = None,
+                         chunk_rows: Optional[int] = None) -> Tensor:
+    """``cross_entropy(hidden @ weight.T + bias, target, class_weight, ...)`` without
+    the (..., V) logits in memory at once: the rows go through the linear layer (an LM
+    head) and the loss in chunks, and with a gradient each chunk's gradients are
+    computed right away (the logits of one chunk at a time exist, as logits and then
+    as their gradient). ``hidden`` (..., H), ``weight`` (V, H), ``bias`` (V,) or None,
+    all of one dtype; ``target`` (...) class indices. The options are those of
+    :func:`quack_kernels.cross_entropy` (``class_weight`` is its ``weight``).
+    ``chunk_rows``: rows per chunk (default config.linear_ce_chunk_rows: chunk logits
+    about the size of the hidden states)."""
+    if not all(isinstance(t, Tensor) for t in (hidden, weight, target)):
+        raise TypeError("quack_kernels: linear_cross_entropy expects tensors for hidden, "
+                        "weight and target")
+    check_loss_options(reduction, label_smoothing, lse_square_scale, softcap)
+    if hidden.dim() < 1 or target.shape != hidden.shape[:-1]:
+        raise ValueError(f"quack_kernels: target shape {tuple(target.shape)} must equal the "
+                         f"hidden states' shape without its last dimension, "
+                         f"{tuple(hidden.shape[:-1])}")
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    target_rows = target.reshape(-1)
+    if chunk_rows is None:
+        chunk_rows = linear_ce_chunk_rows(rows.shape[0], rows.shape[1], weight.shape[0])
+    args = (target_rows, class_weight, int(ignore_index), float(label_smoothing),
+            float(lse_square_scale), float(softcap or 0.0))
+    trains = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (hidden, weight, bias))
+    if trains:
+        loss = LinearCrossEntropyFunction.apply(rows, weight, bias, *args, reduction,
+                                                int(chunk_rows))
+    else:
+        stats, *_ = linear_cross_entropy_forward(rows, weight, bias, *args, None, int(chunk_rows))
+        loss = _reduced(stats, reduction)
+    return loss.view(target.shape) if reduction == "none" else loss

@@ -1,0 +1,205 @@
+"""Linear + cross-entropy in chunks of rows: against torch's linear and cross_entropy
+(CPU, fp64: every option, reduction, bias, ragged chunks), the op (opcheck, fake
+kernel), errors, torch.compile, the chunk heuristic; on a GPU against an fp64
+reference."""
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import quack_kernels as qk
+from quack_kernels.primitives import config
+
+from helpers import assert_close, torch_cross_entropy
+
+OPTIONS = [dict(), dict(label_smoothing=0.1, lse_square_scale=1e-3, softcap=5.0)]
+
+
+def make_case(m=29, h=16, v=37, dtype=torch.float64, device="cpu", seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    hidden = torch.randn(m, h, generator=g, dtype=dtype, device=device)
+    weight = torch.randn(v, h, generator=g, dtype=dtype, device=device) / h ** 0.5
+    bias = torch.randn(v, generator=g, dtype=dtype, device=device)
+    target = torch.randint(0, v, (m,), generator=g, device=device)
+    target[::4] = -100
+    class_weight = torch.rand(v, generator=g, dtype=dtype, device=device) + 0.5
+    return hidden, weight, bias, target, class_weight
+
+
+def losses_and_grads(fn, hidden, weight, bias, target, upstream):
+    """(loss, grads of hidden, weight[, bias]) of ``fn`` for the upstream gradient."""
+    leaves = [t.detach().clone().requires_grad_() for t in (hidden, weight, bias) if t is not None]
+    loss = fn(*leaves[:2], target, *leaves[2:])
+    grads = torch.autograd.grad(loss, leaves, upstream(loss))
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("reduction,with_bias,weighted,options", itertools.product(
+    ["mean", "sum", "none"], [False, True], [False, True], range(len(OPTIONS))))
+def test_matches_torch_linear_and_cross_entropy(reduction, with_bias, weighted, options):
+    """Chunks of 6 of 29 rows (a short last one) against the unchunked definition; a
+    non-uniform upstream gradient for "none" (the backward runs the chunks again)."""
+    hidden, weight, bias, target, class_weight = make_case()
+    bias = bias if with_bias else None
+    class_weight = class_weight if weighted else None
+    kw = dict(OPTIONS[options], reduction=reduction)
+    g = torch.Generator().manual_seed(1)
+
+    def upstream(loss):
+        return torch.randn(loss.shape, generator=g, dtype=loss.dtype) + 1.5
+
+    ours = losses_and_grads(lambda h, w, t, *b: qk.linear_cross_entropy(
+        h, w, t, *b, class_weight=class_weight, chunk_rows=6, **kw),
+        hidden, weight, bias, target, upstream)
+    g.manual_seed(1)
+    ref = losses_and_grads(lambda h, w, t, *b: torch_cross_entropy(
+        F.linear(h, w, *b), t, class_weight, **kw), hidden, weight, bias, target, upstream)
+    assert_close(ours[0], ref[0], torch.float32, name="loss")
+    for name, got, want in zip(("hidden", "weight", "bias"), ours[1], ref[1]):
+        assert_close(got, want, torch.float32, name=f"grad {name}")
+
+
+def test_leading_dims_module_and_no_grad():
+    hidden, weight, bias, target, _ = make_case(m=24)
+    loss_fn = qk.nn.LinearCrossEntropyLoss(reduction="none", chunk_rows=5)
+    per_row = loss_fn(hidden.view(4, 6, -1), weight, target.view(4, 6), bias)
+    assert per_row.shape == (4, 6)
+    expected = F.cross_entropy(F.linear(hidden, weight, bias), target, reduction="none")
+    torch.testing.assert_close(per_row.view(-1), expected)
+    per_row[0, 0] = 7.0  # a tensor of its own, as torch hands out
+    with torch.no_grad():
+        leaf = hidden.clone().requires_grad_()
+        loss = qk.linear_cross_entropy(leaf, weight, target, bias)
+    assert not loss.requires_grad
+    torch.testing.assert_close(loss, F.cross_entropy(F.linear(hidden, weight, bias), target))
+
+
+def test_frozen_weight_and_every_row_ignored():
+    """Only the hidden states train (a frozen head): their gradient alone; every
+    target ignored: a NaN mean, a zero sum, zero gradients, as torch."""
+    hidden, weight, bias, target, _ = make_case()
+    leaf = hidden.clone().requires_grad_()
+    qk.linear_cross_entropy(leaf, weight, target, bias).backward()
+    ref = hidden.clone().requires_grad_()
+    F.cross_entropy(F.linear(ref, weight, bias), target).backward()
+    torch.testing.assert_close(leaf.grad, ref.grad)
+    ignored = torch.full_like(target, -100)
+    for reduction in ("mean", "sum"):
+        leaf.grad = None
+        loss = qk.linear_cross_entropy(leaf, weight, ignored, bias, reduction=reduction)
+        loss.backward()
+        assert torch.isnan(loss) if reduction == "mean" else loss == 0
+        assert int(torch.count_nonzero(leaf.grad)) == 0
+
+
+def test_zero_rows():
+    hidden, weight, bias, target, _ = make_case(m=0)
+    leaf_w = weight.clone().requires_grad_()
+    assert torch.isnan(qk.linear_cross_entropy(hidden, leaf_w, target, bias))
+    loss = qk.linear_cross_entropy(hidden, leaf_w, target, bias, reduction="sum")
+    loss.backward()
+    assert loss == 0 and int(torch.count_nonzero(leaf_w.grad)) == 0
+
+
+def test_opcheck_and_fake_kernel():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    hidden, weight, bias, target, class_weight = make_case(dtype=torch.float32)
+    op = torch.ops.quack_kernels.linear_cross_entropy_forward
+    scale = torch.rand(hidden.shape[0]) + 0.5
+    for b, cw, gs in ((bias, None, scale), (None, class_weight, None), (bias, class_weight, scale)):
+        torch.library.opcheck(op, (hidden, weight, b, target, cw, -100, 0.1, 1e-3, 3.0, gs, 7))
+    with FakeTensorMode():
+        h = torch.empty(9, 8, dtype=torch.bfloat16)
+        w = torch.empty(11, 8, dtype=torch.bfloat16)
+        t = torch.empty(9, dtype=torch.int64)
+        stats, gh, gw, gb = op(h, w, torch.empty(11, dtype=torch.bfloat16), t, None, -100, 0.0,
+                               0.0, 0.0, torch.empty(9), 4)
+        assert stats.shape == (2, 9) and stats.dtype == torch.float32
+        assert gh.shape == (9, 8) and gw.shape == (11, 8) and gb.shape == (11,)
+        assert gh.dtype == gw.dtype == gb.dtype == torch.bfloat16
+
+
+def test_torch_compile_fullgraph():
+    hidden, weight, bias, target, _ = make_case(dtype=torch.float32)
+    fn = torch.compile(lambda h, w, t, b: qk.linear_cross_entropy(h, w, t, b, label_smoothing=0.1,
+                                                                  chunk_rows=8),
+                       fullgraph=True, backend="aot_eager")
+    ours = losses_and_grads(fn, hidden, weight, bias, target, torch.ones_like)
+    ref = losses_and_grads(lambda h, w, t, b: F.cross_entropy(F.linear(h, w, b), t,
+                                                              label_smoothing=0.1),
+                           hidden, weight, bias, target, torch.ones_like)
+    assert_close(ours[0], ref[0], torch.float32)
+    for got, want in zip(ours[1], ref[1]):
+        assert_close(got, want, torch.float32)
+
+
+def test_errors():
+    hidden, weight, bias, target, _ = make_case(dtype=torch.float32)
+    with pytest.raises(ValueError, match="target shape"):
+        qk.linear_cross_entropy(hidden, weight, target[:-1])
+    with pytest.raises(ValueError, match=r"\(V, H\) weight"):
+        qk.linear_cross_entropy(hidden, weight[:, :-1], target)
+    with pytest.raises(TypeError, match="must match"):
+        qk.linear_cross_entropy(hidden, weight.double(), target)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        qk.linear_cross_entropy(hidden, weight, target, bias[:-1])
+    with pytest.raises(ValueError, match="class indices"):
+        qk.linear_cross_entropy(hidden, weight, target.to(torch.int16))
+    with pytest.raises(ValueError, match="chunk_rows"):
+        qk.linear_cross_entropy(hidden, weight, target, chunk_rows=0)
+    with pytest.raises(ValueError, match="reduction"):
+        qk.linear_cross_entropy(hidden, weight, target, reduction="avg")
+    with pytest.raises(TypeError, match="dtype torch.int64"):
+        qk.linear_cross_entropy(hidden.long(), weight.long(), target)
+    bad = target.clone()
+    bad[1] = weight.shape[0]
+    with pytest.raises(ValueError, match="target"):
+        qk.linear_cross_entropy(hidden, weight, bad)
+
+
+def test_chunk_rows_heuristic():
+    """Chunk logits about the size of the hidden states (M H / V rows), at least
+    LINEAR_CE_MIN_CHUNK_ROWS rows, the rows split evenly."""
+    least = config.LINEAR_CE_MIN_CHUNK_ROWS
+    assert config.linear_ce_chunk_rows(8192, 4096, 128256) == least  # 262 rows would do
+    assert config.linear_ce_chunk_rows(65536, 4096, 128256) == 2115  # 31 chunks of >= 2094
+    assert config.linear_ce_chunk_rows(least + 1, 4096, 128256) == least + 1  # one chunk
+    assert config.linear_ce_chunk_rows(3000, 64, 32000) == 1500  # two, not 1024 + 1024 + 952
+    assert config.linear_ce_chunk_rows(5, 8, 7) == 5
+    assert config.linear_ce_chunk_rows(0, 8, 7) == 1
+    for m, h, v in ((3000, 64, 32000), (100_000, 2048, 50257), (7, 4096, 2), (10**6, 8192, 32000)):
+        rows = config.linear_ce_chunk_rows(m, h, v)
+        chunks = -(-m // rows)
+        assert rows * chunks >= m > rows * (chunks - 1) and rows - m // chunks <= 1
+        assert rows >= min(m, max(least, m * h / v))
+
+
+# -------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,h,v,dtype", [(1000, 256, 32000, torch.bfloat16),
+                                         (3000, 512, 50257, torch.float32),
+                                         (257, 128, 128256, torch.float16)])
+@pytest.mark.parametrize("options", range(len(OPTIONS)))
+def test_gpu_matches_fp64_reference(m, h, v, dtype, options):
+    """The chunked loss on CUDA (torch's GEMMs, our kernel in place on each chunk's
+    logits; 3 chunks), sum and mean with a bias, against fp64 from the same logits
+    (the head's GEMM in the dtype, as an unfused head computes them): the loss, and the
+    gradients as the fp64 logits' gradient through the head."""
+    hidden, weight, bias, target, _ = make_case(m, h, v, torch.float32, "cuda", seed=3)
+    hidden, weight, bias = (t.to(dtype) for t in (hidden * 2, weight, bias))
+    for reduction in ("mean", "sum"):
+        kw = dict(OPTIONS[options], reduction=reduction)
+        loss, grads = losses_and_grads(lambda x, w, t, b: qk.linear_cross_entropy(
+            x, w, t, b, chunk_rows=-(-m // 3), **kw), hidden, weight, bias, target,
+            torch.ones_like)
+        logits = F.linear(hidden, weight, bias).double().requires_grad_()
+        ref = torch_cross_entropy(logits, target, None, **kw)
+        (dlogits,) = torch.autograd.grad(ref, logits)
+        expected = (dlogits @ weight.double(), dlogits.t() @ hidden.double(), dlogits.sum(0))
+        assert_close(loss, ref, torch.float32, scale=8.0, name="loss")
+        for name, got, want in zip(("hidden", "weight", "bias"), grads, expected):
+            # (the logits' gradient rounded to the dtype, the weight's once per chunk)
+            assert_close(got, want, dtype, scale=4.0, name=f"grad {name}")
