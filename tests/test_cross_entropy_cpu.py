@@ -306,17 +306,23 @@ def test_gradcheck():
 
 
 def test_torch_compile_fullgraph():
+    """Static and dynamic shapes (dynamic: the rows and the z-loss scale symbolic; a
+    math.isfinite check of the scale broke that graph)."""
     x, target, weight = make_case(dtype=torch.float32)
-    fn = torch.compile(lambda a, t: qk.cross_entropy(a, t, weight, label_smoothing=0.1),
-                       fullgraph=True, backend="aot_eager")
-    a = x.clone().requires_grad_()
-    out = fn(a, target)
-    out.backward()
-    ar = x.clone().requires_grad_()
-    ref = F.cross_entropy(ar, target, weight, label_smoothing=0.1)
-    ref.backward()
-    assert_close(out, ref, torch.float32)
-    assert_close(a.grad, ar.grad, torch.float32)
+    for dynamic in (False, True):
+        fn = torch.compile(lambda a, t, z: qk.cross_entropy(a, t, weight, label_smoothing=0.1,
+                                                            lse_square_scale=z),
+                           fullgraph=True, backend="aot_eager", dynamic=dynamic)
+        for m in (29, 13):
+            a = x[:m].clone().requires_grad_()
+            out = fn(a, target[:m], 1e-3)
+            out.backward()
+            ar = x[:m].clone().requires_grad_()
+            ref = torch_cross_entropy(ar, target[:m], weight, label_smoothing=0.1,
+                                      lse_square_scale=1e-3)
+            ref.backward()
+            assert_close(out, ref, torch.float32)
+            assert_close(a.grad, ar.grad, torch.float32)
 
 
 def test_forward_configs():
@@ -536,3 +542,26 @@ def test_reduced_loss_epilogue_has_no_divergent_warp_sync(tmp_path):
         fn = compile_kernel(*kernel, keep_cubin_in=str(tmp_path))
         cubin = _cubin_file(fn.__cubin__, str(tmp_path))
         assert warp_syncs(cubin, cuobjdump) == 0, f"{n} columns, write_grad={write_grad}"
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_fp16_gradient_takes_the_loss_scale_before_rounding(inplace):
+    """fp16 logits get their gradient in the backward, for the actual upstream
+    gradient: with a loss scaler's factor it is as precise as torch's (computed in the
+    forward for 1 / M and rescaled, its small values had underflowed: 2.0e-3 off in
+    norm against 2.1e-4); a retained graph runs backward twice with the logits kept."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(2048, 8192, generator=g) * 2).half()
+    target = torch.randint(0, 8192, (2048,), generator=g)
+    target[::5] = -100
+    ref = x.double().requires_grad_()
+    F.cross_entropy(ref, target).backward(torch.tensor(1024.0, dtype=torch.float64))
+    leaf = x.clone().requires_grad_()
+    logits = leaf * 1  # (a non-leaf: in place overwrites it, not the leaf)
+    loss = qk.cross_entropy(logits, target, inplace_backward=inplace)
+    loss.backward(torch.tensor(1024.0), retain_graph=True)
+    error = (leaf.grad.double() - ref.grad).norm() / ref.grad.norm()
+    assert error < 1e-3, f"relative error {error:.3g}"
+    first = leaf.grad.clone()
+    loss.backward(torch.tensor(1024.0))  # the graph again: the logits were kept
+    torch.testing.assert_close(leaf.grad, 2 * first, rtol=1e-3, atol=0)

@@ -523,3 +523,28 @@ def test_more_than_2_31_elements():
     (loss2, _), _ = ops.cross_entropy_forward_inplace(x, target, None, -100, 0.0, 0.0, 0.0)
     assert torch.equal(loss2, loss)
     assert_close(x[rows], reference(x_last, target[rows])[2], torch.bfloat16, scale=2.0)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_fp16_gradient_in_the_backward(inplace, reduction):
+    """fp16 logits: the gradient computed in the backward for the actual upstream
+    gradient (a loss scaler's 1024 here), as precise as torch's fp32 gradient rounded
+    to fp16, the mean reduced in the kernel; a retained graph runs it twice."""
+    x, target = fresh(2048, 8192, torch.float16)
+    ref = x.double().requires_grad_()
+    ref_loss = F.cross_entropy(ref, target, reduction=reduction)
+    upstream = torch.full_like(ref_loss, 1024.0)
+    if reduction == "none":
+        upstream = upstream * torch.rand_like(upstream)
+    ref_loss.backward(upstream)
+    leaf = x.clone().requires_grad_()
+    logits = leaf * 1  # (a non-leaf: in place overwrites it)
+    loss = qk.cross_entropy(logits, target, reduction=reduction, inplace_backward=inplace)
+    assert_close(loss, ref_loss.detach(), LOSS_TOL, scale=LOSS_SCALE, name="loss")
+    loss.backward(upstream.float(), retain_graph=True)
+    error = (leaf.grad.double() - ref.grad).norm() / ref.grad.norm()
+    assert error < 1e-3, f"relative error {error:.3g}"
+    first = leaf.grad.clone()
+    loss.backward(upstream.float())
+    torch.testing.assert_close(leaf.grad, 2 * first, rtol=1e-3, atol=0)

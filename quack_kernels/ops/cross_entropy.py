@@ -685,7 +685,10 @@ class CrossEntropyFunction(torch.autograd.Function):
     from 1, so in the expected case it moves no gradient bytes. The reduction happens
     here rather than in autograd-recorded torch ops, which saves the host two autograd
     nodes per step (eagerly, where config.ce_reduces_in_kernel, in the kernel:
-    reduced_loss_cuda). lse is not differentiable."""
+    reduced_loss_cuda). lse is not differentiable. fp16 logits get their gradient in the
+    backward instead, for the actual upstream gradient: a loss scaler's factor must
+    reach it before it is rounded to fp16, or its small values are lost (rescaled
+    afterwards: 2.0e-3 off fp64 in norm at 2048 x 8192 and a factor of 1024, 2.1e-4 so)."""
 
     @staticmethod
     def forward(ctx, logits, target, weight, ignore_index, label_smoothing, lse_square_scale,
@@ -710,23 +713,30 @@ class CrossEntropyFunction(torch.autograd.Function):
         options = (ignore_index, label_smoothing, lse_square_scale, softcap)
         reduced = None
         stage_weight = weight is not None and label_smoothing != 0.0
+        late_grad = logits.dtype == torch.float16
         if eager and reduction != "none" and (not inplace or logits.stride(-1) == 1) \
                 and ce_reduces_in_kernel(num_rows, stage_weight):
             reduced, lse, grad = reduced_loss_cuda(logits, target, weight, *options, reduction,
-                                                   held, inplace, checked)
-        elif inplace:
+                                                   None if late_grad else held, inplace, checked)
+        elif inplace and not late_grad:
             forward = _cross_entropy_forward_inplace_cuda if eager else cross_entropy_forward_inplace
             stats, lse = forward(logits, target, weight, *options, held)
             grad = logits
         else:
             forward = _cross_entropy_forward_cuda if eager else cross_entropy_forward
-            stats, lse, grad = forward(logits, target, weight, *options, True, held)
+            stats, lse, grad = forward(logits, target, weight, *options, not late_grad,
+                                       None if late_grad else held)
         ctx.eager = eager
         ctx.ignore_index = ignore_index
         ctx.reduction = reduction
         ctx.inplace = inplace
         ctx.loss_dtype = loss_dtype
-        ctx.save_for_backward(grad, target)
+        ctx.late_grad = late_grad
+        if late_grad:
+            ctx.options = options
+            ctx.save_for_backward(logits, target, weight, held)
+        else:
+            ctx.save_for_backward(grad, target)
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # no zeros for the lse's gradient
         if reduced is not None:
@@ -749,6 +759,8 @@ class CrossEntropyFunction(torch.autograd.Function):
 def _backward(ctx, dout, dlse):
     if dout is None:
         return (None,) * 10
+    if ctx.late_grad:
+        return _late_gradient(ctx, dout), *(None,) * 9
     grad, target = ctx.saved_tensors
     num_rows = grad.shape[0]
     # the saved gradient is the one for an upstream gradient of 1 on every row's loss
@@ -775,6 +787,25 @@ def _backward(ctx, dout, dlse):
     return dlogits, None, None, None, None, None, None, None, None, None
 
 
+def _late_gradient(ctx, dout: Tensor) -> Tensor:
+    """The logits' gradient computed in the backward (CrossEntropyFunction: fp16), each
+    row scaled by its actual upstream gradient; over the logits with ``inplace`` unless
+    the graph may run backward again or is being traced."""
+    logits, target, weight, held = ctx.saved_tensors
+    dloss = dout.to(ctx.loss_dtype)
+    if ctx.reduction != "none":
+        dloss = dloss.expand(held.shape)
+    scale = dloss * held
+    keep_logits = torch.compiler.is_compiling() \
+        or torch._C._autograd._get_current_graph_task_keep_graph()
+    if ctx.inplace and not keep_logits:
+        forward = _cross_entropy_forward_inplace_cuda if ctx.eager else cross_entropy_forward_inplace
+        forward(logits, target, weight, *ctx.options, scale)
+        return logits.view_as(logits)  # (a view autograd takes over: see _backward)
+    forward = _cross_entropy_forward_cuda if ctx.eager else cross_entropy_forward
+    return forward(logits, target, weight, *ctx.options, True, scale)[2]
+
+
 # A backward with create_graph=True (grad mode on) must not be differentiated again: this
 # backward is not differentiable (an error then, not a silent None); once_differentiable's
 # wrapper costs ~10 us of host time, so only that case pays it.
@@ -791,7 +822,7 @@ def check_loss_options(reduction: str, label_smoothing: float, lse_square_scale:
         raise ValueError(f"quack_kernels: label_smoothing must be in [0, 1], got {label_smoothing}")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"quack_kernels: softcap must be None or > 0, got {softcap}")
-    if not math.isfinite(lse_square_scale):
+    if not -math.inf < lse_square_scale < math.inf:  # (math.isfinite breaks dynamic torch.compile)
         raise ValueError(f"quack_kernels: lse_square_scale must be finite, got {lse_square_scale}")
 
 
