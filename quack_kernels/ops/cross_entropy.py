@@ -801,6 +801,9 @@ def _late_gradient(ctx, dout: Tensor) -> Tensor:
     if ctx.inplace and not keep_logits:
         forward = _cross_entropy_forward_inplace_cuda if ctx.eager else cross_entropy_forward_inplace
         forward(logits, target, weight, *ctx.options, scale)
+        # (the eager kernel writes behind autograd's back: another node that saved the
+        # logits must fail on them, not read the gradient)
+        torch.autograd.graph.increment_version(logits)
         return logits.view_as(logits)  # (a view autograd takes over: see _backward)
     forward = _cross_entropy_forward_cuda if ctx.eager else cross_entropy_forward
     return forward(logits, target, weight, *ctx.options, True, scale)[2]
@@ -846,7 +849,10 @@ def cross_entropy(logits: Tensor, target: Tensor, weight: Optional[Tensor] = Non
     and stored in a new buffer, or with ``inplace_backward=True`` over the logits (their
     values are destroyed). The backward then moves no bytes; another upstream gradient
     (a scaled loss, a weighted sum of per-row losses) costs one pass rescaling the
-    affected rows (a retained graph gets a new gradient tensor each backward).
+    affected rows (a retained graph gets a new gradient tensor each backward). fp16
+    logits get their gradient in the backward instead, for the actual upstream
+    gradient (a loss scaler's factor applied before the fp16 rounding): one more read
+    of the logits, which ``inplace_backward`` keeps until then and overwrites there.
 
     Targets outside [0, C) that are not ignore_index: on CUDA that row's loss (and
     gradient) is NaN, so a mean or sum is NaN; ``check_targets=True`` (synchronizing)
