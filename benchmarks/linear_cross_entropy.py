@@ -1,5 +1,7 @@
-"""The LM head's loss, a training step (loss and the gradients of the hidden states and
-the head's weight): quack_kernels.linear_cross_entropy against torch (F.linear then
+"""Linear + cross-entropy training steps: time and peak memory against the baselines.
+
+The LM head's loss with the gradients of the hidden states and the head's weight:
+quack_kernels.linear_cross_entropy against torch (F.linear then
 F.cross_entropy), torch.compile of it, and Liger's fused linear cross-entropy when
 installed. Per implementation: the median step time (back-to-back calls, as the
 runner's host-inclusive cases) and the peak memory the step allocates beyond its
