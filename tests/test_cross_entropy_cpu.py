@@ -565,3 +565,14 @@ def test_fp16_gradient_takes_the_loss_scale_before_rounding(inplace):
     first = leaf.grad.clone()
     loss.backward(torch.tensor(1024.0))  # the graph again: the logits were kept
     torch.testing.assert_close(leaf.grad, 2 * first, rtol=1e-3, atol=0)
+
+
+def test_inplace_backward_invalidates_other_uses_of_the_logits():
+    """The logits overwritten in place (inplace_backward): a node that saved them
+    before fails in the backward instead of reading the gradient (the CUDA twin is in
+    test_cross_entropy_gpu.py, where the eager kernel bumps the version itself)."""
+    x, target, _ = make_case(dtype=torch.float32)
+    logits = x.clone().requires_grad_() * 1
+    loss = qk.cross_entropy(logits, target, inplace_backward=True) + (logits * logits).mean()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

@@ -548,3 +548,16 @@ def test_fp16_gradient_in_the_backward(inplace, reduction):
     first = leaf.grad.clone()
     loss.backward(upstream.float())
     torch.testing.assert_close(leaf.grad, 2 * first, rtol=1e-3, atol=0)
+
+
+def test_inplace_backward_invalidates_other_uses_of_the_logits():
+    """inplace_backward overwrites the logits in the forward (bf16): a node that saved
+    them before (here a product of the logits with themselves) fails in the backward,
+    as after any in-place op, instead of reading the gradient as logits."""
+    x, target = fresh(64, 4096, torch.bfloat16)
+    leaf = x.clone().requires_grad_()
+    logits = leaf * 1
+    aux = (logits * logits).float().mean()
+    loss = qk.cross_entropy(logits, target, inplace_backward=True) + aux
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

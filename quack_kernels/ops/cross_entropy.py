@@ -736,6 +736,10 @@ class CrossEntropyFunction(torch.autograd.Function):
             ctx.options = options
             ctx.save_for_backward(logits, target, weight, held)
         else:
+            if inplace and eager:
+                # (the eager kernel wrote the gradient over the logits behind autograd's
+                # back: another node that saved them must fail, not read the gradient)
+                torch.autograd.graph.increment_version(logits)
             ctx.save_for_backward(grad, target)
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # no zeros for the lse's gradient
