@@ -573,6 +573,7 @@ def test_inplace_backward_invalidates_other_uses_of_the_logits():
     test_cross_entropy_gpu.py, where the eager kernel bumps the version itself)."""
     x, target, _ = make_case(dtype=torch.float32)
     logits = x.clone().requires_grad_() * 1
-    loss = qk.cross_entropy(logits, target, inplace_backward=True) + (logits * logits).mean()
+    aux = (logits * logits).mean()  # (saved before the loss overwrites them)
+    loss = qk.cross_entropy(logits, target, inplace_backward=True) + aux
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
