@@ -530,7 +530,7 @@ def test_more_than_2_31_elements():
 def test_fp16_gradient_in_the_backward(inplace, reduction):
     """fp16 logits: the gradient computed in the backward for the actual upstream
     gradient (a loss scaler's 1024 here), as precise as torch's fp32 gradient rounded
-    to fp16, the mean reduced in the kernel; a retained graph runs it twice."""
+    to fp16; a retained graph runs it twice."""
     x, target = fresh(2048, 8192, torch.float16)
     ref = x.double().requires_grad_()
     ref_loss = F.cross_entropy(ref, target, reduction=reduction)

@@ -9,13 +9,14 @@ in one pass over the logits:
   quack_kernels::cross_entropy_forward_inplace  writes the gradient over the logits
 
 grad_scale is the upstream gradient each row is expected to receive (1 / count for a
-mean). The autograd function saves the gradient and, in the backward,
+mean). The autograd function (which also reduces the row losses, saving the host
+autograd nodes) saves the gradient and, in the backward,
 ``quack_kernels::cross_entropy_rescale_grad_`` rescales in place only the rows whose
 actual upstream gradient differs: the expected case moves no gradient bytes, and any
-other (non-uniform per-row gradients, scaled losses) is still exact. The reduction
-over rows is plain torch on the (M,) loss vector, so autograd delivers the per-row
-upstream gradient for every reduction, weighting and use of the result; without a
-gradient a mean is one reduction of the stats (losses and row weights). Eagerly, where
+other (non-uniform per-row gradients, scaled losses) is still exact. fp16 logits
+(config.ce_gradient_in_backward) get their gradient in the backward instead, for the
+actual upstream gradient. Without a gradient a mean is one reduction of the stats
+(losses and row weights). Eagerly, where
 config.ce_reduces_in_kernel, the kernel reduces the loss itself, with or without the
 gradient (reduced_loss_cuda).
 
@@ -48,6 +49,7 @@ from ..primitives.config import (
     MeanDenominatorConfig,
     RowConfig,
     ce_fixed_max,
+    ce_gradient_in_backward,
     ce_reduces_in_kernel,
     grid_sum_slots,
     cross_entropy_row_config,
@@ -297,6 +299,17 @@ def cross_entropy_reference(logits: Tensor, target: Tensor, weight: Optional[Ten
 
 
 # -------------------------------------------------------------------------- checks
+def check_target_rows(target: Tensor, num_rows: int, op: str) -> None:
+    """Class indices, one per row, for the ops of rows (M, C)."""
+    if target.dtype not in TARGET_DTYPES:
+        raise TypeError(f"quack_kernels: {op} target has dtype {target.dtype}; class indices "
+                        "must be torch.int64 or torch.int32 (probability targets are not "
+                        "supported)")
+    if target.shape != (num_rows,):
+        raise ValueError(f"quack_kernels: {op} target shape {tuple(target.shape)} does not "
+                         f"match the rows (expected ({num_rows},))")
+
+
 def _check_op_inputs(logits: Tensor, target: Tensor, weight: Optional[Tensor],
                      grad_scale: Optional[Tensor], cuda: bool) -> None:
     dtypes = GPU_DTYPES if cuda else CPU_DTYPES
@@ -307,13 +320,7 @@ def _check_op_inputs(logits: Tensor, target: Tensor, weight: Optional[Tensor],
         raise ValueError(f"quack_kernels: cross_entropy ops take (M, C) logits, got {tuple(logits.shape)}")
     if logits.shape[1] < 1:
         raise ValueError("quack_kernels: cross_entropy needs at least one class")
-    if target.dtype not in TARGET_DTYPES:
-        raise TypeError(f"quack_kernels: cross_entropy target has dtype {target.dtype}; class "
-                        "indices must be torch.int64 or torch.int32 (probability targets "
-                        "are not supported)")
-    if target.shape != logits.shape[:1]:
-        raise ValueError(f"quack_kernels: target shape {tuple(target.shape)} does not match "
-                         f"logits {tuple(logits.shape)} (expected ({logits.shape[0]},))")
+    check_target_rows(target, logits.shape[0], "cross_entropy")
     if weight is not None:
         if weight.shape != (logits.shape[1],):
             raise ValueError(f"quack_kernels: weight must have shape ({logits.shape[1]},), "
@@ -425,7 +432,7 @@ def _launch(rows: Tensor, target: Tensor, weight: Optional[Tensor], stats: Tenso
     loss, row_weight = stats.unbind(0)
     check_gpu(rows)
     smoothing = label_smoothing != 0.0
-    stage_weight = weight is not None and smoothing
+    stage_weight = stages_weight(weight, label_smoothing)
     if weight is not None:
         weight = weight.to(torch.float32).contiguous()
         if stage_weight and weight.data_ptr() % 16:
@@ -460,6 +467,34 @@ def _loss_dtype(logits: Tensor) -> torch.dtype:
 
 
 # ----------------------------------------------------------------------------- the ops
+def stages_weight(weight: Optional[Tensor], label_smoothing: float) -> bool:
+    """Whether the kernel stages the whole class-weight row next to the logits (its sum
+    of w z for label smoothing) rather than gathering w_t alone."""
+    return weight is not None and label_smoothing != 0.0
+
+
+def reduced_stats(stats: Tensor, reduction: str) -> Tensor:
+    """The loss of (2, M) stats (losses, row weights) reduced over the rows: a mean is
+    the losses' sum over the row weights' (one reduction of both)."""
+    if reduction == "mean":
+        totals = stats.sum(1)
+        return totals[0] / totals[1]
+    if reduction == "sum":
+        return stats[0].sum()
+    return stats[0]
+
+
+def plain_backward_scale(target: Tensor, weight: Optional[Tensor], ignore_index: int,
+                         n_cols: int, loss_dtype: torch.dtype, reduction: str) -> tuple:
+    """(the mean's denominator or None, the 0-d upstream gradient a plain backward()
+    gives each row's loss: 1 / denominator for a mean, as torch's DivBackward computes
+    it, else 1)."""
+    if reduction != "mean":
+        return None, _unit(loss_dtype, target.device)
+    denominator = _mean_denominator(target, weight, ignore_index, n_cols, loss_dtype)
+    return denominator, torch.reciprocal(denominator)
+
+
 def row_weights(target: Tensor, weight: Optional[Tensor], ignore_index: int, n_cols: int,
                 dtype: torch.dtype) -> Tensor:
     """Each row's weight in a mean over rows, as torch's cross_entropy counts it: w_t (1
@@ -536,7 +571,7 @@ def reduced_loss_cuda(logits: Tensor, target: Tensor, weight: Optional[Tensor],
     checked the inputs already (a training step's mean, before its denominator). The
     eager path of cross_entropy; the ops and torch.compile reduce cross_entropy_forward's
     stats."""
-    assert ce_reduces_in_kernel(logits.shape[0], weight is not None and label_smoothing != 0.0), \
+    assert ce_reduces_in_kernel(logits.shape[0], stages_weight(weight, label_smoothing)), \
         "see its rule"
     if not checked:
         _check_op_inputs(logits, target, weight, grad_scale, cuda=True)
@@ -703,17 +738,15 @@ class CrossEntropyFunction(torch.autograd.Function):
             _check_op_inputs(logits, target, weight, None, cuda=True)
             denominator, inverse = _mean_denominator_cuda(target, weight, ignore_index)
             held = inverse.expand(num_rows)
-        elif reduction == "mean":
-            denominator = _mean_denominator(target, weight, ignore_index, logits.shape[1],
-                                            loss_dtype)
-            held = torch.reciprocal(denominator).expand(num_rows)
         else:
             # (an expanded scalar: the kernels take per-row scales with any stride)
-            held = _unit(loss_dtype, logits.device).expand(num_rows)
+            denominator, held = plain_backward_scale(target, weight, ignore_index,
+                                                     logits.shape[1], loss_dtype, reduction)
+            held = held.expand(num_rows)
         options = (ignore_index, label_smoothing, lse_square_scale, softcap)
         reduced = None
-        stage_weight = weight is not None and label_smoothing != 0.0
-        late_grad = logits.dtype == torch.float16
+        stage_weight = stages_weight(weight, label_smoothing)
+        late_grad = ce_gradient_in_backward(logits.dtype)
         if eager and reduction != "none" and (not inplace or logits.stride(-1) == 1) \
                 and ce_reduces_in_kernel(num_rows, stage_weight):
             reduced, lse, grad = reduced_loss_cuda(logits, target, weight, *options, reduction,
@@ -805,9 +838,8 @@ def _late_gradient(ctx, dout: Tensor) -> Tensor:
     if ctx.inplace and not keep_logits:
         forward = _cross_entropy_forward_inplace_cuda if ctx.eager else cross_entropy_forward_inplace
         forward(logits, target, weight, *ctx.options, scale)
-        # (the eager kernel writes behind autograd's back: another node that saved the
-        # logits must fail on them, not read the gradient)
-        torch.autograd.graph.increment_version(logits)
+        if ctx.eager:  # (see the forward's inplace)
+            torch.autograd.graph.increment_version(logits)
         return logits.view_as(logits)  # (a view autograd takes over: see _backward)
     forward = _cross_entropy_forward_cuda if ctx.eager else cross_entropy_forward
     return forward(logits, target, weight, *ctx.options, True, scale)[2]
@@ -891,20 +923,12 @@ def cross_entropy(logits: Tensor, target: Tensor, weight: Optional[Tensor] = Non
             # in place: hand out a copy (M floats)
             out = out.clone()
     elif eager and reduction != "none" \
-            and ce_reduces_in_kernel(rows.shape[0], weight is not None and label_smoothing != 0.0):
+            and ce_reduces_in_kernel(rows.shape[0], stages_weight(weight, label_smoothing)):
         out, lse, _ = reduced_loss_cuda(rows, *args, reduction)
     else:
         forward = _cross_entropy_forward_cuda if eager else cross_entropy_forward
         stats, lse, _ = forward(rows, *args, False)
-        loss = stats[0]
-        if reduction == "mean":
-            # one reduction of the losses and of the row weights the kernel wrote
-            totals = stats.sum(1)
-            out = totals[0] / totals[1]
-        elif reduction == "sum":
-            out = loss.sum()
-        else:
-            out = loss
+        out = reduced_stats(stats, reduction)
     if reduction == "none":
         out = out.view(target.shape)
     return (out, lse.view(target.shape)) if return_lse else out

@@ -10,14 +10,14 @@ GEMMs turn that into the chunk's rows of grad_hidden and its share of grad_weigh
 a training step's gradients are done in the forward pass and the backward of a mean or
 sum only scales them by the upstream gradient (one scalar). The chunks run again in
 the backward, with the actual upstream gradient, for reduction="none" (the weight's
-gradient, a sum over rows, cannot be rescaled per row afterwards) and for fp16 (a loss
-scaler's factor must reach the gradient before it is rounded to fp16, or its small
-values are lost).
+gradient, a sum over rows, cannot be rescaled per row afterwards) and where
+config.ce_gradient_in_backward (fp16: a loss scaler's factor).
 
 grad_weight (and grad_bias) accumulate over the chunks in the weight's dtype (each
 chunk's GEMM adds into it with fp32 accumulation inside: one rounding per chunk; at
 bf16 and 128 chunks the weight's gradient was 1.5e-2 off fp64 in norm, 2.5e-3 in one
-chunk). A frozen weight (weight_grad=False) costs neither its GEMM nor its buffer.
+chunk). A frozen head (weight and bias, weight_grad=False) costs neither the weight's
+GEMM nor its buffer.
 """
 
 from __future__ import annotations
@@ -28,17 +28,18 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ..primitives.config import linear_ce_chunk_rows
+from ..primitives.config import ce_gradient_in_backward, linear_ce_chunk_rows
 from .common import check_same_device
 from .cross_entropy import (
     CPU_DTYPES,
     GPU_DTYPES,
-    TARGET_DTYPES,
     _loss_dtype,
-    _mean_denominator,
     check_loss_options,
+    check_target_rows,
     cross_entropy_forward,
     cross_entropy_forward_inplace,
+    plain_backward_scale,
+    reduced_stats,
 )
 
 
@@ -58,10 +59,7 @@ def _check_inputs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target
     if bias is not None and bias.shape != weight.shape[:1]:
         raise ValueError(f"quack_kernels: bias must have shape ({weight.shape[0]},), "
                          f"got {tuple(bias.shape)}")
-    if target.dtype not in TARGET_DTYPES or target.shape != hidden.shape[:1]:
-        raise ValueError(f"quack_kernels: target must be class indices (torch.int64 or "
-                         f"torch.int32) of shape ({hidden.shape[0]},), got {target.dtype} "
-                         f"{tuple(target.shape)}")
+    check_target_rows(target, hidden.shape[0], "linear_cross_entropy")
     if chunk_rows < 1:
         raise ValueError(f"quack_kernels: chunk_rows must be at least 1, got {chunk_rows}")
     check_same_device(hidden=hidden, weight=weight, bias=bias, target=target,
@@ -124,13 +122,10 @@ def _linear_cross_entropy_forward_fake(hidden, weight, bias, target, class_weigh
     return stats, torch.empty_like(hidden), torch.empty_like(weight), grad_bias
 
 
-def _reduced(stats: Tensor, reduction: str) -> Tensor:
-    if reduction == "mean":
-        totals = stats.sum(1)
-        return totals[0] / totals[1]
-    if reduction == "sum":
-        return stats[0].sum()
-    return stats[0].clone()  # (not a view of the stats: callers may modify it in place)
+def _per_row_or_reduced(stats: Tensor, reduction: str) -> Tensor:
+    loss = reduced_stats(stats, reduction)
+    # (per-row losses: not a view of the stats, so that callers may modify them in place)
+    return loss.clone() if reduction == "none" else loss
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
@@ -143,14 +138,11 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         options = (ignore_index, label_smoothing, lse_square_scale, softcap)
         weight_grad = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         ctx.options, ctx.chunk_rows, ctx.weight_grad = options, chunk_rows, weight_grad
-        held = None  # the row scale of a plain backward(): 1 / denominator for a mean
+        held = None  # the row scale of a plain backward(), for a sum or mean
         if reduction != "none":
-            loss_dtype = _loss_dtype(hidden)
-            held = torch.ones((), dtype=loss_dtype, device=hidden.device)
-            if reduction == "mean":
-                held = torch.reciprocal(_mean_denominator(target, class_weight, ignore_index,
-                                                          weight.shape[0], loss_dtype))
-        ctx.recomputes = held is None or hidden.dtype == torch.float16
+            _, held = plain_backward_scale(target, class_weight, ignore_index, weight.shape[0],
+                                           _loss_dtype(hidden), reduction)
+        ctx.recomputes = held is None or ce_gradient_in_backward(hidden.dtype)
         scale = None if ctx.recomputes else held.expand(hidden.shape[0])
         stats, *grads = linear_cross_entropy_forward(hidden, weight, bias, target, class_weight,
                                                      *options, scale, weight_grad, chunk_rows)
@@ -158,7 +150,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             ctx.save_for_backward(hidden, weight, bias, target, class_weight, held)
         else:
             ctx.save_for_backward(*grads)
-        return _reduced(stats, reduction)
+        return _per_row_or_reduced(stats, reduction)
 
     @staticmethod
     @once_differentiable
@@ -169,8 +161,11 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             _, *grads = linear_cross_entropy_forward(
                 hidden, weight, bias, target, class_weight, *ctx.options,
                 scale.to(_loss_dtype(hidden)).contiguous(), ctx.weight_grad, ctx.chunk_rows)
-        else:
-            grads = [grad * dloss for grad in ctx.saved_tensors]
+        elif torch.compiler.is_compiling() \
+                or torch._C._autograd._get_current_graph_task_keep_graph():
+            grads = [grad * dloss for grad in ctx.saved_tensors]  # (may run again)
+        else:  # in place: no second weight-sized buffer at the step's peak
+            grads = [grad.mul_(dloss) for grad in ctx.saved_tensors]
         # (a frozen weight's gradient is an empty tensor)
         return (*(grad if needed else None for grad, needed in zip(grads, ctx.needs_input_grad)),
                 *(None,) * 8)
@@ -186,11 +181,14 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor,
     the (..., V) logits in memory at once: the rows go through the linear layer (an LM
     head) and the loss in chunks, and with a gradient each chunk's gradients are
     computed right away (the logits of one chunk at a time exist, as logits and then
-    as their gradient; fp16 computes them in the backward, so that a loss scaler's
-    factor is applied before they are rounded). ``hidden`` (..., H), ``weight`` (V, H),
+    as their gradient; the backward of a sum or mean only scales them, while
+    reduction="none" and fp16 compute them in the backward, for the per-row upstream
+    gradients or a loss scaler's factor). ``hidden`` (..., H), ``weight`` (V, H),
     ``bias`` (V,) or None, all of one dtype (under autocast, cast to its dtype as
-    ``F.linear`` would be); ``target`` (...) class indices. The options are those of
-    :func:`quack_kernels.cross_entropy` (``class_weight`` is its ``weight``).
+    ``F.linear`` would be); ``target`` (...) class indices. ``class_weight``,
+    ``ignore_index``, ``reduction``, ``label_smoothing``, ``lse_square_scale`` and
+    ``softcap`` are :func:`quack_kernels.cross_entropy`'s (``class_weight`` is its
+    ``weight``, a name the head's weight takes here).
     ``chunk_rows``: rows per chunk (default config.linear_ce_chunk_rows: chunk logits
     about the size of the hidden states)."""
     if not all(isinstance(t, Tensor) for t in (hidden, weight, target)):
@@ -219,5 +217,5 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor,
     else:
         stats, *_ = linear_cross_entropy_forward(rows, weight, bias, *args, None, False,
                                                  int(chunk_rows))
-        loss = _reduced(stats, reduction)
+        loss = _per_row_or_reduced(stats, reduction)
     return loss.view(target.shape) if reduction == "none" else loss
