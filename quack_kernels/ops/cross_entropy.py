@@ -720,10 +720,9 @@ class CrossEntropyFunction(torch.autograd.Function):
     from 1, so in the expected case it moves no gradient bytes. The reduction happens
     here rather than in autograd-recorded torch ops, which saves the host two autograd
     nodes per step (eagerly, where config.ce_reduces_in_kernel, in the kernel:
-    reduced_loss_cuda). lse is not differentiable. fp16 logits get their gradient in the
-    backward instead, for the actual upstream gradient: a loss scaler's factor must
-    reach it before it is rounded to fp16, or its small values are lost (rescaled
-    afterwards: 2.0e-3 off fp64 in norm at 2048 x 8192 and a factor of 1024, 2.1e-4 so)."""
+    reduced_loss_cuda). lse is not differentiable. Where config.ce_gradient_in_backward
+    (fp16) the gradient is computed in the backward instead, for the actual upstream
+    gradient (_late_gradient)."""
 
     @staticmethod
     def forward(ctx, logits, target, weight, ignore_index, label_smoothing, lse_square_scale,
@@ -793,6 +792,14 @@ class CrossEntropyFunction(torch.autograd.Function):
         return _backward(ctx, dout, dlse)
 
 
+def saved_tensors_reused() -> bool:
+    """Whether a backward must leave its saved tensors intact: the graph may run
+    backward again (retain_graph, gradcheck) or is being traced. Otherwise this is their
+    last use, and a backward may overwrite them (no second buffer)."""
+    return torch.compiler.is_compiling() \
+        or torch._C._autograd._get_current_graph_task_keep_graph()
+
+
 def _backward(ctx, dout, dlse):
     if dout is None:
         return (None,) * 10
@@ -807,9 +814,7 @@ def _backward(ctx, dout, dlse):
     if ctx.reduction != "none":
         dloss = dloss.expand(num_rows)
     held = _unit(ctx.loss_dtype, grad.device).expand(num_rows)
-    if torch.compiler.is_compiling() or torch._C._autograd._get_current_graph_task_keep_graph():
-        # the graph may run backward again (retain_graph, gradcheck) or is being
-        # traced: leave the saved buffer intact
+    if saved_tensors_reused():
         dlogits = rescaled_grad(grad, target, dloss, held, ctx.ignore_index)
     else:
         # last use of the buffer: rescale in place and hand it to autograd
@@ -833,9 +838,7 @@ def _late_gradient(ctx, dout: Tensor) -> Tensor:
     if ctx.reduction != "none":
         dloss = dloss.expand(held.shape)
     scale = dloss * held
-    keep_logits = torch.compiler.is_compiling() \
-        or torch._C._autograd._get_current_graph_task_keep_graph()
-    if ctx.inplace and not keep_logits:
+    if ctx.inplace and not saved_tensors_reused():
         forward = _cross_entropy_forward_inplace_cuda if ctx.eager else cross_entropy_forward_inplace
         forward(logits, target, weight, *ctx.options, scale)
         if ctx.eager:  # (see the forward's inplace)

@@ -40,6 +40,7 @@ from .cross_entropy import (
     cross_entropy_forward_inplace,
     plain_backward_scale,
     reduced_stats,
+    saved_tensors_reused,
 )
 
 
@@ -161,9 +162,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             _, *grads = linear_cross_entropy_forward(
                 hidden, weight, bias, target, class_weight, *ctx.options,
                 scale.to(_loss_dtype(hidden)).contiguous(), ctx.weight_grad, ctx.chunk_rows)
-        elif torch.compiler.is_compiling() \
-                or torch._C._autograd._get_current_graph_task_keep_graph():
-            grads = [grad * dloss for grad in ctx.saved_tensors]  # (may run again)
+        elif saved_tensors_reused():
+            grads = [grad * dloss for grad in ctx.saved_tensors]
         else:  # in place: no second weight-sized buffer at the step's peak
             grads = [grad.mul_(dloss) for grad in ctx.saved_tensors]
         # (a frozen weight's gradient is an empty tensor)
