@@ -8,16 +8,22 @@ runner's host-inclusive cases) and the peak memory the step allocates beyond its
 inputs. GEMM-bound, so no copy ceiling here: the point is time and memory side by side.
 
     python benchmarks/linear_cross_entropy.py [--shapes 8192x4096x128256,...] [--dtype bf16]
+        [--out benchmarks/results]
 """
 
 import argparse
+import csv
+import datetime
 import functools
+import pathlib
+import re
 
 import torch
 import torch.nn.functional as F
 
 import quack_kernels as qk
-from quack_kernels.bench import _compiled, _optional_module, time_host_inclusive_ms
+from quack_kernels.bench import (_compiled, _optional_module, environment,
+                                 time_host_inclusive_ms)
 
 SHAPES = "8192x4096x128256,16384x2048x151936,4096x4096x32000"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -34,10 +40,17 @@ def _liger_loss():
 
 IMPLEMENTATIONS = {
     "quack_kernels": lambda: qk.linear_cross_entropy,
+    # the head's gradient summed over the chunks in fp32 (rounded once)
+    "quack_kernels_fp32_accum": lambda: functools.partial(qk.linear_cross_entropy,
+                                                          grad_accum_dtype=torch.float32),
     "torch": lambda: _torch_loss,
     "torch_compile": lambda: _compiled(_torch_loss),
     "liger": _liger_loss,
 }
+OURS = ("quack_kernels", "quack_kernels_fp32_accum")
+CSV_COLUMNS = ("M", "H", "V", "dtype", "impl", "ms", "peak_gib", "speedup_vs_best_baseline",
+               "gpu", "date", "torch", "triton", "cutlass_dsl", "quack_kernels_version",
+               "liger", "quack", "error")
 
 
 def step(loss_fn, hidden, weight, target):
@@ -60,25 +73,54 @@ def measure(loss_fn, hidden, weight, target) -> tuple[float, float]:
     return time_host_inclusive_ms(call), peak
 
 
+def run_shape(shape: str, dtype: torch.dtype) -> list[dict]:
+    """One row per implementation; ours carry their speedup over the fastest baseline."""
+    m, h, v = map(int, shape.split("x"))
+    hidden = torch.randn(m, h, device="cuda", dtype=dtype, requires_grad=True)
+    weight = (torch.randn(v, h, device="cuda", dtype=dtype) / h ** 0.5).requires_grad_()
+    target = torch.randint(0, v, (m,), device="cuda")
+    rows = []
+    for name, resolve in IMPLEMENTATIONS.items():
+        row = dict(M=m, H=h, V=v, impl=name)
+        try:
+            ms, gib = measure(resolve(), hidden, weight, target)
+            row.update(ms=f"{ms:.3f}", peak_gib=f"{gib:.2f}")
+            print(f"{shape:20s} {name:25s} {ms:9.3f} ms {gib:7.2f} GiB", flush=True)
+        except Exception as exc:  # a baseline's failure is reported, the run goes on
+            row.update(error=f"{type(exc).__name__}: {str(exc)[:120]}")
+            print(f"{shape:20s} {name:25s} {row['error']}", flush=True)
+        torch.cuda.empty_cache()
+        rows.append(row)
+    best = min((float(r["ms"]) for r in rows if r["impl"] not in OURS and "ms" in r),
+               default=None)
+    for r in rows:
+        if best and r["impl"] in OURS and "ms" in r:
+            r["speedup_vs_best_baseline"] = f"{best / float(r['ms']):.3f}"
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default=SHAPES, help="tokens x hidden x vocab, comma-separated")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"),
+                   help="folder for the CSV (linear_cross_entropy_<gpu>_<date>.csv)")
     args = p.parse_args(argv)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}")
-    for shape in args.shapes.split(","):
-        m, h, v = map(int, shape.split("x"))
-        hidden = torch.randn(m, h, device="cuda", dtype=DTYPES[args.dtype], requires_grad=True)
-        weight = (torch.randn(v, h, device="cuda", dtype=DTYPES[args.dtype]) / h ** 0.5
-                  ).requires_grad_()
-        target = torch.randint(0, v, (m,), device="cuda")
-        for name, resolve in IMPLEMENTATIONS.items():
-            try:
-                ms, gib = measure(resolve(), hidden, weight, target)
-                print(f"{shape:20s} {name:14s} {ms:9.3f} ms {gib:7.2f} GiB", flush=True)
-            except Exception as exc:  # a baseline's failure is reported, the run goes on
-                print(f"{shape:20s} {name:14s} {type(exc).__name__}: {str(exc)[:120]}", flush=True)
-            torch.cuda.empty_cache()
+    gpu = torch.cuda.get_device_name()
+    env = environment(gpu)
+    print(f"{gpu}, torch {torch.__version__}, {args.dtype}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M")
+    path = args.out / f"linear_cross_entropy_{slug}_{args.dtype}_{stamp}.csv"
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        for shape in args.shapes.split(","):
+            for row in run_shape(shape, DTYPES[args.dtype]):
+                writer.writerow({**env, "dtype": args.dtype, **row})
+            handle.flush()
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -72,7 +72,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
     def __init__(self, class_weight: Tensor | None = None, ignore_index: int = -100,
                  reduction: str = "mean", label_smoothing: float = 0.0,
                  lse_square_scale: float = 0.0, softcap: float | None = None,
-                 chunk_rows: int | None = None):
+                 chunk_rows: int | None = None, grad_accum_dtype: torch.dtype | None = None):
         super().__init__()
         self.register_buffer("class_weight", class_weight)
         self.ignore_index = ignore_index
@@ -81,6 +81,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         self.lse_square_scale = lse_square_scale
         self.softcap = softcap
         self.chunk_rows = chunk_rows
+        self.grad_accum_dtype = grad_accum_dtype
 
     def forward(self, hidden: Tensor, weight: Tensor, target: Tensor,
                 bias: Tensor | None = None) -> Tensor:
@@ -88,13 +89,14 @@ class LinearCrossEntropyLoss(torch.nn.Module):
             hidden, weight, target, bias, class_weight=self.class_weight,
             ignore_index=self.ignore_index, reduction=self.reduction,
             label_smoothing=self.label_smoothing, lse_square_scale=self.lse_square_scale,
-            softcap=self.softcap, chunk_rows=self.chunk_rows)
+            softcap=self.softcap, chunk_rows=self.chunk_rows,
+            grad_accum_dtype=self.grad_accum_dtype)
 
     def extra_repr(self) -> str:
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
                 f"label_smoothing={self.label_smoothing}, "
                 f"lse_square_scale={self.lse_square_scale}, softcap={self.softcap}, "
-                f"chunk_rows={self.chunk_rows}")
+                f"chunk_rows={self.chunk_rows}, grad_accum_dtype={self.grad_accum_dtype}")
 
 
 def _shape(normalized_shape) -> tuple:

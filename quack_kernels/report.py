@@ -34,12 +34,13 @@ QUICK_N_GRID = [1000, 4096, 65536, 262144]
 def families() -> dict:
     """family -> (report_variants function, N grid). Every ops module of a kernel
     family exposes ``report_variants(n_grid, dtypes)``."""
-    from .ops import cross_entropy, norm, softmax
+    from .ops import cross_entropy, norm, rescale, softmax
 
     return {
         "softmax": (softmax.report_variants, N_GRID + N_GRID_LARGE),
         "norm": (norm.report_variants, N_GRID),
         "cross_entropy": (cross_entropy.report_variants, N_GRID + [524288]),
+        "rescale": (rescale.report_variants, N_GRID + [524288]),
     }
 
 

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import quack_kernels as qk
 from quack_kernels.ops import cross_entropy as ops
+from quack_kernels.ops import rescale
 from quack_kernels.primitives import config
 from quack_kernels.report import find_cuobjdump, measure, spills
 
@@ -60,7 +61,7 @@ def test_public_function_matches_torch(combo):
 
 
 def test_fake_tensors_leave_no_cached_unit(monkeypatch):
-    """The cached 1 the gradient is computed for (ops._unit) is made and handed out only
+    """The cached 1 the gradient is computed for (ops.unit_scale) is made and handed out only
     for plain eager calls: under FakeTensorMode (tracing, meta analyses) a fake CUDA 1 is
     made afresh, neither cached for later real calls nor taken from the cache."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -68,8 +69,8 @@ def test_fake_tensors_leave_no_cached_unit(monkeypatch):
     real = torch.ones(())  # stands in for a cached CUDA 1 (this machine has no GPU)
     monkeypatch.setattr(ops, "_units", {(torch.float32, 0): real})
     with FakeTensorMode():
-        unit = ops._unit(torch.float32, torch.device("cuda", 0))
-        fresh = ops._unit(torch.bfloat16, torch.device("cuda", 0))
+        unit = ops.unit_scale(torch.float32, torch.device("cuda", 0))
+        fresh = ops.unit_scale(torch.bfloat16, torch.device("cuda", 0))
     assert isinstance(unit, FakeTensor) and unit.device.type == "cuda"
     assert isinstance(fresh, FakeTensor)
     assert ops._units == {(torch.float32, 0): real}
@@ -451,9 +452,9 @@ def test_sm90a_compile_without_spills(tmp_path):
         variants.append(("xent", n, dtype, cfg,
                          lambda cfg=cfg, dtype=dtype, flags=flags: ops.forward_kernel(cfg, dtype, torch.int64, **flags)))
     for n, dtype in ((50257, torch.float16), (524288, torch.float32)):
-        cfg = ops.rescale_config(n, dtype)
-        variants.append(("xent_rescale", n, dtype, cfg,
-                         lambda cfg=cfg, dtype=dtype: ops.rescale_kernel(cfg, dtype, torch.int32)))
+        cfg = rescale.rescale_config(n, dtype)
+        variants.append(("xent_rescale", n, dtype, cfg, lambda cfg=cfg, dtype=dtype:
+                         rescale.rescale_kernel(cfg, dtype, None, torch.int32)))
     rows = list(measure(variants, str(tmp_path), cuobjdump))
     assert len(rows) == len(variants)
     for name, n, dtype, cfg, kernel, res in rows:

@@ -216,7 +216,7 @@ def test_plain_backward_moves_no_gradient_bytes(monkeypatch, reduction, weighted
     helpers.check_plain_backward_rescales_no_row, through the CUDA rescale's launch."""
     x, target = fresh(64, 4096, torch.bfloat16)
     weight = torch.rand(4096, device="cuda") + 0.5 if weighted else None
-    check_plain_backward_rescales_no_row(monkeypatch, "_rescale_launch",
+    check_plain_backward_rescales_no_row(monkeypatch, "rescale_launch",
                                          x, target, weight, reduction)
 
 

@@ -113,17 +113,21 @@ def test_opcheck_and_fake_kernel():
     scale = torch.rand(hidden.shape[0]) + 0.5
     for b, cw, gs, wg in ((bias, None, scale, True), (None, class_weight, None, True),
                           (bias, class_weight, scale, True), (bias, None, scale, False)):
-        torch.library.opcheck(op, (hidden, weight, b, target, cw, -100, 0.1, 1e-3, 3.0, gs, wg, 7))
+        torch.library.opcheck(op, (hidden, weight, b, target, cw, -100, 0.1, 1e-3, 3.0, gs, wg, 7,
+                                    torch.float32))
     with FakeTensorMode():
         h = torch.empty(9, 8, dtype=torch.bfloat16)
         w = torch.empty(11, 8, dtype=torch.bfloat16)
         t = torch.empty(9, dtype=torch.int64)
         b = torch.empty(11, dtype=torch.bfloat16)
-        stats, gh, gw, gb = op(h, w, b, t, None, -100, 0.0, 0.0, 0.0, torch.empty(9), True, 4)
+        stats, gh, gw, gb = op(h, w, b, t, None, -100, 0.0, 0.0, 0.0, torch.empty(9), True, 4, h.dtype)
         assert stats.shape == (2, 9) and stats.dtype == torch.float32
         assert gh.shape == (9, 8) and gw.shape == (11, 8) and gb.shape == (11,)
         assert gh.dtype == gw.dtype == gb.dtype == torch.bfloat16
-        _, gh, gw, gb = op(h, w, b, t, None, -100, 0.0, 0.0, 0.0, torch.empty(9), False, 4)
+        _, _, gw, gb = op(h, w, b, t, None, -100, 0.0, 0.0, 0.0, torch.empty(9), True, 4,
+                          torch.float32)
+        assert gw.dtype == gb.dtype == torch.float32
+        _, gh, gw, gb = op(h, w, b, t, None, -100, 0.0, 0.0, 0.0, torch.empty(9), False, 4, h.dtype)
         assert gh.shape == (9, 8) and gw.numel() == gb.numel() == 0
 
 
@@ -133,8 +137,8 @@ def test_frozen_head_skips_its_gradient():
     hidden, weight, bias, target, _ = make_case()
     op = torch.ops.quack_kernels.linear_cross_entropy_forward
     scale = torch.rand(hidden.shape[0], dtype=hidden.dtype) + 0.5
-    full = op(hidden, weight, bias, target, None, -100, 0.0, 0.0, 0.0, scale, True, 6)
-    frozen = op(hidden, weight, bias, target, None, -100, 0.0, 0.0, 0.0, scale, False, 6)
+    full = op(hidden, weight, bias, target, None, -100, 0.0, 0.0, 0.0, scale, True, 6, hidden.dtype)
+    frozen = op(hidden, weight, bias, target, None, -100, 0.0, 0.0, 0.0, scale, False, 6, hidden.dtype)
     assert frozen[2].numel() == frozen[3].numel() == 0 and full[2].abs().sum() > 0
     torch.testing.assert_close(frozen[1], full[1], rtol=0, atol=0)
 
@@ -154,6 +158,29 @@ def test_fp16_gradients_take_the_loss_scale_before_rounding():
                            lambda loss: torch.full_like(loss, scale))
     for got, want in zip(ours[1], ref[1]):
         assert ((got.double() - want).norm() / want.norm()).item() < 1.5e-3
+
+
+def weight_grad_errors(hidden, weight, target, chunk_rows, device="cpu"):
+    """{grad_accum_dtype: the weight's gradient off fp64 in norm} over many chunks."""
+    ref = losses_and_grads(lambda h, w, t: F.cross_entropy(F.linear(h, w), t, reduction="sum"),
+                           hidden.double(), weight.double(), None, target, torch.ones_like)
+    errors = {}
+    for accum in (hidden.dtype, torch.float32):
+        _, (_, grad_weight) = losses_and_grads(lambda h, w, t: qk.linear_cross_entropy(
+            h, w, t, reduction="sum", chunk_rows=chunk_rows, grad_accum_dtype=accum),
+            hidden, weight, None, target, torch.ones_like)
+        assert grad_weight.dtype == weight.dtype
+        want = ref[1][1]
+        errors[accum] = ((grad_weight.double() - want).norm() / want.norm()).item()
+    return errors
+
+
+def test_fp32_grad_accumulation_rounds_once():
+    """bf16 over 128 chunks: the weight's gradient summed in fp32 is rounded once
+    (one bf16 rounding, ~2e-3 in norm), summed in bf16 once per chunk."""
+    hidden, weight, _, target, _ = make_case(m=1024, h=16, v=37, dtype=torch.float32)
+    errors = weight_grad_errors(hidden.bfloat16(), weight.bfloat16(), target, chunk_rows=8)
+    assert errors[torch.float32] < 4e-3 < errors[torch.bfloat16]
 
 
 def test_autocast_casts_the_head():
@@ -201,6 +228,8 @@ def test_errors():
         qk.linear_cross_entropy(hidden, weight, target, class_weight=bias.to("meta"))
     with pytest.raises(ValueError, match="chunk_rows"):
         qk.linear_cross_entropy(hidden, weight, target, chunk_rows=0)
+    with pytest.raises(TypeError, match="grad_accum_dtype"):
+        qk.linear_cross_entropy(hidden, weight, target, grad_accum_dtype=torch.float16)
     with pytest.raises(ValueError, match="reduction"):
         qk.linear_cross_entropy(hidden, weight, target, reduction="avg")
     with pytest.raises(TypeError, match="dtype torch.int64"):
@@ -215,10 +244,11 @@ def test_chunk_rows_heuristic():
     """Chunk logits about the size of the hidden states (M H / V rows), at least
     LINEAR_CE_MIN_CHUNK_ROWS rows, the rows split evenly."""
     least = config.LINEAR_CE_MIN_CHUNK_ROWS
+    assert least == 2048
     assert config.linear_ce_chunk_rows(8192, 4096, 128256) == least  # 262 rows would do
-    assert config.linear_ce_chunk_rows(65536, 4096, 128256) == 2115  # 31 chunks of >= 2094
+    assert config.linear_ce_chunk_rows(131072, 4096, 128256) == 4229  # 31 chunks of >= 4186
     assert config.linear_ce_chunk_rows(least + 1, 4096, 128256) == least + 1  # one chunk
-    assert config.linear_ce_chunk_rows(3000, 64, 32000) == 1500  # two, not 1024 + 1024 + 952
+    assert config.linear_ce_chunk_rows(6000, 64, 32000) == 3000  # two, not 2048 + 2048 + 1904
     assert config.linear_ce_chunk_rows(5, 8, 7) == 5
     assert config.linear_ce_chunk_rows(0, 8, 7) == 1
     for m, h, v in ((3000, 64, 32000), (100_000, 2048, 50257), (7, 4096, 2), (10**6, 8192, 32000)):
@@ -286,3 +316,43 @@ def test_gpu_per_row_losses_class_weights_no_bias(dtype):
     (dlogits,) = torch.autograd.grad(ref, logits, upstream.double())
     assert_close(loss, ref, torch.float32, scale=8.0, name="losses")
     check_head_gradients(grads, dlogits, hidden, weight, dtype, chunks=4)
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_grad_accumulation_rounds_once():
+    """On CUDA each chunk's GEMM adds its fp32 sum into the fp32 buffer (cuBLAS with
+    out_dtype): bf16 over 64 chunks, rounded once."""
+    hidden, weight, _, target, _ = make_case(m=4096, h=256, v=4096, dtype=torch.float32,
+                                             device="cuda", seed=7)
+    errors = weight_grad_errors(hidden.bfloat16(), weight.bfloat16(), target, chunk_rows=64)
+    assert errors[torch.float32] < 4e-3 < errors[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("accum", [torch.bfloat16, torch.float32])
+def test_gpu_scaled_upstream_and_a_second_backward(accum):
+    """bf16 mean with an upstream gradient of 0.37: the gradients computed for 1 are
+    scaled on the way out (in place, or out of an fp32 sum), bitwise the plain ones
+    times 0.37 where they are kept in bf16; a second backward through the retained
+    graph gets the same again (the saved gradients were not scaled in place)."""
+    hidden, weight, bias, target, _ = make_case(2048, 256, 32000, torch.float32, "cuda", seed=11)
+    hidden, weight, bias = hidden.bfloat16(), weight.bfloat16(), bias.bfloat16()
+
+    def loss_of(*leaves):
+        return qk.linear_cross_entropy(*leaves[:2], target, leaves[2], grad_accum_dtype=accum)
+
+    _, plain = losses_and_grads(lambda h, w, t, b: loss_of(h, w, b), hidden, weight, bias,
+                                target, torch.ones_like)
+    leaves = [t.detach().clone().requires_grad_() for t in (hidden, weight, bias)]
+    loss = loss_of(*leaves)
+    upstream = torch.tensor(0.37, device="cuda")
+    loss.backward(upstream, retain_graph=True)
+    first = [leaf.grad.clone() for leaf in leaves]
+    loss.backward(upstream)
+    for name, leaf, once, unit in zip(("hidden", "weight", "bias"), leaves, first, plain):
+        assert leaf.grad.dtype == torch.bfloat16
+        assert torch.equal(leaf.grad, once * 2), name
+        if accum == torch.bfloat16 or name == "hidden":
+            assert torch.equal(once, (unit.float() * 0.37).bfloat16()), name
+        else:
+            assert_close(once, unit.float() * 0.37, torch.bfloat16, name=f"grad {name}")

@@ -13,7 +13,8 @@ from quack_kernels.report import _RES, find_cuobjdump, resource_usage
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-KERNEL_NAMES = ("softmax", "log_softmax", "rms_norm", "layer_norm", "xent", "column_sum")
+KERNEL_NAMES = ("softmax", "log_softmax", "rms_norm", "layer_norm", "xent", "column_sum",
+                "rescale")
 
 
 def _run_report(*args, timeout):
@@ -36,7 +37,7 @@ def test_report_quick_has_no_spills():
     if not torch.cuda.is_available():
         assert "resource report for sm_90a" in proc.stdout
     families = {row[0].split("_")[0] for row in rows}
-    assert families == {"softmax", "log", "rms", "layer", "xent", "column"}
+    assert families == {"softmax", "log", "rms", "layer", "xent", "column", "rescale"}
     assert len(rows) >= 150
     assert all(int(row[10]) == 0 and int(row[11]) == 0 for row in rows)  # spill, wsync
 

@@ -21,7 +21,7 @@ eagerly where config.ce_reduces_in_kernel (``reduce``), the grid's last CTA's.
 
 The gradient row i is scaled by ``grad_scale[i]``, the upstream gradient of loss i the
 caller expects (e.g. 1 / count for a mean), so that the backward has nothing to do when
-the expectation holds; :class:`CrossEntropyGradRescale` fixes the rows where it does not.
+the expectation holds; kernels.rescale.RowRescale fixes the rows where it does not.
 
 Bytes: one read of the logits (M x C); with the gradient, one write of M x C more.
 Class weights with label smoothing also read the weight row (C fp32, from L2).
@@ -573,48 +573,3 @@ class CrossEntropyForward(RowKernel):
         z_target = cutlass.select_(held, self._cap(z_raw, inv_softcap, softcap), Float32(0.0))
         return (row_max, row_sum - placeholders * term, other_sum - placeholders * term,
                 z_target, sum_wz + placeholders * softcap + z_target, sum_w)
-
-
-class CrossEntropyGradRescale(RowKernel):
-    """Backward of the fused loss: the gradient rows were computed for upstream
-    gradients ``held``; rows whose actual upstream gradient ``dloss`` differs are scaled
-    by dloss / held in place, every other row is left untouched (no bytes moved).
-    Ignored and bad-target rows are skipped (their rows are 0 or NaN whatever the
-    scale). A row computed for held = 0 cannot be recovered and becomes NaN.
-
-    Bytes: M targets and scales; plus one read and one write of each rescaled row."""
-
-    staged_dtypes = ()
-    reductions = 0
-
-    def __init__(self, cfg: RowConfig):
-        assert cfg.staging == "global", "the rescale reads rows straight from global memory"
-        self.cfg = cfg
-
-    @cute.jit
-    def __call__(self, mGrad: cute.Tensor, mTarget: cute.Tensor, mDloss: cute.Tensor,
-                 mHeld: cute.Tensor, ignore_index: Int64, stream):
-        self.launch(self.kernel(mGrad, mTarget, mDloss, mHeld, ignore_index),
-                    mGrad.shape[0], stream)
-
-    @cute.kernel
-    def kernel(self, mGrad: cute.Tensor, mTarget: cute.Tensor, mDloss: cute.Tensor,
-               mHeld: cute.Tensor, ignore_index: Int64):
-        cfg = self.cfg
-        tiles = RowTiles(cfg, [mGrad], SmemAllocator())
-        rescale = Boolean(False)
-        factor = Float32(1.0)
-        if tiles.row_in_bounds:
-            target = Int64(mTarget[tiles.row])
-            valid = (target >= Int64(0)) & (target < Int64(cfg.n_cols)) & (target != ignore_index)
-            dloss = mDloss[tiles.row]
-            held = mHeld[tiles.row]
-            rescale = valid & (dloss != held)
-            factor = cutlass.select_(held != Float32(0.0), dloss / held, Float32(math.nan))
-        if rescale:
-            self._scale_row(tiles, mGrad, factor)
-
-    @cute.jit
-    def _scale_row(self, tiles: RowTiles, mGrad: cute.Tensor, factor: Float32):
-        for c in cutlass.range_constexpr(self.cfg.num_chunks):
-            tiles.store(mGrad, c, tiles.values(0, c) * factor)

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ..kernels.cross_entropy import CrossEntropyForward, CrossEntropyGradRescale
+from ..kernels.cross_entropy import CrossEntropyForward
 from ..kernels.mean_denominator import MeanDenominator
 from ..primitives.compile_cache import (
     SUPPORTED_DTYPES,
@@ -53,11 +53,11 @@ from ..primitives.config import (
     ce_reduces_in_kernel,
     grid_sum_slots,
     cross_entropy_row_config,
-    elementwise_row_config,
     loop_grid_rows,
     loops_over_row_blocks,
     with_prefetch,
 )
+from .rescale import rescale_launch
 from .common import (
     alignment_key,
     as_rows,
@@ -146,33 +146,6 @@ def compile_forward(cfg: RowConfig, dtype: torch.dtype, target_dtype: torch.dtyp
     return compiled(key, build)
 
 
-@functools.lru_cache(maxsize=None)
-def rescale_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None) -> RowConfig:
-    return elementwise_row_config(n_cols, torch.finfo(dtype).bits // 8, max_vec)
-
-
-def rescale_kernel(cfg: RowConfig, dtype: torch.dtype, target_dtype: torch.dtype):
-    """(kernel object, *fake arguments it compiles against)."""
-    import cutlass
-    import cutlass.cute as cute
-
-    rows = cute.sym_int()
-    return (
-        CrossEntropyGradRescale(cfg),
-        fake_rows(cutlass_dtype(dtype), cfg.n_cols, cfg.vec, rows),
-        fake_vector(cutlass.Int32 if target_dtype == torch.int32 else cutlass.Int64, rows),
-        fake_strided_vector(cutlass.Float32, rows),
-        fake_strided_vector(cutlass.Float32, rows),
-        cutlass.Int64(-100),
-    )
-
-
-@functools.lru_cache(maxsize=None)  # on every call: skip building the key
-def compile_rescale(cfg: RowConfig, dtype: torch.dtype, target_dtype: torch.dtype):
-    return compiled(kernel_key("cross_entropy_rescale", dtype, target_dtype, cfg),
-                    lambda: compile_kernel(*rescale_kernel(cfg, dtype, target_dtype)))
-
-
 def mean_denominator_kernel(weighted: bool, target_dtype: torch.dtype):
     """(kernel object, *fake arguments it compiles against)."""
     import cutlass
@@ -242,9 +215,6 @@ def report_variants(n_grid, dtypes):
                 yield (f"xent_fwd{suffix}", n, dtype, cfg,
                        lambda n=n, dtype=dtype, cfg=cfg, flags=flags:
                        forward_kernel(cfg, dtype, torch.int64, **flags))
-            cfg = rescale_config(n, dtype)
-            yield ("xent_rescale", n, dtype, cfg,
-                   lambda dtype=dtype, cfg=cfg: rescale_kernel(cfg, dtype, torch.int64))
     for weighted in (False, True):  # (no row length or logits dtype of its own)
         yield (f"xent_mean_den{'_w' if weighted else ''}", 0, torch.int64,
                MeanDenominatorConfig(weighted),
@@ -361,7 +331,6 @@ def _check_grad_scale(grad_scale: Optional[Tensor], logits: Tensor, name: str = 
 # Python per call on the H200's host, where a training step is host-bound up to
 # M x C = 2^27).
 _forward_plans: dict = {}
-_rescale_plans: dict = {}
 _partials: dict = {}
 _units: dict = {}
 
@@ -404,7 +373,7 @@ def _grid_partials(device: torch.device, words: int) -> Tensor:
     return partials
 
 
-def _unit(dtype: torch.dtype, device: torch.device) -> Tensor:
+def unit_scale(dtype: torch.dtype, device: torch.device) -> Tensor:
     """A 0-d 1 of ``dtype`` on ``device``: the upstream gradient a gradient is computed
     for (expanded to one per row), made once per CUDA device for plain eager calls: not
     under torch.compile or a dispatch mode (a fake tensor must not reach later real
@@ -438,7 +407,7 @@ def _launch(rows: Tensor, target: Tensor, weight: Optional[Tensor], stats: Tenso
         if stage_weight and weight.data_ptr() % 16:
             weight = weight.clone()
     if grad is not None and grad_scale is None:
-        grad_scale = _unit(torch.float32, rows.device).expand(rows.shape[0])
+        grad_scale = unit_scale(torch.float32, rows.device).expand(rows.shape[0])
     target = target.contiguous()
     grad_out = rows if grad is None else grad
     fn, cfg, resident = _forward_plan(rows, target, grad_out, weight is not None,
@@ -490,7 +459,7 @@ def plain_backward_scale(target: Tensor, weight: Optional[Tensor], ignore_index:
     gives each row's loss: 1 / denominator for a mean, as torch's DivBackward computes
     it, else 1)."""
     if reduction != "mean":
-        return None, _unit(loss_dtype, target.device)
+        return None, unit_scale(loss_dtype, target.device)
     denominator = _mean_denominator(target, weight, ignore_index, n_cols, loss_dtype)
     return denominator, torch.reciprocal(denominator)
 
@@ -649,18 +618,8 @@ def _cross_entropy_rescale_grad_cuda(grad, target, dloss, held, ignore_index):
     _check_rescale_inputs(grad, target, dloss, held)
     if grad.shape[0] > 0:
         check_gpu(grad)
-        _rescale_launch(grad, target.contiguous(), dloss, held, ignore_index)
-
-
-def _rescale_launch(grad: Tensor, target: Tensor, dloss: Tensor, held: Tensor,
-                    ignore_index: int) -> None:
-    """The rescale kernel on checked inputs (the autograd backward's own, or the op's)."""
-    key = (grad.shape[1], grad.dtype, target.dtype, grad.device.index, *alignment_key(grad))
-    fn = _rescale_plans.get(key)
-    if fn is None:
-        cfg = rescale_config(grad.shape[1], grad.dtype, vector_limit(grad))
-        fn = _rescale_plans[key] = compile_rescale(cfg, grad.dtype, target.dtype)
-    fn(grad, target, dloss, held, ignore_index)
+        rescale_launch(grad, dloss, held, target=target.contiguous(),
+                       ignore_index=ignore_index)
 
 
 @cross_entropy_rescale_grad_.register_fake
@@ -813,7 +772,7 @@ def _backward(ctx, dout, dlse):
     dloss = dout.to(ctx.loss_dtype)
     if ctx.reduction != "none":
         dloss = dloss.expand(num_rows)
-    held = _unit(ctx.loss_dtype, grad.device).expand(num_rows)
+    held = unit_scale(ctx.loss_dtype, grad.device).expand(num_rows)
     if saved_tensors_reused():
         dlogits = rescaled_grad(grad, target, dloss, held, ctx.ignore_index)
     else:
@@ -822,7 +781,8 @@ def _backward(ctx, dout, dlse):
             cross_entropy_rescale_grad_(grad, target, dloss, held, ctx.ignore_index)
         elif num_rows > 0:
             # (inputs the forward made or checked: no second check)
-            _rescale_launch(grad, target.contiguous(), dloss, held, ctx.ignore_index)
+            rescale_launch(grad, dloss, held, target=target.contiguous(),
+                           ignore_index=ctx.ignore_index)
         # in place, the buffer is the logits: as the input tensor itself, autograd
         # would copy it into the leaf's .grad; a view it takes over
         dlogits = grad.view_as(grad) if ctx.inplace else grad

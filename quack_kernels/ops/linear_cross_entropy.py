@@ -13,11 +13,11 @@ the backward, with the actual upstream gradient, for reduction="none" (the weigh
 gradient, a sum over rows, cannot be rescaled per row afterwards) and where
 config.ce_gradient_in_backward (fp16: a loss scaler's factor).
 
-grad_weight (and grad_bias) accumulate over the chunks in the weight's dtype (each
-chunk's GEMM adds into it with fp32 accumulation inside: one rounding per chunk; at
-bf16 and 128 chunks the weight's gradient was 1.5e-2 off fp64 in norm, 2.5e-3 in one
-chunk). A frozen head (weight and bias, weight_grad=False) costs neither the weight's
-GEMM nor its buffer.
+grad_weight (and grad_bias) accumulate over the chunks in ``grad_accum_dtype``: the
+weight's dtype rounds once per chunk (bf16, 128 chunks: 1.5e-2 off fp64 in norm, 2.5e-3
+in one chunk), fp32 once at the end for twice the buffer (on CUDA each chunk's GEMM
+writes its fp32 sum straight into it). A frozen head (weight and bias,
+weight_grad=False) costs neither the weight's GEMM nor its buffer.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ..primitives.config import ce_gradient_in_backward, linear_ce_chunk_rows
-from .common import check_same_device
+from ..primitives.config import (ce_gradient_in_backward, linear_ce_chunk_rows,
+                                 linear_ce_grad_accum_dtype)
+from .common import check_same_device, eager_cuda
 from .cross_entropy import (
     CPU_DTYPES,
     GPU_DTYPES,
@@ -41,11 +42,14 @@ from .cross_entropy import (
     plain_backward_scale,
     reduced_stats,
     saved_tensors_reused,
+    unit_scale,
 )
+from .rescale import rescale_launch
 
 
 def _check_inputs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
-                  class_weight: Optional[Tensor], chunk_rows: int) -> None:
+                  class_weight: Optional[Tensor], chunk_rows: int,
+                  grad_accum_dtype: torch.dtype) -> None:
     dtypes = CPU_DTYPES if hidden.device.type == "cpu" else GPU_DTYPES
     if hidden.dtype not in dtypes:
         raise TypeError(f"quack_kernels: linear_cross_entropy hidden states have dtype "
@@ -63,6 +67,9 @@ def _check_inputs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target
     check_target_rows(target, hidden.shape[0], "linear_cross_entropy")
     if chunk_rows < 1:
         raise ValueError(f"quack_kernels: chunk_rows must be at least 1, got {chunk_rows}")
+    if grad_accum_dtype not in (hidden.dtype, torch.float32):
+        raise TypeError(f"quack_kernels: grad_accum_dtype must be the head's dtype "
+                        f"({hidden.dtype}) or torch.float32, got {grad_accum_dtype}")
     check_same_device(hidden=hidden, weight=weight, bias=bias, target=target,
                       class_weight=class_weight)
 
@@ -73,22 +80,28 @@ def linear_cross_entropy_forward(hidden: Tensor, weight: Tensor, bias: Optional[
                                  ignore_index: int, label_smoothing: float,
                                  lse_square_scale: float, softcap: float,
                                  grad_scale: Optional[Tensor], weight_grad: bool,
-                                 chunk_rows: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                                 chunk_rows: int, grad_accum_dtype: torch.dtype
+                                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(stats, grad_hidden, grad_weight, grad_bias) of cross-entropy over the logits
     hidden (M, H) @ weight (V, H)^T + bias, ``chunk_rows`` rows at a time. ``stats``
     (2, M) as cross_entropy_forward gives them; with ``grad_scale`` (the loss dtype, (M,))
     the gradients of sum_i grad_scale_i loss_i, else empty tensors (so are grad_weight
-    and grad_bias without ``weight_grad``, grad_bias without a bias). One implementation
+    and grad_bias without ``weight_grad``, grad_bias without a bias); grad_weight and
+    grad_bias in ``grad_accum_dtype``, the sum's dtype over the chunks. One implementation
     for every device: the chunks' GEMMs are torch's, their losses the cross-entropy
     ops' (the CUDA kernel or the CPU reference)."""
-    _check_inputs(hidden, weight, bias, target, class_weight, chunk_rows)
+    _check_inputs(hidden, weight, bias, target, class_weight, chunk_rows, grad_accum_dtype)
     num_rows, vocab = hidden.shape[0], weight.shape[0]
     stats = hidden.new_empty((2, num_rows), dtype=_loss_dtype(hidden))
     with_grad = grad_scale is not None
     weight_grad = with_grad and weight_grad
     grad_hidden = torch.empty_like(hidden) if with_grad else hidden.new_empty(0)
-    grad_weight = torch.zeros_like(weight) if weight_grad else weight.new_empty(0)
-    grad_bias = hidden.new_zeros(vocab) if weight_grad and bias is not None else hidden.new_empty(0)
+    # (left empty for the first chunk's product to overwrite, unless there is none)
+    new_grad_weight = torch.empty_like if num_rows else torch.zeros_like
+    grad_weight = (new_grad_weight(weight, dtype=grad_accum_dtype) if weight_grad
+                   else weight.new_empty(0))
+    grad_bias = (hidden.new_zeros(vocab, dtype=grad_accum_dtype)
+                 if weight_grad and bias is not None else hidden.new_empty(0))
     options = (ignore_index, label_smoothing, lse_square_scale, softcap)
     for start in range(0, num_rows, chunk_rows):
         rows = slice(start, start + chunk_rows)
@@ -99,9 +112,9 @@ def linear_cross_entropy_forward(hidden: Tensor, weight: Tensor, bias: Optional[
                                                            *options, grad_scale[rows])
             torch.mm(logits, weight, out=grad_hidden[rows])
             if weight_grad:
-                grad_weight.addmm_(logits.t(), chunk)
+                _add_product(grad_weight, logits.t(), chunk, first=start == 0)
                 if bias is not None:
-                    grad_bias += logits.sum(0)
+                    grad_bias += logits.sum(0, dtype=grad_accum_dtype)
         else:
             chunk_stats, _, _ = cross_entropy_forward(logits, target[rows], class_weight,
                                                       *options, False)
@@ -109,18 +122,33 @@ def linear_cross_entropy_forward(hidden: Tensor, weight: Tensor, bias: Optional[
     return stats, grad_hidden, grad_weight, grad_bias
 
 
+def _add_product(total: Tensor, a: Tensor, b: Tensor, first: bool) -> None:
+    """total += a @ b (total = a @ b when ``first``: beta 0 ignores its garbage), the
+    product summed in fp32 and rounded once, to total's dtype."""
+    beta = 0 if first else 1
+    if total.dtype == a.dtype:
+        total.addmm_(a, b, beta=beta)
+    elif total.is_cuda:  # cuBLAS's fp32 sum goes into total, not through a's dtype
+        torch.addmm(total, a, b, beta=beta, out_dtype=total.dtype, out=total)
+    else:
+        total.addmm_(a.to(total.dtype), b.to(total.dtype), beta=beta)
+
+
 @linear_cross_entropy_forward.register_fake
 def _linear_cross_entropy_forward_fake(hidden, weight, bias, target, class_weight,
                                        ignore_index, label_smoothing, lse_square_scale,
-                                       softcap, grad_scale, weight_grad, chunk_rows):
-    _check_inputs(hidden, weight, bias, target, class_weight, chunk_rows)
+                                       softcap, grad_scale, weight_grad, chunk_rows,
+                                       grad_accum_dtype):
+    _check_inputs(hidden, weight, bias, target, class_weight, chunk_rows, grad_accum_dtype)
     stats = hidden.new_empty((2, hidden.shape[0]), dtype=_loss_dtype(hidden))
     if grad_scale is None:
         return stats, hidden.new_empty(0), weight.new_empty(0), hidden.new_empty(0)
     if not weight_grad:
         return stats, torch.empty_like(hidden), weight.new_empty(0), hidden.new_empty(0)
-    grad_bias = hidden.new_empty(weight.shape[0]) if bias is not None else hidden.new_empty(0)
-    return stats, torch.empty_like(hidden), torch.empty_like(weight), grad_bias
+    grad_bias = (hidden.new_empty(weight.shape[0], dtype=grad_accum_dtype) if bias is not None
+                 else hidden.new_empty(0))
+    return (stats, torch.empty_like(hidden), torch.empty_like(weight, dtype=grad_accum_dtype),
+            grad_bias)
 
 
 def _per_row_or_reduced(stats: Tensor, reduction: str) -> Tensor:
@@ -135,10 +163,11 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, class_weight, ignore_index, label_smoothing,
-                lse_square_scale, softcap, reduction, chunk_rows):
+                lse_square_scale, softcap, reduction, chunk_rows, grad_accum_dtype):
         options = (ignore_index, label_smoothing, lse_square_scale, softcap)
         weight_grad = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-        ctx.options, ctx.chunk_rows, ctx.weight_grad = options, chunk_rows, weight_grad
+        ctx.options, ctx.weight_grad = options, weight_grad
+        ctx.chunking, ctx.grad_dtype = (chunk_rows, grad_accum_dtype), hidden.dtype
         held = None  # the row scale of a plain backward(), for a sum or mean
         if reduction != "none":
             _, held = plain_backward_scale(target, class_weight, ignore_index, weight.shape[0],
@@ -146,7 +175,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         ctx.recomputes = held is None or ce_gradient_in_backward(hidden.dtype)
         scale = None if ctx.recomputes else held.expand(hidden.shape[0])
         stats, *grads = linear_cross_entropy_forward(hidden, weight, bias, target, class_weight,
-                                                     *options, scale, weight_grad, chunk_rows)
+                                                     *options, scale, weight_grad, *ctx.chunking)
         if ctx.recomputes:
             ctx.save_for_backward(hidden, weight, bias, target, class_weight, held)
         else:
@@ -161,22 +190,41 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             scale = dloss if held is None else (dloss * held).expand(hidden.shape[0])
             _, *grads = linear_cross_entropy_forward(
                 hidden, weight, bias, target, class_weight, *ctx.options,
-                scale.to(_loss_dtype(hidden)).contiguous(), ctx.weight_grad, ctx.chunk_rows)
-        elif saved_tensors_reused():
-            grads = [grad * dloss for grad in ctx.saved_tensors]
-        else:  # in place: no second weight-sized buffer at the step's peak
-            grads = [grad.mul_(dloss) for grad in ctx.saved_tensors]
+                scale.to(_loss_dtype(hidden)).contiguous(), ctx.weight_grad, *ctx.chunking)
+            grads = [grad.to(ctx.grad_dtype) for grad in grads]
+        else:
+            in_place = not saved_tensors_reused()
+            grads = [_times_upstream(grad, dloss, ctx.grad_dtype, in_place)
+                     for grad in ctx.saved_tensors]
         # (a frozen weight's gradient is an empty tensor)
         return (*(grad if needed else None for grad, needed in zip(grads, ctx.needs_input_grad)),
-                *(None,) * 8)
+                *(None,) * 9)
+
+
+def _times_upstream(grad: Tensor, dloss: Tensor, dtype: torch.dtype, in_place: bool) -> Tensor:
+    """A gradient computed for an upstream gradient of 1, times the actual ``dloss``, in
+    ``dtype``: in place where the saved gradient is not needed again (no second
+    weight-sized buffer at the step's peak). Eagerly on CUDA the rescale kernel (in
+    place, a ``dloss`` of exactly 1 moves no bytes; torch's multiply of a 16-bit tensor
+    by an fp32 scalar tensor ran at a quarter of the copy bandwidth); elsewhere torch
+    ops, which torch.compile fuses."""
+    if grad.dim() == 2 and grad.shape[0] > 0 and eager_cuda(grad, dloss):
+        rows = grad.shape[0]
+        held = unit_scale(dloss.dtype, grad.device).expand(rows)
+        out = None if in_place and grad.dtype == dtype else torch.empty_like(grad, dtype=dtype)
+        rescale_launch(grad, dloss.expand(rows), held, out=out)
+        return grad if out is None else out
+    if in_place and grad.dtype == dtype:
+        return grad.mul_(dloss)
+    return (grad * dloss).to(dtype)
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor,
                          bias: Optional[Tensor] = None, *, class_weight: Optional[Tensor] = None,
                          ignore_index: int = -100, reduction: str = "mean",
                          label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
-                         softcap: Optional[float] = None,
-                         chunk_rows: Optional[int] = None) -> Tensor:
+                         softcap: Optional[float] = None, chunk_rows: Optional[int] = None,
+                         grad_accum_dtype: Optional[torch.dtype] = None) -> Tensor:
     """``cross_entropy(hidden @ weight.T + bias, target, class_weight, ...)`` without
     the (..., V) logits in memory at once: the rows go through the linear layer (an LM
     head) and the loss in chunks, and with a gradient each chunk's gradients are
@@ -190,7 +238,10 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor,
     ``softcap`` are :func:`quack_kernels.cross_entropy`'s (``class_weight`` is its
     ``weight``, a name the head's weight takes here).
     ``chunk_rows``: rows per chunk (default config.linear_ce_chunk_rows: chunk logits
-    about the size of the hidden states)."""
+    about the size of the hidden states). ``grad_accum_dtype``: the dtype the weight's
+    and bias's gradients sum over the chunks in, the head's own (rounded once per chunk)
+    or torch.float32 (rounded once, for a weight-sized fp32 buffer; default
+    config.linear_ce_grad_accum_dtype)."""
     if not all(isinstance(t, Tensor) for t in (hidden, weight, target)):
         raise TypeError("quack_kernels: linear_cross_entropy expects tensors for hidden, "
                         "weight and target")
@@ -207,15 +258,17 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor,
     target_rows = target.reshape(-1)
     if chunk_rows is None:
         chunk_rows = linear_ce_chunk_rows(rows.shape[0], rows.shape[1], weight.shape[0])
+    if grad_accum_dtype is None:
+        grad_accum_dtype = linear_ce_grad_accum_dtype(weight.dtype)
     args = (target_rows, class_weight, int(ignore_index), float(label_smoothing),
             float(lse_square_scale), float(softcap or 0.0))
     trains = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden, weight, bias))
     if trains:
         loss = LinearCrossEntropyFunction.apply(rows, weight, bias, *args, reduction,
-                                                int(chunk_rows))
+                                                int(chunk_rows), grad_accum_dtype)
     else:
         stats, *_ = linear_cross_entropy_forward(rows, weight, bias, *args, None, False,
-                                                 int(chunk_rows))
+                                                 int(chunk_rows), grad_accum_dtype)
         loss = _per_row_or_reduced(stats, reduction)
     return loss.view(target.shape) if reduction == "none" else loss
