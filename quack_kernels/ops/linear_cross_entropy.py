@@ -202,21 +202,18 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
 
 def _times_upstream(grad: Tensor, dloss: Tensor, dtype: torch.dtype, in_place: bool) -> Tensor:
-    """A gradient computed for an upstream gradient of 1, times the actual ``dloss``, in
-    ``dtype``: in place where the saved gradient is not needed again (no second
-    weight-sized buffer at the step's peak). Eagerly on CUDA the rescale kernel (in
-    place, a ``dloss`` of exactly 1 moves no bytes; torch's multiply of a 16-bit tensor
-    by an fp32 scalar tensor ran at a quarter of the copy bandwidth); elsewhere torch
-    ops, which torch.compile fuses."""
+    """A gradient computed for an upstream gradient of 1, times the actual ``dloss``
+    (fp32: torch's multiply of a 16-bit tensor by it would round it to 16 bits first),
+    in ``dtype``. Eagerly on CUDA the rescale kernel, in place where the saved gradient
+    is not needed again (no second weight-sized buffer at the step's peak; a ``dloss``
+    of exactly 1 moves no bytes); elsewhere torch ops, which torch.compile fuses."""
     if grad.dim() == 2 and grad.shape[0] > 0 and eager_cuda(grad, dloss):
         rows = grad.shape[0]
         held = unit_scale(dloss.dtype, grad.device).expand(rows)
         out = None if in_place and grad.dtype == dtype else torch.empty_like(grad, dtype=dtype)
         rescale_launch(grad, dloss.expand(rows), held, out=out)
         return grad if out is None else out
-    if in_place and grad.dtype == dtype:
-        return grad.mul_(dloss)
-    return (grad * dloss).to(dtype)
+    return (grad.to(dloss.dtype) * dloss).to(dtype)
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor,
