@@ -15,6 +15,7 @@ import argparse
 import csv
 import datetime
 import functools
+import itertools
 import pathlib
 import re
 
@@ -104,7 +105,7 @@ def main(argv=None):
     p.add_argument("--shapes", default=SHAPES, help="tokens x hidden x vocab, comma-separated")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"),
-                   help="folder for the CSV (linear_cross_entropy_<gpu>_<date>.csv)")
+                   help="folder for the CSV (linear_cross_entropy_<gpu>_<dtype>_<date>.csv)")
     args = p.parse_args(argv)
     gpu = torch.cuda.get_device_name()
     env = environment(gpu)
@@ -112,7 +113,12 @@ def main(argv=None):
     args.out.mkdir(parents=True, exist_ok=True)
     slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M")
-    path = args.out / f"linear_cross_entropy_{slug}_{args.dtype}_{stamp}.csv"
+    name = f"linear_cross_entropy_{slug}_{args.dtype}_{stamp}"
+    path = args.out / f"{name}.csv"
+    for copy in itertools.count(2):  # a run in the same minute: a new file
+        if not path.exists():
+            break
+        path = args.out / f"{name}-{copy}.csv"
     with path.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=CSV_COLUMNS)
         writer.writeheader()

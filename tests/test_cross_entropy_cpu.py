@@ -453,8 +453,9 @@ def test_sm90a_compile_without_spills(tmp_path):
                          lambda cfg=cfg, dtype=dtype, flags=flags: ops.forward_kernel(cfg, dtype, torch.int64, **flags)))
     for n, dtype in ((50257, torch.float16), (524288, torch.float32)):
         cfg = rescale.rescale_config(n, dtype)
-        variants.append(("xent_rescale", n, dtype, cfg, lambda cfg=cfg, dtype=dtype:
-                         rescale.rescale_kernel(cfg, dtype, None, torch.int32)))
+        for uniform in (False, True):
+            variants.append(("xent_rescale", n, dtype, cfg, lambda cfg=cfg, dtype=dtype, u=uniform:
+                             rescale.rescale_kernel(cfg, dtype, None, torch.int32, u)))
     rows = list(measure(variants, str(tmp_path), cuobjdump))
     assert len(rows) == len(variants)
     for name, n, dtype, cfg, kernel, res in rows:

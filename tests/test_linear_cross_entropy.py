@@ -3,6 +3,7 @@
 kernel), errors, torch.compile, the chunk heuristic; on a GPU against an fp64
 reference."""
 
+import functools
 import itertools
 
 import pytest
@@ -183,6 +184,19 @@ def test_fp32_grad_accumulation_rounds_once():
     assert errors[torch.float32] < 4e-3 < errors[torch.bfloat16]
 
 
+def test_transposed_head_weight():
+    """A head weight stored transposed (a (V, H) view of an (H, V) tensor, as a tied
+    embedding's may be): the same loss and gradients as a row-major one."""
+    hidden, weight, bias, target, _ = make_case()
+    fn = functools.partial(qk.linear_cross_entropy, chunk_rows=6)
+    rows = losses_and_grads(lambda h, w, t, b: fn(h, w, t, b), hidden, weight, bias, target,
+                            torch.ones_like)
+    cols = losses_and_grads(lambda h, w, t, b: fn(h, w, t, b), hidden,
+                            weight.t().contiguous().t(), bias, target, torch.ones_like)
+    for got, want in zip((cols[0], *cols[1]), (rows[0], *rows[1])):
+        torch.testing.assert_close(got, want)
+
+
 def test_autocast_casts_the_head():
     hidden, weight, bias, target, _ = make_case(dtype=torch.float32)
     leaf = weight.clone().requires_grad_()
@@ -330,20 +344,25 @@ def test_gpu_fp32_grad_accumulation_rounds_once():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("accum", [torch.bfloat16, torch.float32])
-def test_gpu_scaled_upstream_and_a_second_backward(accum):
-    """bf16 mean with an upstream gradient of 0.37: the gradients computed for 1 are
-    scaled on the way out (in place, or out of an fp32 sum), bitwise the plain ones
-    times 0.37 where they are kept in bf16; a second backward through the retained
-    graph gets the same again (the saved gradients were not scaled in place)."""
+@pytest.mark.parametrize("transposed", [False, True])
+def test_gpu_scaled_upstream_and_a_second_backward(accum, transposed):
+    """bf16 mean over 3 chunks with an upstream gradient of 0.37: the gradients
+    computed for 1 are scaled on the way out (in place, or out of an fp32 sum),
+    bitwise the plain ones times 0.37 where they are kept in bf16; a second backward
+    through the retained graph gets the same again (the saved gradients were not
+    scaled in place). ``transposed``: the head's weight a transposed view (its
+    gradient buffers stay row-major for the rescale kernel)."""
     hidden, weight, bias, target, _ = make_case(2048, 256, 32000, torch.float32, "cuda", seed=11)
-    hidden, weight, bias = hidden.bfloat16(), weight.bfloat16(), bias.bfloat16()
+    hidden, bias = hidden.bfloat16(), bias.bfloat16()
+    weight = weight.bfloat16().t().contiguous().t() if transposed else weight.bfloat16()
 
-    def loss_of(*leaves):
-        return qk.linear_cross_entropy(*leaves[:2], target, leaves[2], grad_accum_dtype=accum)
+    def loss_of(h, w, b):
+        return qk.linear_cross_entropy(h, w, target, b, grad_accum_dtype=accum, chunk_rows=700)
 
     _, plain = losses_and_grads(lambda h, w, t, b: loss_of(h, w, b), hidden, weight, bias,
                                 target, torch.ones_like)
     leaves = [t.detach().clone().requires_grad_() for t in (hidden, weight, bias)]
+    assert leaves[1].stride(0) == (1 if transposed else 256)
     loss = loss_of(*leaves)
     upstream = torch.tensor(0.37, device="cuda")
     loss.backward(upstream, retain_graph=True)

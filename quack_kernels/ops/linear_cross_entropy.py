@@ -95,10 +95,11 @@ def linear_cross_entropy_forward(hidden: Tensor, weight: Tensor, bias: Optional[
     stats = hidden.new_empty((2, num_rows), dtype=_loss_dtype(hidden))
     with_grad = grad_scale is not None
     weight_grad = with_grad and weight_grad
-    grad_hidden = torch.empty_like(hidden) if with_grad else hidden.new_empty(0)
-    # (left empty for the first chunk's product to overwrite, unless there is none)
-    new_grad_weight = torch.empty_like if num_rows else torch.zeros_like
-    grad_weight = (new_grad_weight(weight, dtype=grad_accum_dtype) if weight_grad
+    grad_hidden = hidden.new_empty(hidden.shape) if with_grad else hidden.new_empty(0)
+    # (left empty for the first chunk's product to overwrite, unless there is none;
+    # row-major whatever the weight's layout, as the rescale kernel reads rows)
+    new_grad_weight = weight.new_empty if num_rows else weight.new_zeros
+    grad_weight = (new_grad_weight(weight.shape, dtype=grad_accum_dtype) if weight_grad
                    else weight.new_empty(0))
     grad_bias = (hidden.new_zeros(vocab, dtype=grad_accum_dtype)
                  if weight_grad and bias is not None else hidden.new_empty(0))
@@ -128,10 +129,14 @@ def _add_product(total: Tensor, a: Tensor, b: Tensor, first: bool) -> None:
     beta = 0 if first else 1
     if total.dtype == a.dtype:
         total.addmm_(a, b, beta=beta)
-    elif total.is_cuda:  # cuBLAS's fp32 sum goes into total, not through a's dtype
+    elif total.is_cuda and _ADDMM_OUT_DTYPE:  # cuBLAS's fp32 sum into total, not via a's dtype
         torch.addmm(total, a, b, beta=beta, out_dtype=total.dtype, out=total)
     else:
         total.addmm_(a.to(total.dtype), b.to(total.dtype), beta=beta)
+
+
+# addmm(..., out_dtype=) (torch >= 2.8; before it, fp32 copies of the chunk's operands)
+_ADDMM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")
 
 
 @linear_cross_entropy_forward.register_fake
@@ -144,11 +149,11 @@ def _linear_cross_entropy_forward_fake(hidden, weight, bias, target, class_weigh
     if grad_scale is None:
         return stats, hidden.new_empty(0), weight.new_empty(0), hidden.new_empty(0)
     if not weight_grad:
-        return stats, torch.empty_like(hidden), weight.new_empty(0), hidden.new_empty(0)
+        return stats, hidden.new_empty(hidden.shape), weight.new_empty(0), hidden.new_empty(0)
     grad_bias = (hidden.new_empty(weight.shape[0], dtype=grad_accum_dtype) if bias is not None
                  else hidden.new_empty(0))
-    return (stats, torch.empty_like(hidden), torch.empty_like(weight, dtype=grad_accum_dtype),
-            grad_bias)
+    return (stats, hidden.new_empty(hidden.shape),
+            weight.new_empty(weight.shape, dtype=grad_accum_dtype), grad_bias)
 
 
 def _per_row_or_reduced(stats: Tensor, reduction: str) -> Tensor:
@@ -194,8 +199,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             grads = [grad.to(ctx.grad_dtype) for grad in grads]
         else:
             in_place = not saved_tensors_reused()
-            grads = [_times_upstream(grad, dloss, ctx.grad_dtype, in_place)
-                     for grad in ctx.saved_tensors]
+            grads = [_times_upstream(grad, dloss, ctx.grad_dtype, in_place) if needed else None
+                     for grad, needed in zip(ctx.saved_tensors, ctx.needs_input_grad)]
         # (a frozen weight's gradient is an empty tensor)
         return (*(grad if needed else None for grad, needed in zip(grads, ctx.needs_input_grad)),
                 *(None,) * 9)
@@ -207,10 +212,10 @@ def _times_upstream(grad: Tensor, dloss: Tensor, dtype: torch.dtype, in_place: b
     in ``dtype``. Eagerly on CUDA the rescale kernel, in place where the saved gradient
     is not needed again (no second weight-sized buffer at the step's peak; a ``dloss``
     of exactly 1 moves no bytes); elsewhere torch ops, which torch.compile fuses."""
-    if grad.dim() == 2 and grad.shape[0] > 0 and eager_cuda(grad, dloss):
+    if grad.dim() == 2 and grad.numel() > 0 and eager_cuda(grad, dloss):
         rows = grad.shape[0]
         held = unit_scale(dloss.dtype, grad.device).expand(rows)
-        out = None if in_place and grad.dtype == dtype else torch.empty_like(grad, dtype=dtype)
+        out = None if in_place and grad.dtype == dtype else grad.new_empty(grad.shape, dtype=dtype)
         rescale_launch(grad, dloss.expand(rows), held, out=out)
         return grad if out is None else out
     return (grad.to(dloss.dtype) * dloss).to(dtype)

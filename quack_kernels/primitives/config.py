@@ -937,8 +937,9 @@ def cross_entropy_row_config(n_cols: int, elem: int, stage_weight: bool, write_g
 # weight's gradient: every chunk reads and writes it whole (V H elements) for 6 rows
 # V H flops of GEMMs, a share of the step that depends only on the rows per chunk.
 # H200, bf16, mean (results/linear_cross_entropy_chunk_sweep_H200_20261201.txt):
-# 1024 rows 3-10% slower than one chunk (8192x4096x128256 42.7 ms, 4096x4096x32000
-# 6.3), 2048 within 0-3% (41.3, 5.7), for 0.5 GB more chunk logits at V = 128256.
+# 1024 rows 3-14% slower than one chunk (8192x4096x128256 42.7 ms, 4096x4096x32000
+# 6.3 against 5.5), 2048 within 0-3% (41.3, 5.7), for 0.5 GB more chunk logits at
+# V = 128256.
 LINEAR_CE_MIN_CHUNK_ROWS = 2048
 
 
@@ -953,8 +954,8 @@ def linear_ce_chunk_rows(num_rows: int, hidden_size: int, vocab: int) -> int:
 
 # The head's gradient sums over the chunks in the head's dtype by default, as Liger
 # does: fp32 takes a weight-sized fp32 buffer (2 GiB at 128256 x 4096, the peak from
-# 2.0 to 3.0 GiB) and 1-7% more time on the H200 (the sweep above), for one rounding
-# instead of one per chunk.
+# 2.0 to 3.0 GiB) and 3-19% more time on the H200 (results/linear_cross_entropy_*.csv:
+# the most where the GEMMs are smallest), for one rounding instead of one per chunk.
 def linear_ce_grad_accum_dtype(dtype):
     return dtype
 
