@@ -731,10 +731,9 @@ def column_sum_config(n_cols: int, segments: int) -> ColumnSumConfig:
 # ------------------------------------------------------------------ cross-entropy
 # The mean's denominator (kernels.mean_denominator): one CTA, its threads each with
 # MEAN_TARGETS_IN_FLIGHT target loads issued before they are added, so that 131072
-# targets (1 MiB of int64) take 8 rounds of loads (512 threads with 8 loads took 32
-# rounds, 28.7 us on the H200: a sixth of the 131072x1024 bf16 training step's kernels).
-MEAN_DENOMINATOR_THREADS = 1024
-MEAN_TARGETS_IN_FLIGHT = 16
+# targets (1 MiB of int64) take 32 rounds of loads rather than 256.
+MEAN_DENOMINATOR_THREADS = 512
+MEAN_TARGETS_IN_FLIGHT = 8
 
 
 @dataclasses.dataclass(frozen=True)
