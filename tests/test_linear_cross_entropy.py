@@ -144,16 +144,27 @@ def test_frozen_head_skips_its_gradient():
     torch.testing.assert_close(frozen[1], full[1], rtol=0, atol=0)
 
 
-def test_fp16_gradients_take_the_loss_scale_before_rounding():
+@pytest.mark.parametrize("accum,passes", [(torch.float16, 2), (torch.float32, 1)])
+def test_fp16_gradients_take_the_loss_scale_before_rounding(monkeypatch, accum, passes):
     """fp16: with a loss scaler's factor the gradients are as precise as torch's
     unfused ones (computed in the forward for the plain 1 / M, their small values
-    underflowed fp16 and no factor brought them back: 6.2e-3 off instead of 2.7e-4)."""
+    underflowed fp16 and no factor brought them back: 6.2e-3 off instead of 2.7e-4).
+    With an fp32 sum of the head's gradient the forward computes the gradients of the
+    summed losses (one pass over the chunks: 3.1e-4 and 2.3e-4 off), with an fp16 sum
+    the chunks run again in the backward (two)."""
+    from quack_kernels.ops import linear_cross_entropy as lce
+
+    calls = []
+    original = lce.linear_cross_entropy_forward
+    monkeypatch.setattr(lce, "linear_cross_entropy_forward",
+                        lambda *args: calls.append(1) or original(*args))
     hidden, weight, bias, target, _ = make_case(m=2048, h=64, v=8192, dtype=torch.float32)
     hidden, weight = hidden.half(), weight.half()
     scale = 1024.0
-    ours = losses_and_grads(lambda h, w, t: qk.linear_cross_entropy(h, w, t, chunk_rows=700),
-                            hidden, weight, None, target,
-                            lambda loss: torch.full_like(loss, scale))
+    ours = losses_and_grads(lambda h, w, t: qk.linear_cross_entropy(
+        h, w, t, chunk_rows=700, grad_accum_dtype=accum), hidden, weight, None, target,
+        lambda loss: torch.full_like(loss, scale))
+    assert len(calls) == passes
     ref = losses_and_grads(lambda h, w, t: F.cross_entropy(F.linear(h, w).double(), t),
                            hidden.double(), weight.double(), None, target,
                            lambda loss: torch.full_like(loss, scale))

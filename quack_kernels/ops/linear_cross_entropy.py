@@ -8,10 +8,14 @@ go through the cross-entropy kernel, which overwrites them with their gradient
 (quack_kernels::cross_entropy_forward_inplace, scaled per row by grad_scale); two more
 GEMMs turn that into the chunk's rows of grad_hidden and its share of grad_weight. So
 a training step's gradients are done in the forward pass and the backward of a mean or
-sum only scales them by the upstream gradient (one scalar). The chunks run again in
-the backward, with the actual upstream gradient, for reduction="none" (the weight's
-gradient, a sum over rows, cannot be rescaled per row afterwards) and where
-config.ce_gradient_in_backward (fp16: a loss scaler's factor).
+sum only scales them by the upstream gradient (one scalar). fp16
+(config.ce_gradient_in_backward) computes the gradients of the summed losses, whose
+logits' gradient keeps its small values in fp16, and scales them by the mean's
+1 / denominator with the upstream gradient (a loss scaler's factor) in the backward.
+The chunks run again in the backward, with the actual upstream gradient, for
+reduction="none" (the weight's gradient, a sum over rows, cannot be rescaled per row
+afterwards) and for fp16 summing the head's gradient in fp16 (at the summed losses'
+scale that sum could overflow).
 
 grad_weight (and grad_bias) accumulate over the chunks in ``grad_accum_dtype``: the
 weight's dtype rounds once per chunk (bf16, 128 chunks: 1.5e-2 off fp64 in norm, 2.5e-3
@@ -177,14 +181,25 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         if reduction != "none":
             _, held = plain_backward_scale(target, class_weight, ignore_index, weight.shape[0],
                                            _loss_dtype(hidden), reduction)
-        ctx.recomputes = held is None or ce_gradient_in_backward(hidden.dtype)
-        scale = None if ctx.recomputes else held.expand(hidden.shape[0])
+        # fp16 (config.ce_gradient_in_backward): the forward computes the gradients of
+        # the summed losses (a row scale of 1: the logits' gradient within [-1, 1] keeps
+        # its small values, a loss scaler's factor and held join in the backward's one
+        # rescale), unless the head's gradient sums in fp16, where that sum could
+        # overflow: then the chunks run again in the backward, for the actual scale
+        ctx.sums_first = ce_gradient_in_backward(hidden.dtype)
+        ctx.recomputes = held is None or (ctx.sums_first and weight_grad
+                                          and grad_accum_dtype != torch.float32)
+        if ctx.recomputes:
+            scale = None
+        else:
+            row_scale = unit_scale(held.dtype, held.device) if ctx.sums_first else held
+            scale = row_scale.expand(hidden.shape[0])
         stats, *grads = linear_cross_entropy_forward(hidden, weight, bias, target, class_weight,
                                                      *options, scale, weight_grad, *ctx.chunking)
         if ctx.recomputes:
             ctx.save_for_backward(hidden, weight, bias, target, class_weight, held)
         else:
-            ctx.save_for_backward(*grads)
+            ctx.save_for_backward(*grads, held)
         return _per_row_or_reduced(stats, reduction)
 
     @staticmethod
@@ -198,9 +213,11 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 scale.to(_loss_dtype(hidden)).contiguous(), ctx.weight_grad, *ctx.chunking)
             grads = [grad.to(ctx.grad_dtype) for grad in grads]
         else:
+            *saved, held = ctx.saved_tensors
+            upstream = dloss * held if ctx.sums_first else dloss
             in_place = not saved_tensors_reused()
-            grads = [_times_upstream(grad, dloss, ctx.grad_dtype, in_place) if needed else None
-                     for grad, needed in zip(ctx.saved_tensors, ctx.needs_input_grad)]
+            grads = [_times_upstream(grad, upstream, ctx.grad_dtype, in_place) if needed else None
+                     for grad, needed in zip(saved, ctx.needs_input_grad)]
         # (a frozen weight's gradient is an empty tensor)
         return (*(grad if needed else None for grad, needed in zip(grads, ctx.needs_input_grad)),
                 *(None,) * 9)
@@ -232,8 +249,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor,
     head) and the loss in chunks, and with a gradient each chunk's gradients are
     computed right away (the logits of one chunk at a time exist, as logits and then
     as their gradient; the backward of a sum or mean only scales them, while
-    reduction="none" and fp16 compute them in the backward, for the per-row upstream
-    gradients or a loss scaler's factor). ``hidden`` (..., H), ``weight`` (V, H),
+    reduction="none" computes them in the backward, for the per-row upstream
+    gradients). ``hidden`` (..., H), ``weight`` (V, H),
     ``bias`` (V,) or None, all of one dtype (under autocast, cast to its dtype as
     ``F.linear`` would be); ``target`` (...) class indices. ``class_weight``,
     ``ignore_index``, ``reduction``, ``label_smoothing``, ``lse_square_scale`` and
@@ -243,7 +260,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor,
     about the size of the hidden states). ``grad_accum_dtype``: the dtype the weight's
     and bias's gradients sum over the chunks in, the head's own (rounded once per chunk)
     or torch.float32 (rounded once, for a weight-sized fp32 buffer; default
-    config.linear_ce_grad_accum_dtype)."""
+    config.linear_ce_grad_accum_dtype: fp32 for fp16, whose chunks otherwise run again
+    in the backward)."""
     if not all(isinstance(t, Tensor) for t in (hidden, weight, target)):
         raise TypeError("quack_kernels: linear_cross_entropy expects tensors for hidden, "
                         "weight and target")

@@ -956,8 +956,13 @@ def linear_ce_chunk_rows(num_rows: int, hidden_size: int, vocab: int) -> int:
 # does: fp32 takes a weight-sized fp32 buffer (2 GiB at 128256 x 4096, the peak from
 # 2.0 to 3.0 GiB) and 3-19% more time on the H200 (results/linear_cross_entropy_*.csv:
 # the most where the GEMMs are smallest), for one rounding instead of one per chunk.
+# fp16 sums in fp32 by default: its gradients are then computed in the forward, for
+# the summed losses (ops.linear_cross_entropy), where a 16-bit sum makes the chunks run
+# again in the backward (H200: 1.32-1.36x torch.compile's step).
 def linear_ce_grad_accum_dtype(dtype):
-    return dtype
+    import torch
+
+    return torch.float32 if ce_gradient_in_backward(dtype) else dtype
 
 
 # Training losses compute their gradient in the forward pass, for the upstream gradient
