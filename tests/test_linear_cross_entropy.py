@@ -106,6 +106,22 @@ def test_zero_rows():
     assert loss == 0 and int(torch.count_nonzero(leaf_w.grad)) == 0
 
 
+@pytest.mark.parametrize("accum", [torch.float16, torch.float32])
+@pytest.mark.parametrize("m", [0, 29])
+def test_fp16_mean_over_no_row(accum, m):
+    """fp16 (gradients of the summed losses in the forward, with an fp32 sum): a mean
+    with every target ignored, or over no rows, has a NaN loss and zero gradients, as
+    torch and the bf16 path (the mean's 1 / 0 must not reach the zero gradients)."""
+    hidden, weight, bias, _, _ = make_case(m=m, dtype=torch.float32)
+    leaves = [t.half().requires_grad_() for t in (hidden, weight, bias)]
+    ignored = torch.full((m,), -100)
+    loss = qk.linear_cross_entropy(*leaves[:2], ignored, leaves[2], grad_accum_dtype=accum)
+    loss.backward()
+    assert torch.isnan(loss)
+    for leaf in leaves:
+        assert int(torch.count_nonzero(leaf.grad)) == 0, leaf.shape
+
+
 def test_opcheck_and_fake_kernel():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

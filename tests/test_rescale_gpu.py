@@ -47,12 +47,12 @@ def test_in_place_moves_only_rows_whose_scale_differs(m, n, dtype):
 @pytest.mark.parametrize("m,n", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_in_place_broadcast_scale(m, n, dtype):
-    """One scale for every row (the looping grid): an upstream gradient of exactly 1
-    leaves every bit, another scales every row."""
+    """One scale pair for every row (the looping grid): equal scales leave every bit,
+    others scale every row (held 0: NaN)."""
     grad = with_nans(m, n, dtype, 2 * m + n)
-    held = torch.ones((), device="cuda").expand(m)
-    for scale in (1.0, 0.37):
-        dloss = torch.tensor(scale, device="cuda").expand(m)
+    for upstream, computed_for in ((1.0, 1.0), (0.37, 1.0), (0.37, 0.5), (0.5, 0.5), (1.0, 0.0)):
+        dloss = torch.tensor(upstream, device="cuda").expand(m)
+        held = torch.tensor(computed_for, device="cuda").expand(m)
         ours = grad.clone()
         rescale_launch(ours, dloss, held)
         torch.testing.assert_close(ours, expected(grad, dloss, held, dtype), rtol=0, atol=0,

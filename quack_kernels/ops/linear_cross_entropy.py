@@ -189,17 +189,22 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         ctx.sums_first = ce_gradient_in_backward(hidden.dtype)
         ctx.recomputes = held is None or (ctx.sums_first and weight_grad
                                           and grad_accum_dtype != torch.float32)
-        if ctx.recomputes:
-            scale = None
-        else:
-            row_scale = unit_scale(held.dtype, held.device) if ctx.sums_first else held
+        scale = held_later = None
+        if not ctx.recomputes:
+            row_scale = held
+            if ctx.sums_first:
+                # (a mean over no weight, held = inf, stays in the forward as in bf16:
+                # its rows' gradients are 0, or NaN for valid targets of weight 0)
+                finite = held.isfinite()
+                row_scale = torch.where(finite, 1.0, held)
+                held_later = torch.where(finite, held, 1.0)
             scale = row_scale.expand(hidden.shape[0])
         stats, *grads = linear_cross_entropy_forward(hidden, weight, bias, target, class_weight,
                                                      *options, scale, weight_grad, *ctx.chunking)
         if ctx.recomputes:
             ctx.save_for_backward(hidden, weight, bias, target, class_weight, held)
         else:
-            ctx.save_for_backward(*grads, held)
+            ctx.save_for_backward(*grads, held_later)
         return _per_row_or_reduced(stats, reduction)
 
     @staticmethod
@@ -213,8 +218,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 scale.to(_loss_dtype(hidden)).contiguous(), ctx.weight_grad, *ctx.chunking)
             grads = [grad.to(ctx.grad_dtype) for grad in grads]
         else:
-            *saved, held = ctx.saved_tensors
-            upstream = dloss * held if ctx.sums_first else dloss
+            *saved, held_later = ctx.saved_tensors
+            upstream = dloss if held_later is None else dloss * held_later
             in_place = not saved_tensors_reused()
             grads = [_times_upstream(grad, upstream, ctx.grad_dtype, in_place) if needed else None
                      for grad, needed in zip(saved, ctx.needs_input_grad)]
