@@ -186,3 +186,15 @@ def test_bench_csv_of_a_run_in_the_same_minute_is_a_new_file(tmp_path):
     assert [p.name for p in paths] == ["softmax_gpu_20261130-1706.csv",
                                        "softmax_gpu_20261130-1706-2.csv"]
     assert [p.read_text().splitlines()[1].split(",")[4] for p in paths] == ["first", "second"]
+
+
+def test_graphed_training_step_is_the_same_step_timed_on_the_device():
+    """cross_entropy_fwdbwd_graphed: the training step's cases and baselines, replayed
+    from a CUDA graph (no host gaps between its kernels) and timed as isolated runs."""
+    from quack_kernels import bench
+
+    graphed, plain = bench.OPS["cross_entropy_fwdbwd_graphed"], bench.OPS["cross_entropy_fwdbwd"]
+    assert not graphed.host_inclusive
+    assert (graphed.shapes, graphed.dtypes) == (plain.shapes, plain.dtypes)
+    assert set(graphed.baselines) == set(plain.baselines)
+    assert graphed.ours is not plain.ours

@@ -62,6 +62,7 @@ def test_latest_run_fastest_baseline_and_targets(tmp_path, summarize):
     ("cross_entropy_fwd", 4096, 128256, 90.0),
     ("cross_entropy_fwdbwd", 131072, 1024, 85.0),
     ("cross_entropy_fwdbwd_options", 131072, 1024, None),
+    ("cross_entropy_fwdbwd_graphed", 131072, 1024, None),
     ("layer_norm_fwd", 256, 32000, None),
 ])
 def test_issue_targets(summarize, op, m, n, target):
