@@ -186,13 +186,13 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         # its small values, a loss scaler's factor and held join in the backward's one
         # rescale), unless the head's gradient sums in fp16, where that sum could
         # overflow: then the chunks run again in the backward, for the actual scale
-        ctx.sums_first = ce_gradient_in_backward(hidden.dtype)
-        ctx.recomputes = held is None or (ctx.sums_first and weight_grad
+        sums_first = ce_gradient_in_backward(hidden.dtype)
+        ctx.recomputes = held is None or (sums_first and weight_grad
                                           and grad_accum_dtype != torch.float32)
         scale = held_later = None
         if not ctx.recomputes:
             row_scale = held
-            if ctx.sums_first:
+            if sums_first:
                 # (a mean over no weight, held = inf, stays in the forward as in bf16:
                 # its rows' gradients are 0, or NaN for valid targets of weight 0)
                 finite = held.isfinite()
