@@ -6,6 +6,7 @@ import threading
 import torch
 
 import quack_kernels as qk
+from quack_kernels import bench
 from quack_kernels.ops import norm as norm_ops
 from quack_kernels.ops import softmax as ops
 
@@ -84,6 +85,31 @@ def norm_rows():
     ]
 
 
+def cross_entropy_rows():
+    """The cross-entropy training step (mean, bf16) on a tiny batch: ours against torch's
+    and Liger's, the host's cost per step with the kernels' time negligible."""
+    F = torch.nn.functional
+    logits = torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    target = torch.randint(0, 1024, (8,), device="cuda")
+
+    def step(loss_fn):
+        def run():
+            logits.grad = None
+            loss_fn(logits, target).backward()
+        return run
+
+    rows = [
+        ("qk.cross_entropy (no grad)", lambda: qk.cross_entropy(logits.detach(), target)),
+        ("fwd+bwd qk.cross_entropy", step(qk.cross_entropy)),
+        ("fwd+bwd F.cross_entropy", step(F.cross_entropy)),
+    ]
+    try:
+        liger = bench._liger_cross_entropy()
+    except bench.Unavailable:
+        return rows
+    return rows + [("fwd+bwd Liger cross-entropy", step(liger))]
+
+
 def main():
     x = torch.randn(8, 128, device="cuda", dtype=torch.bfloat16)
     xg = x.clone().requires_grad_()
@@ -113,7 +139,7 @@ def main():
         ("torch._softmax_backward_data on a worker thread",
          in_worker_thread(lambda: torch._softmax_backward_data(dy, y, -1, dy.dtype))),
     ]
-    for name, fn in rows + norm_rows():
+    for name, fn in rows + norm_rows() + cross_entropy_rows():
         print(f"{name:45s} {wall_us(fn, calls=2000, warmup=50):7.1f} us/call")
     for name, per_call in threaded:
         print(f"{name:45s} {per_call():7.1f} us/call")
