@@ -220,7 +220,7 @@ def test_plain_backward_moves_no_gradient_bytes(monkeypatch, reduction, weighted
                                          x, target, weight, reduction)
 
 
-@pytest.mark.parametrize("m", [1, 37, 4097, 131073])
+@pytest.mark.parametrize("m", [0, 1, 37, 4097, 131073, 2_000_003])
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("target_dtype", [torch.int32, torch.int64])
 def test_mean_denominator_kernel(m, weighted, target_dtype):
@@ -347,7 +347,7 @@ def test_loss_alone_bad_and_in_row_ignored_targets(v):
 @pytest.mark.parametrize("options", ["plain", "weighted", "weighted_smoothing", "zloss_softcap"])
 def test_loss_reduced_in_the_kernel(monkeypatch, m, v, dtype, options):
     """The eager loss with a sum or mean is reduced over the grid by the kernel
-    (reduced_loss_cuda, RowKernel.grid_sum), alone and with the gradient (not with the
+    (reduced_loss_cuda, GridSum.grid_sum), alone and with the gradient (not with the
     weight row staged, class weights with label smoothing: torch's reduction, checked
     the same way): thousands of CTAs of
     short rows (two groups of gathered CTAs; 35000 CTAs in the most groups, of more than

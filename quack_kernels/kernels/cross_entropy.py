@@ -280,7 +280,7 @@ class CrossEntropyForward(RowKernel):
     def _reduce_rows(self, smem, sums: tuple, mReduced: cute.Tensor, mPartials: cute.Tensor):
         """mReduced[0] = the sum of the row losses (over the sum of the row weights for a
         mean: NaN when every row is ignored, as torch); ``sums``: this thread's (losses,
-        row weights) of the rows it leads; RowKernel.grid_sum adds them over the grid
+        row weights) of the rows it leads; GridSum.grid_sum adds them over the grid
         (``mPartials`` as there)."""
         scratch = smem.allocate_tensor(
             Float32, cute.make_layout((self.cfg.threads_per_block // 32, self.grid_sums),

@@ -5,8 +5,9 @@ class weight of the non-ignored targets (their count without class weights; a ta
 outside [0, C) counts, with the weight of its index clamped into range, and makes its
 row's loss NaN). Built from torch ops, D and 1 / D take three launches (a comparison,
 a sum, a reciprocal) whose host time a host-bound training step pays in full; here they
-take one. One CTA adds the targets in an order fixed by its thread count, so the same
-targets give bitwise the same D.
+take one. A grid of CTAs (config.mean_denominator_ctas) reads the targets, each adding
+its share in an order fixed by the grid, and GridSum adds the CTAs' sums in a fixed
+order too: the same targets give bitwise the same D.
 
 Bytes: the M targets (and the C weights, read where a target points).
 """
@@ -15,17 +16,18 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int64
+from cutlass import Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
-from ..primitives import reduce as red
 from ..primitives.config import MeanDenominatorConfig
+from ..primitives.grid_sum import GridSum
 
 
-class MeanDenominator:
+class MeanDenominator(GridSum):
     """mOut[0] = D, mOut[1] = 1 / D (IEEE division, as torch.reciprocal) of the targets
     ``mTarget`` (M,) with fp32 class weights ``mWeight`` (C,), or unweighted when the
-    config says so (mWeight is then only a placeholder)."""
+    config says so (mWeight is then only a placeholder). ``mPartials``: GridSum's words
+    for ``num_ctas`` CTAs, zero at launch."""
 
     def __init__(self, cfg: MeanDenominatorConfig):
         self.cfg = cfg
@@ -35,14 +37,14 @@ class MeanDenominator:
 
     @cute.jit
     def __call__(self, mTarget: cute.Tensor, mWeight: cute.Tensor, mOut: cute.Tensor,
-                 ignore_index: Int64, stream):
-        self.kernel(mTarget, mWeight, mOut, ignore_index).launch(
-            grid=[1, 1, 1], block=[self.cfg.threads_per_block, 1, 1], smem=self.smem_bytes(),
+                 mPartials: cute.Tensor, ignore_index: Int64, num_ctas: Int32, stream):
+        self.kernel(mTarget, mWeight, mOut, mPartials, ignore_index).launch(
+            grid=[num_ctas, 1, 1], block=[self.cfg.threads_per_block, 1, 1], smem=self.smem_bytes(),
             stream=stream)
 
     @cute.kernel
     def kernel(self, mTarget: cute.Tensor, mWeight: cute.Tensor, mOut: cute.Tensor,
-               ignore_index: Int64):
+               mPartials: cute.Tensor, ignore_index: Int64):
         threads = self.cfg.threads_per_block
         in_flight = self.cfg.targets_in_flight
         tidx = cute.arch.thread_idx()[0]
@@ -53,7 +55,10 @@ class MeanDenominator:
         # one running sum per load in flight: a single one added 17578 fp32 weights in a
         # row per thread at 9M targets (D off by ~1e-5 relative in a GPU test)
         totals = (Float32(0.0),) * in_flight
-        for first in cutlass.range(tidx, num_rows, threads * in_flight, unroll=1):
+        one_round = threads * in_flight
+        start = cute.arch.block_idx()[0] * one_round + tidx
+        stride = cute.arch.grid_dim()[0] * one_round
+        for first in cutlass.range(start, num_rows, stride, unroll=1):
             # independent loads, the index clamped into the targets and masked
             targets = []
             for k in cutlass.range_constexpr(in_flight):
@@ -73,7 +78,7 @@ class MeanDenominator:
         total = totals[0]
         for k in cutlass.range_constexpr(1, in_flight):
             total = total + totals[k]
-        (total,) = red.block_sum((total,), scratch)
-        if tidx == 0:
+        holds, (total,) = self.grid_sum((total,), mPartials, scratch)
+        if holds & (tidx == 0):
             mOut[0] = total
             mOut[1] = Float32(1.0) / total

@@ -52,6 +52,7 @@ from ..primitives.config import (
     ce_gradient_in_backward,
     ce_reduces_in_kernel,
     grid_sum_slots,
+    mean_denominator_ctas,
     cross_entropy_row_config,
     loop_grid_rows,
     loops_over_row_blocks,
@@ -157,7 +158,9 @@ def mean_denominator_kernel(weighted: bool, target_dtype: torch.dtype):
                     cute.sym_int()),
         fake_vector(cutlass.Float32, cute.sym_int()),
         fake_vector(cutlass.Float32, 2),
+        fake_vector(cutlass.Int64, cute.sym_int()),
         cutlass.Int64(-100),
+        cutlass.Int32(1),
     )
 
 
@@ -358,7 +361,7 @@ def _forward_plan(rows: Tensor, target: Tensor, grad_out: Tensor, weighted: bool
 
 def _grid_partials(device: torch.device, words: int) -> Tensor:
     """The zeroed int64 words a reducing launch adds its CTAs' sums in
-    (RowKernel.grid_sum): one buffer per stream, reused (the gathering CTA zeroes the
+    (GridSum.grid_sum): one buffer per stream, reused (the gathering CTA zeroes the
     words again) and replaced by a larger one when a launch needs more. A graph being
     captured gets its own, so that no replay shares one with eager launches (a tensor
     made during the capture is zeroed by each replay)."""
@@ -665,8 +668,11 @@ def _mean_denominator_cuda(target: Tensor, weight: Optional[Tensor],
     launch (kernels.mean_denominator)."""
     out = torch.empty(2, dtype=torch.float32, device=target.device)
     fn = compile_mean_denominator(weight is not None, target.dtype)
+    ctas = mean_denominator_ctas(target.shape[0])
+    slots = grid_sum_slots(MeanDenominatorConfig(weight is not None), ctas)
+    partials = _grid_partials(target.device, slots)
     fn(target.contiguous(), out if weight is None else weight.to(torch.float32).contiguous(),
-       out, ignore_index)
+       out, partials, ignore_index, ctas)
     return out[0], out[1:]
 
 

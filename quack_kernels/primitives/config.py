@@ -729,11 +729,23 @@ def column_sum_config(n_cols: int, segments: int) -> ColumnSumConfig:
 
 
 # ------------------------------------------------------------------ cross-entropy
-# The mean's denominator (kernels.mean_denominator): one CTA, its threads each with
-# MEAN_TARGETS_IN_FLIGHT target loads issued before they are added, so that 131072
-# targets (1 MiB of int64) take 32 rounds of loads rather than 256.
+# The mean's denominator (kernels.mean_denominator): CTAs of MEAN_DENOMINATOR_THREADS
+# threads, each with MEAN_TARGETS_IN_FLIGHT target loads issued before they are added,
+# one round of loads per CTA up to MEAN_DENOMINATOR_MAX_CTAS. One CTA read the targets
+# at 33-36 GB/s whatever its loads in flight (131072 int64 targets: 28.7 us, a sixth of
+# the bf16 131072x1024 training step's kernels); a grid sums them as fast as the CTAs
+# start. (8 loads in flight put a 64-bit value of the weighted variant on the stack
+# once it ended in the grid sum; sm_90a, 32 registers.)
 MEAN_DENOMINATOR_THREADS = 512
-MEAN_TARGETS_IN_FLIGHT = 8
+MEAN_TARGETS_IN_FLIGHT = 4
+MEAN_DENOMINATOR_MAX_CTAS = 256
+
+
+def mean_denominator_ctas(num_targets: int) -> int:
+    """CTAs of the denominator's grid: one round of loads each, at least one CTA (it
+    writes D for no targets too)."""
+    per_cta = MEAN_DENOMINATOR_THREADS * MEAN_TARGETS_IN_FLIGHT
+    return max(1, min(-(-num_targets // per_cta), MEAN_DENOMINATOR_MAX_CTAS))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -785,7 +797,7 @@ CE_LOSS_VECS_PER_CHUNK = 4
 CE_LOSS_MIN_THREADS_PER_BLOCK = 256
 
 # The loss with its sum or mean, eagerly: the kernel adds the row losses over the grid
-# (RowKernel.grid_sum: CTA sums published without a fence, gathered by the last row
+# (GridSum.grid_sum: CTA sums published without a fence, gathered by the last row
 # block) instead of two launches after the kernel (a torch sum and a division), at any
 # row count. The grid's last CTA taking a ticket after a fence in every CTA and reading
 # every row's loss back had cost, kernels alone (results/kernel_ab_ce_reduced_H200_
@@ -794,7 +806,7 @@ CE_LOSS_MIN_THREADS_PER_BLOCK = 256
 # those variants spilled 8-16 bytes (sm_90a, with the gradient: fp32 1000 and 50257
 # columns, fp16 151936, two reloads inside the row-block loop; the loss alone: fp32
 # 151936, a partial sum across the cluster reduction).
-# CTA sums a thread of a gathering CTA loads at once (RowKernel.grid_sum): 2 keep the
+# CTA sums a thread of a gathering CTA loads at once (GridSum.grid_sum): 2 keep the
 # gathering epilogue within the registers of the loss kernels it ends (sm_90a: with 8
 # and a clamped address per slot the bf16 loss alone of short rows took 75-80 registers
 # instead of 48; with 4, fp32 short rows 40 instead of 32 and the streamed bf16 loss of
@@ -807,9 +819,9 @@ GRID_SUM_SLOTS_IN_FLIGHT = 2
 GRID_SUM_GROUPS = 32
 
 
-def grid_sum_slots(cfg: RowConfig, row_blocks, first_level: bool = False):
-    """Slots (of RowKernel.grid_sum's values) a launch of ``row_blocks`` row blocks
-    needs: one per row block, then one per group, each level with room for the
+def grid_sum_slots(cfg, row_blocks, first_level: bool = False):
+    """Slots (of GridSum.grid_sum's values) a launch of ``row_blocks`` CTAs (of
+    ``cfg.threads_per_block`` threads) needs: one per row block, then one per group, each level with room for the
     gathering CTA's loads past its last slot; ``first_level``: the first level's."""
     slack = cfg.threads_per_block * GRID_SUM_SLOTS_IN_FLIGHT
     first = row_blocks + slack
