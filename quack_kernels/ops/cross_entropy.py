@@ -662,17 +662,22 @@ def _mean_denominator(target: Tensor, weight: Optional[Tensor], ignore_index: in
     return (weight.to(loss_dtype)[safe] * kept).sum()
 
 
+@functools.lru_cache(maxsize=256)  # on every call: skip the grid's sizing
+def _denominator_plan(weighted: bool, target_dtype: torch.dtype, num_targets: int):
+    """(compiled kernel, CTAs, GridSum words) of the denominator of ``num_targets``."""
+    ctas = mean_denominator_ctas(num_targets)
+    words = grid_sum_slots(MeanDenominatorConfig(weighted), ctas)
+    return compile_mean_denominator(weighted, target_dtype), ctas, words
+
+
 def _mean_denominator_cuda(target: Tensor, weight: Optional[Tensor],
                            ignore_index: int) -> tuple[Tensor, Tensor]:
     """(_mean_denominator, its reciprocal as a (1,) tensor) of CUDA targets, in one
     launch (kernels.mean_denominator)."""
     out = torch.empty(2, dtype=torch.float32, device=target.device)
-    fn = compile_mean_denominator(weight is not None, target.dtype)
-    ctas = mean_denominator_ctas(target.shape[0])
-    slots = grid_sum_slots(MeanDenominatorConfig(weight is not None), ctas)
-    partials = _grid_partials(target.device, slots)
+    fn, ctas, words = _denominator_plan(weight is not None, target.dtype, target.shape[0])
     fn(target.contiguous(), out if weight is None else weight.to(torch.float32).contiguous(),
-       out, partials, ignore_index, ctas)
+       out, _grid_partials(target.device, words), ignore_index, ctas)
     return out[0], out[1:]
 
 
