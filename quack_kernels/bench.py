@@ -92,6 +92,20 @@ class OpBench:
     # Time back-to-back calls instead of isolated ones, so that host overhead (Python,
     # dispatch, autograd) shows up whenever it exceeds the GPU time.
     host_inclusive: bool = False
+    # Outputs of a few bytes per row (a loss alone): isolated calls after an L2 flush
+    # that reads, leaving L2 clean. The usual flush writes, and leaves L2 full of dirty
+    # lines that the timed call writes back: an op writing its own output leaves as
+    # many of its own lines unwritten when it ends, so it pays for its bytes alone, but
+    # an op that writes nothing paid for ~50 MB it never wrote (the bf16 loss of
+    # 131072x1024 logits: 67.2 us of kernel, 76.6 after the writing flush; H200).
+    reads_only: bool = False
+
+    @property
+    def timing(self) -> str:
+        """How its calls are timed (the CSV's ``timing`` column)."""
+        if self.host_inclusive:
+            return "back-to-back"
+        return "after a reading L2 flush" if self.reads_only else "after a writing L2 flush"
 
 
 @dataclasses.dataclass
@@ -107,6 +121,7 @@ class Result:
     gbps: float | None = None
     pct_of_copy: float | None = None
     speedup_vs_best_baseline: float | None = None
+    timing: str = ""  # OpBench.timing
     error: str = ""
 
 
@@ -624,6 +639,7 @@ def _cross_entropy_benches() -> tuple[OpBench, ...]:
         baselines={name: _ce_loss_only(resolve) for name, resolve in baselines.items()},
         # read the logits once (targets and per-row outputs are negligible)
         model_bytes=lambda M, N, dtype: M * N * _elem(dtype),
+        reads_only=True,
         shapes=CROSS_ENTROPY_SHAPES,
         quick_shapes=CROSS_ENTROPY_QUICK_SHAPES,
     )
@@ -693,16 +709,21 @@ def _estimate_ms(fn: Callable[[], object], calls: int = 5) -> float:
     return max(start.elapsed_time(end) / calls, 1e-3)
 
 
-def _isolated_calls_ms(fn: Callable[[], object]) -> float:
+def _isolated_calls_ms(fn: Callable[[], object], reading_flush: bool = False) -> float:
     """Median time of isolated calls, each after an L2 flush, each bracketed by its own
-    CUDA events: the stand-in for ``do_bench`` when triton is missing."""
-    flush = torch.empty(256 * MiB, dtype=torch.uint8, device="cuda")
+    CUDA events: the stand-in for ``do_bench`` when triton is missing, whose flush
+    writes (``zero_``); ``reading_flush`` sums the flush buffer instead, leaving L2
+    clean (OpBench.reads_only)."""
+    flush = torch.zeros(256 * MiB // 4, dtype=torch.float32, device="cuda")
     per_call = _estimate_ms(fn)
     for _ in range(max(1, int(WARMUP_MS / per_call))):
         fn()
     times = []
     for _ in range(max(1, int(REP_MS / per_call))):
-        flush.zero_()
+        if reading_flush:
+            flush.sum()
+        else:
+            flush.zero_()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -712,12 +733,13 @@ def _isolated_calls_ms(fn: Callable[[], object]) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in times)
 
 
-def time_device_ms(fn: Callable[[], object]) -> float:
+def time_device_ms(fn: Callable[[], object], reading_flush: bool = False) -> float:
     """Median GPU time of one call. Each call follows an L2 flush kernel, so its launch
-    overhead is hidden behind the flush and only the kernels' own time is measured."""
+    overhead is hidden behind the flush and only the kernels' own time is measured;
+    ``reading_flush``: see OpBench.reads_only."""
     do_bench = _triton_do_bench()
-    if do_bench is None:
-        return _isolated_calls_ms(fn)
+    if do_bench is None or reading_flush:
+        return _isolated_calls_ms(fn, reading_flush)
     return do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
 
 
@@ -776,13 +798,16 @@ def _error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first_line}"[:300]
 
 
-def _measure(build: Builder, copies: list[Inputs], host_inclusive: bool) -> float:
+def _measure(build: Builder, copies: list[Inputs], op: OpBench) -> float:
     """Build one callable per input set, run it once (compiles, autotunes and catches
-    failures before timing), then time the rotation. Returns milliseconds."""
+    failures before timing), then time the rotation as ``op`` asks. Returns
+    milliseconds."""
     fn = _rotating([build(inputs) for inputs in copies])
     fn()
     torch.cuda.synchronize()
-    return (time_host_inclusive_ms if host_inclusive else time_device_ms)(fn)
+    if op.host_inclusive:
+        return time_host_inclusive_ms(fn)
+    return time_device_ms(fn, op.reads_only)
 
 
 def run_case(
@@ -795,9 +820,9 @@ def run_case(
     model_bytes = op.model_bytes(M, N, dtype)
     results = []
     for impl, build in impls.items():
-        result = Result(op.name, dtype_name, M, N, impl)
+        result = Result(op.name, dtype_name, M, N, impl, timing=op.timing)
         try:
-            ms = _measure(build, copies, op.host_inclusive)
+            ms = _measure(build, copies, op)
         except Unavailable:
             continue
         except Exception as exc:  # one broken implementation must not end the run
@@ -828,7 +853,7 @@ def _set_speedup(results: list[Result]) -> None:
 CSV_COLUMNS = (
     "op", "dtype", "M", "N", "impl", "time_us", "gbps", "pct_of_copy", "copy_ceiling_gbps",
     "speedup_vs_best_baseline", "gpu", "date", "torch", "triton", "cutlass_dsl",
-    "quack_kernels_version", "liger", "quack", "error",
+    "quack_kernels_version", "liger", "quack", "timing", "error",
 )  # fmt: skip
 
 
@@ -905,6 +930,7 @@ class CsvSink:
                 "gbps": _fmt(result.gbps, ".1f"),
                 "pct_of_copy": _fmt(result.pct_of_copy, ".1f"),
                 "speedup_vs_best_baseline": _fmt(result.speedup_vs_best_baseline, ".3f"),
+                "timing": result.timing,
                 "error": result.error,
             }
         )

@@ -198,3 +198,17 @@ def test_graphed_training_step_is_the_same_step_timed_on_the_device():
     assert (graphed.shapes, graphed.dtypes) == (plain.shapes, plain.dtypes)
     assert set(graphed.baselines) == set(plain.baselines)
     assert graphed.ours is not plain.ours
+
+
+def test_only_ops_that_write_nothing_time_after_a_reading_flush():
+    """OpBench.reads_only: the loss alone (a few bytes per row out) is timed after a
+    flush that leaves L2 clean; every op writing an output as large as its input keeps
+    the writing flush (its own dirty lines balance the flush's); the CSV says which."""
+    from quack_kernels import bench
+
+    reading = {name for name, op in bench.OPS.items() if op.reads_only}
+    assert reading == {"cross_entropy_fwd"}
+    assert bench.OPS["cross_entropy_fwd"].timing == "after a reading L2 flush"
+    assert bench.OPS["softmax_fwd"].timing == "after a writing L2 flush"
+    assert bench.OPS["softmax_fwdbwd"].timing == "back-to-back"
+    assert "timing" in bench.CSV_COLUMNS
