@@ -329,8 +329,8 @@ def test_torch_compile_fullgraph():
 def test_forward_configs():
     """Rows one CTA holds loop over row blocks with prefetch when the gradient is
     written, and run one CTA per row block for the loss alone; rows split over a
-    cluster do not loop; the loss alone of rows over 128 KiB is streamed from global
-    memory (never with the gradient, which needs the row on chip)."""
+    cluster do not loop; the loss alone of rows of 128 KiB and more is streamed from
+    global memory (never with the gradient, which needs the row on chip)."""
     from quack_kernels.primitives.config import loops_over_row_blocks
 
     bf16 = torch.bfloat16
@@ -347,10 +347,27 @@ def test_forward_configs():
     assert streamed.staging == "global" and not loops_over_row_blocks(streamed, False)
     assert streamed.cols_per_cta * 2 <= config.CE_STREAM_CTA_ROW_BYTES
     assert ops.forward_config(128256, bf16, False, True).staging != "global"
-    assert ops.forward_config(65536, bf16, False, False).staging != "global"  # 128 KiB
+    assert ops.forward_config(65536, bf16, False, False).staging == "global"  # 128 KiB
+    assert ops.forward_config(65535, bf16, False, False).staging != "global"
 
 
-@pytest.mark.parametrize("n", [16384, 32768, 65536, 32000, 50257])
+@pytest.mark.parametrize("n, dtype, cluster", [
+    (65536, torch.bfloat16, 1), (151936, torch.bfloat16, 1), (262144, torch.bfloat16, 2),
+    (151936, torch.float32, 2), (262144, torch.float32, 4), (524288, torch.float16, 4)])
+def test_streamed_loss_reads_64_bytes_a_chunk(n, dtype, cluster):
+    """config.CE_STREAM_*: the streamed loss alone reads four 16-byte vectors per thread
+    and chunk in any dtype, its shares up to 320 KiB (a 151936-column bf16 row on one
+    CTA); a misaligned row (8-byte vectors) keeps 16 values per chunk."""
+    cfg = ops.forward_config(n, dtype, False, False)
+    elem = torch.finfo(dtype).bits // 8
+    assert cfg.staging == "global" and cfg.cluster_size == cluster
+    assert cfg.vec * elem == 16 and cfg.vecs_per_thread * cfg.vec * elem == 64
+    assert cfg.cols_per_cta * elem <= config.CE_STREAM_CTA_ROW_BYTES
+    misaligned = ops.forward_config(n, dtype, False, False, 8 // elem)
+    assert misaligned.staging == "global" and misaligned.vec * misaligned.vecs_per_thread == 16
+
+
+@pytest.mark.parametrize("n", [16384, 32768, 32000, 50257])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_loss_alone_of_whole_staged_16bit_shares_reads_64_bytes_a_chunk(n, dtype):
     """The loss alone of 16-bit rows staged in whole vectors and whole chunks takes 32

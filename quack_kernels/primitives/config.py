@@ -367,13 +367,14 @@ def _split_share(n_cols: int, vec: int, cluster: int, vectors_per_cta: int,
 
 
 def streamed_row_config(n_cols: int, elem_bytes: int, cta_row_bytes: int,
-                        max_vec: int | None = None) -> RowConfig:
+                        max_vec: int | None = None,
+                        values_per_thread: int = VALUES_PER_THREAD[2]) -> RowConfig:
     """Rows reduced once and never written (a loss without its gradient): shares of up
     to ``cta_row_bytes`` per CTA, re-read chunk by chunk from global memory instead of
     staged, since nothing comes back to them. Their threads per row stay at the
     MAX_THREADS_PER_ROW they were measured with."""
     return dataclasses.replace(
-        row_config(n_cols, elem_bytes, max_vec=max_vec, values_per_thread=VALUES_PER_THREAD[2],
+        row_config(n_cols, elem_bytes, max_vec=max_vec, values_per_thread=values_per_thread,
                    cta_row_bytes=cta_row_bytes, max_threads_per_row=MAX_THREADS_PER_ROW,
                    min_vecs_per_thread=MIN_VECS_PER_THREAD),
         staging="global")
@@ -777,12 +778,19 @@ _ce_row_config = functools.partial(row_config, cta_row_bytes=CE_CTA_ROW_BYTES,
                                    narrow_share_bytes=CE_NARROW_SHARE_BYTES,
                                    max_threads_per_row=MAX_THREADS_PER_ROW,
                                    min_vecs_per_thread=CE_MIN_VECS_PER_THREAD)
-# The loss alone of rows longer than 128 KiB (staged, they need 4+ CTA clusters)
-# streams shares of up to 256 KiB per CTA (a whole 128256-column bf16 row): 62% of the
-# copy ceiling at 4096x128256 bf16 vs 51% staged on 8-CTA clusters
-# (benchmarks/sweep_cross_entropy.py). Shorter rows were not measured streamed.
+# The loss alone of rows of 128 KiB and more streams its shares (staged, they need 4+
+# CTA clusters) of up to CE_STREAM_CTA_ROW_BYTES per CTA, each thread reading
+# CE_STREAM_CHUNK_BYTES per chunk (four 16-byte vectors, as whole staged 16-bit chunks
+# do). H200, bf16, timed as the runner times the loss (benchmarks/sweep_cross_entropy.py,
+# results/cross_entropy_streamed_loss_sweep_H200_20261201.txt, two runs within 0.7%):
+# 32 bytes a chunk and 256 KiB shares had given 2048x65536 (staged on 4 CTAs) 78.5%,
+# 512x262144 80.1-80.4% and 8192x151936 87.7-88.2% (2 CTAs each); 64 bytes and 320 KiB
+# give 85.1-85.4% (1 CTA), 87.0-87.3% (2 CTAs) and 94.4-94.5% (1 CTA, 297 KiB);
+# 4096x128256 stays at 93.4-94.1% (1 CTA). (262144 columns on 1 CTA at 64 bytes fell to
+# 74%: 512 CTAs of that share do not all fit at once.) fp32 chunks were 64 bytes already.
 CE_STREAM_MIN_ROW_BYTES = 128 * 1024
-CE_STREAM_CTA_ROW_BYTES = 256 * 1024
+CE_STREAM_CTA_ROW_BYTES = 320 * 1024
+CE_STREAM_CHUNK_BYTES = 64
 # The loss alone of short rows: at least 8 vectors per thread in chunks of 4, at most
 # 64 threads per row and 16 vectors per thread, blocks of at least 256 threads (H200
 # sweeps, benchmarks/sweep_cross_entropy.py, results/cross_entropy_loss_sweep_H200_
@@ -830,6 +838,17 @@ def grid_sum_slots(cfg, row_blocks, first_level: bool = False):
 
 def ce_reduces_in_kernel(num_rows: int, stage_weight: bool) -> bool:
     return num_rows > 0 and not stage_weight
+
+
+def _streamed_loss_row_config(n_cols: int, elem: int, max_vec: int | None) -> RowConfig:
+    """The streamed loss alone (see CE_STREAM_CHUNK_BYTES): chunks of four whole 16-byte
+    vectors per thread; narrower vectors (a misaligned or odd row) keep
+    streamed_row_config's values per thread."""
+    cfg = streamed_row_config(n_cols, elem, CE_STREAM_CTA_ROW_BYTES, max_vec,
+                              values_per_thread=CE_STREAM_CHUNK_BYTES // elem)
+    if cfg.vec * elem == ACCESS_BYTES:
+        return cfg
+    return streamed_row_config(n_cols, elem, CE_STREAM_CTA_ROW_BYTES, max_vec)
 
 
 def _short_loss_row_config(n_cols: int, elem: int, max_vec: int | None) -> RowConfig | None:
@@ -908,8 +927,8 @@ def cross_entropy_row_config(n_cols: int, elem: int, stage_weight: bool, write_g
     gradient with softcap keeps the capped values in registers where a share of
     KEPT_CAPPED_VALUES can hold them."""
     if not write_grad and not stage_weight:
-        if n_cols * elem > CE_STREAM_MIN_ROW_BYTES:
-            return streamed_row_config(n_cols, elem, CE_STREAM_CTA_ROW_BYTES, max_vec)
+        if n_cols * elem >= CE_STREAM_MIN_ROW_BYTES:
+            return _streamed_loss_row_config(n_cols, elem, max_vec)
         short = _short_loss_row_config(n_cols, elem, max_vec)
         if short is not None:
             return short
