@@ -57,6 +57,11 @@ DEFAULT_L2_BYTES = 60 * MiB
 WARMUP_MS = 25
 REP_MS = 100
 HOST_SAMPLES = 10
+# A case times its implementations in turn, this many rounds of REP_MS / rounds each,
+# and keeps each one's median round: a host whose speed drifts during a case (the
+# H200 host's moved 2x between calls of one session, and within a run) then weighs on
+# every implementation alike instead of on whichever ran in its slow stretch.
+TIMING_ROUNDS = 5
 
 OURS = "quack_kernels"
 
@@ -161,7 +166,7 @@ def _compiled(fn: Callable) -> Callable:
     """torch.compile of an eager reference, made once per function.
 
     ``dynamic=False`` specialises on each shape and dtype, like a kernel library does;
-    the first call of a case (the warm-up in :func:`_measure`) triggers that
+    the first call of a case (the warm-up in :func:`_prepared`) triggers that
     specialisation, so compile time never lands in a timing. The recompile limit is
     raised because one function sees every shape and dtype of a run, more than the
     default allows before Dynamo silently falls back to eager.
@@ -709,17 +714,18 @@ def _estimate_ms(fn: Callable[[], object], calls: int = 5) -> float:
     return max(start.elapsed_time(end) / calls, 1e-3)
 
 
-def _isolated_calls_ms(fn: Callable[[], object], reading_flush: bool = False) -> float:
+def _isolated_calls_ms(fn: Callable[[], object], reading_flush: bool = False,
+                       rep_ms: float = REP_MS) -> float:
     """Median time of isolated calls, each after an L2 flush, each bracketed by its own
     CUDA events: the stand-in for ``do_bench`` when triton is missing, whose flush
     writes (``zero_``); ``reading_flush`` sums the flush buffer instead, leaving L2
     clean (OpBench.reads_only)."""
     flush = torch.zeros(256 * MiB // 4, dtype=torch.float32, device="cuda")
     per_call = _estimate_ms(fn)
-    for _ in range(max(1, int(WARMUP_MS / per_call))):
+    for _ in range(max(1, int(min(WARMUP_MS, rep_ms) / per_call))):
         fn()
     times = []
-    for _ in range(max(1, int(REP_MS / per_call))):
+    for _ in range(max(1, int(rep_ms / per_call))):
         if reading_flush:
             flush.sum()
         else:
@@ -733,21 +739,23 @@ def _isolated_calls_ms(fn: Callable[[], object], reading_flush: bool = False) ->
     return statistics.median(s.elapsed_time(e) for s, e in times)
 
 
-def time_device_ms(fn: Callable[[], object], reading_flush: bool = False) -> float:
-    """Median GPU time of one call. Each call follows an L2 flush kernel, so its launch
-    overhead is hidden behind the flush and only the kernels' own time is measured;
-    ``reading_flush``: see OpBench.reads_only."""
+def time_device_ms(fn: Callable[[], object], reading_flush: bool = False,
+                   rep_ms: float = REP_MS) -> float:
+    """Median GPU time of one call over about ``rep_ms``. Each call follows an L2 flush
+    kernel, so its launch overhead is hidden behind the flush and only the kernels' own
+    time is measured; ``reading_flush``: see OpBench.reads_only."""
     do_bench = _triton_do_bench()
     if do_bench is None or reading_flush:
-        return _isolated_calls_ms(fn, reading_flush)
-    return do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
+        return _isolated_calls_ms(fn, reading_flush, rep_ms)
+    return do_bench(fn, warmup=min(WARMUP_MS, rep_ms), rep=rep_ms, return_mode="median")
 
 
-def time_host_inclusive_ms(fn: Callable[[], object]) -> float:
-    """Median per-call time of back-to-back calls: the GPU drains whenever the host is
-    slower than the kernels, so host overhead counts exactly when it matters."""
+def time_host_inclusive_ms(fn: Callable[[], object], rep_ms: float = REP_MS) -> float:
+    """Median per-call time of back-to-back calls over about ``rep_ms``: the GPU drains
+    whenever the host is slower than the kernels, so host overhead counts exactly when
+    it matters."""
     per_call = _estimate_ms(fn)
-    calls = max(1, int(REP_MS / HOST_SAMPLES / per_call))
+    calls = max(1, int(rep_ms / HOST_SAMPLES / per_call))
     return statistics.median(_estimate_ms(fn, calls) for _ in range(HOST_SAMPLES))
 
 
@@ -798,46 +806,66 @@ def _error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first_line}"[:300]
 
 
-def _measure(build: Builder, copies: list[Inputs], op: OpBench) -> float:
-    """Build one callable per input set, run it once (compiles, autotunes and catches
-    failures before timing), then time the rotation as ``op`` asks. Returns
-    milliseconds."""
+def _prepared(build: Builder, copies: list[Inputs]) -> Callable[[], object]:
+    """One callable per input set, in rotation, run once (compiles, autotunes and
+    catches failures before timing)."""
     fn = _rotating([build(inputs) for inputs in copies])
     fn()
     torch.cuda.synchronize()
+    return fn
+
+
+def _timed_ms(fn: Callable[[], object], op: OpBench, rep_ms: float) -> float:
     if op.host_inclusive:
-        return time_host_inclusive_ms(fn)
-    return time_device_ms(fn, op.reads_only)
+        return time_host_inclusive_ms(fn, rep_ms)
+    return time_device_ms(fn, op.reads_only, rep_ms)
+
+
+def _fail(result: Result, exc: BaseException) -> None:
+    """One broken implementation must not end the run: its row keeps the error."""
+    result.error = _error_text(exc)
+    torch.cuda.empty_cache()
 
 
 def run_case(
     op: OpBench, dtype_name: str, M: int, N: int, ceiling_gbps: float, with_baselines: bool
 ) -> list[Result]:
-    """Time ours and every installed baseline on one shape; ours comes first."""
+    """Time ours and every installed baseline on one shape (ours first), in turn over
+    TIMING_ROUNDS rounds."""
     dtype = DTYPES[dtype_name]
     impls = {OURS: op.ours} | (op.baselines if with_baselines else {})
     copies = _input_copies(op, M, N, dtype)
-    model_bytes = op.model_bytes(M, N, dtype)
-    results = []
+    results, ready = {}, {}
     for impl, build in impls.items():
         result = Result(op.name, dtype_name, M, N, impl, timing=op.timing)
         try:
-            ms = _measure(build, copies, op)
+            ready[impl] = _prepared(build, copies)
         except Unavailable:
             continue
-        except Exception as exc:  # one broken implementation must not end the run
-            result.error = _error_text(exc)
-            torch.cuda.empty_cache()
-        else:
-            result.time_us = ms * 1e3
-            result.gbps = model_bytes / (ms * 1e-3) / 1e9
-            result.pct_of_copy = 100 * result.gbps / ceiling_gbps
-        results.append(result)
-    del copies
+        except Exception as exc:  # noqa: BLE001 (recorded in the CSV)
+            _fail(result, exc)
+        results[impl] = result
+    rounds = {impl: [] for impl in ready}
+    for _ in range(TIMING_ROUNDS):
+        for impl, fn in list(ready.items()):
+            try:
+                rounds[impl].append(_timed_ms(fn, op, REP_MS / TIMING_ROUNDS))
+            except Exception as exc:  # noqa: BLE001 (recorded in the CSV)
+                _fail(results[impl], exc)
+                del ready[impl]
+    model_bytes = op.model_bytes(M, N, dtype)
+    for impl in ready:
+        ms = statistics.median(rounds[impl])
+        result = results[impl]
+        result.time_us = ms * 1e3
+        result.gbps = model_bytes / (ms * 1e-3) / 1e9
+        result.pct_of_copy = 100 * result.gbps / ceiling_gbps
+    del copies, ready
     gc.collect()
     torch.cuda.empty_cache()
-    _set_speedup(results)
-    return results
+    ordered = list(results.values())
+    _set_speedup(ordered)
+    return ordered
 
 
 def _set_speedup(results: list[Result]) -> None:

@@ -212,3 +212,50 @@ def test_only_ops_that_write_nothing_time_after_a_reading_flush():
     assert bench.OPS["softmax_fwd"].timing == "after a writing L2 flush"
     assert bench.OPS["softmax_fwdbwd"].timing == "back-to-back"
     assert "timing" in bench.CSV_COLUMNS
+
+
+def test_a_case_times_its_implementations_in_turn(monkeypatch):
+    """bench.run_case: every implementation is timed once per round, in turn, and keeps
+    its median round (a drifting host weighs on all alike); one failing while timed
+    keeps its error and leaves the others' rounds whole; an absent one has no row."""
+    from quack_kernels import bench
+
+    calls = []
+    slow = {"round": 0}
+
+    def timed(fn, op, rep_ms):
+        calls.append(fn.impl)
+        if fn.impl == "torch" and len(calls) > 4:
+            raise RuntimeError("broke in round 2")
+        slow["round"] += fn.impl == bench.OURS
+        # every implementation slower in round 3 (the host's slow stretch)
+        return {bench.OURS: 1.0, "torch": 2.0, "liger": 4.0}[fn.impl] * (
+            10 if slow["round"] == 3 else 1)
+
+    def prepared(build, copies):
+        return build(copies)
+
+    def builder(impl):
+        def build(copies):
+            if impl == "absent":
+                raise bench.Unavailable(impl)
+            fn = lambda: None  # noqa: E731
+            fn.impl = impl
+            return fn
+        return build
+
+    op = bench.dataclasses.replace(
+        bench.OPS["softmax_fwd"], ours=builder(bench.OURS),
+        baselines={name: builder(name) for name in ("torch", "liger", "absent")},
+        model_bytes=lambda M, N, dtype: 10**6)
+    monkeypatch.setattr(bench, "_input_copies", lambda *args: [{}])
+    monkeypatch.setattr(bench, "_prepared", prepared)
+    monkeypatch.setattr(bench, "_timed_ms", timed)
+    results = bench.run_case(op, "bf16", 8, 8, 1000.0, with_baselines=True)
+    assert calls[:7] == [bench.OURS, "torch", "liger", bench.OURS, "torch", "liger", bench.OURS]
+    assert len(calls) == 2 * bench.TIMING_ROUNDS + 2
+    by_impl = {r.impl: r for r in results}
+    assert list(by_impl) == [bench.OURS, "torch", "liger"]
+    assert by_impl[bench.OURS].time_us == 1e3 and by_impl["liger"].time_us == 4e3
+    assert by_impl["torch"].time_us is None and "broke in round 2" in by_impl["torch"].error
+    assert by_impl[bench.OURS].speedup_vs_best_baseline == 4.0
