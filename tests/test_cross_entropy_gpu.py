@@ -236,14 +236,14 @@ def test_mean_denominator_kernel(m, weighted, target_dtype):
     target[::5], target[1::97], target[2::89] = -100, v + 3, -7
     target = target.to(target_dtype)
     weight = torch.rand(v, device="cuda", generator=g) + 0.5 if weighted else None
-    den, inverse = ops._mean_denominator_cuda(target, weight, -100)
-    ref = ops._mean_denominator(target, weight, -100, v, torch.float32)
+    den, inverse = ops._mean_denominator_cuda(target, weight, -100).split(1)
+    ref = ops._mean_denominator(target, weight, -100, v, torch.float32).view(1)
     if weighted:
         torch.testing.assert_close(den, ref, rtol=1e-6, atol=0.0)
     else:
         assert torch.equal(den, ref)
-    assert torch.equal(inverse, torch.reciprocal(den).view(1))
-    again, _ = ops._mean_denominator_cuda(target, weight, -100)
+    assert torch.equal(inverse, torch.reciprocal(den))
+    again = ops._mean_denominator_cuda(target, weight, -100)[:1]
     assert torch.equal(den, again)
     den, inverse = ops._mean_denominator_cuda(torch.full_like(target, -100), weight, -100)
     assert den.item() == 0.0 and inverse.item() == math.inf

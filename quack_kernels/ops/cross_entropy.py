@@ -434,8 +434,13 @@ def _launch(rows: Tensor, target: Tensor, weight: Optional[Tensor], stats: Tenso
        label_smoothing, lse_square_scale, abs(softcap) if softcap else 1.0, grid_rows)
 
 
+# (a lookup: torch.promote_types is a dispatcher call on every training step)
+_LOSS_DTYPES = {torch.float64: torch.float64, torch.float32: torch.float32,
+                torch.float16: torch.float32, torch.bfloat16: torch.float32}
+
+
 def _loss_dtype(logits: Tensor) -> torch.dtype:
-    return torch.promote_types(logits.dtype, torch.float32)
+    return _LOSS_DTYPES.get(logits.dtype) or torch.promote_types(logits.dtype, torch.float32)
 
 
 # ----------------------------------------------------------------------------- the ops
@@ -671,14 +676,14 @@ def _denominator_plan(weighted: bool, target_dtype: torch.dtype, num_targets: in
 
 
 def _mean_denominator_cuda(target: Tensor, weight: Optional[Tensor],
-                           ignore_index: int) -> tuple[Tensor, Tensor]:
-    """(_mean_denominator, its reciprocal as a (1,) tensor) of CUDA targets, in one
+                           ignore_index: int) -> Tensor:
+    """(_mean_denominator, its reciprocal) of CUDA targets as one (2,) tensor, in one
     launch (kernels.mean_denominator)."""
     out = torch.empty(2, dtype=torch.float32, device=target.device)
     fn, ctas, words = _denominator_plan(weight is not None, target.dtype, target.shape[0])
     fn(target.contiguous(), out if weight is None else weight.to(torch.float32).contiguous(),
        out, _grid_partials(target.device, words), ignore_index, ctas)
-    return out[0], out[1:]
+    return out
 
 
 class CrossEntropyFunction(torch.autograd.Function):
@@ -705,8 +710,10 @@ class CrossEntropyFunction(torch.autograd.Function):
         if checked:
             # (checked before the first kernel reads the targets and weights)
             _check_op_inputs(logits, target, weight, None, cuda=True)
-            denominator, inverse = _mean_denominator_cuda(target, weight, ignore_index)
-            held = inverse.expand(num_rows)
+            # (D, 1 / D); D is read below only where torch ops divide by it
+            scales = _mean_denominator_cuda(target, weight, ignore_index)
+            # 1 / D for every row in one view (a slice and an expand cost two)
+            held = scales.as_strided((num_rows,), (0,), 1)
         else:
             # (an expanded scalar: the kernels take per-row scales with any stride)
             denominator, held = plain_backward_scale(target, weight, ignore_index,
@@ -753,6 +760,8 @@ class CrossEntropyFunction(torch.autograd.Function):
         # ignored rows have loss 0; their gradient rows are 0 whatever upstream gradient
         # they get (the backward skips them), so a plain sum is safe even with no kept row
         total = loss.sum()
+        if reduction == "mean" and denominator is None:
+            denominator = scales[0]
         return (total / denominator if reduction == "mean" else total), lse
 
     @staticmethod
@@ -780,7 +789,7 @@ def _backward(ctx, dout, dlse):
     # the saved gradient is the one for an upstream gradient of 1 on every row's loss
     # (reduction "none") or on the reduced loss: the rows are rescaled by dout where
     # it differs from 1
-    dloss = dout.to(ctx.loss_dtype)
+    dloss = dout if dout.dtype == ctx.loss_dtype else dout.to(ctx.loss_dtype)
     if ctx.reduction != "none":
         dloss = dloss.expand(num_rows)
     held = unit_scale(ctx.loss_dtype, grad.device).expand(num_rows)
