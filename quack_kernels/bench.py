@@ -104,6 +104,14 @@ class OpBench:
     # an op that writes nothing paid for ~50 MB it never wrote (the bf16 loss of
     # 131072x1024 logits: 67.2 us of kernel, 76.6 after the writing flush; H200).
     reads_only: bool = False
+    # Baselines that write over their inputs (Liger's cross-entropy stores the gradient
+    # in the logits): each gets input sets of its own, so that the others are timed on
+    # the data they were given.
+    overwrites_inputs: frozenset = frozenset()
+    # Implementations timed in turn (TIMING_ROUNDS); False: one after another, each
+    # freed before the next is built (a replayed CUDA graph holds its memory pool, and
+    # kernels alone need no shelter from the host's drift).
+    interleaved: bool = True
 
     @property
     def timing(self) -> str:
@@ -628,6 +636,10 @@ def _graphed(build: Builder) -> Builder:
     return build_graphed
 
 
+# Liger's cross-entropy writes the gradient over logits that require grad
+LIGER = frozenset({"liger"})
+
+
 def _cross_entropy_benches() -> tuple[OpBench, ...]:
     baselines = {
         "torch": lambda: _eager_cross_entropy,
@@ -657,6 +669,7 @@ def _cross_entropy_benches() -> tuple[OpBench, ...]:
         baselines={name: _ce_training_step(resolve) for name, resolve in baselines.items()},
         # the floor of loss + gradient: read the logits once, write the gradient once
         model_bytes=lambda M, N, dtype: 2 * M * N * _elem(dtype),
+        overwrites_inputs=LIGER,
         shapes=CROSS_ENTROPY_SHAPES,
         quick_shapes=CROSS_ENTROPY_QUICK_SHAPES,
     )
@@ -674,6 +687,7 @@ def _cross_entropy_benches() -> tuple[OpBench, ...]:
         ours=_graphed(with_grad.ours),
         baselines={name: _graphed(build) for name, build in with_grad.baselines.items()},
         host_inclusive=False,
+        interleaved=False,
     )
     return loss_only, with_grad, with_options, graphed
 
@@ -717,9 +731,9 @@ def _estimate_ms(fn: Callable[[], object], calls: int = 5) -> float:
 def _isolated_calls_ms(fn: Callable[[], object], reading_flush: bool = False,
                        rep_ms: float = REP_MS) -> float:
     """Median time of isolated calls, each after an L2 flush, each bracketed by its own
-    CUDA events: the stand-in for ``do_bench`` when triton is missing, whose flush
-    writes (``zero_``); ``reading_flush`` sums the flush buffer instead, leaving L2
-    clean (OpBench.reads_only)."""
+    CUDA events: do_bench's method, used when triton is missing (the flush writes, as
+    do_bench's ``zero_``) and for ``reading_flush``, which sums the flush buffer
+    instead, leaving L2 clean (OpBench.reads_only)."""
     flush = torch.zeros(256 * MiB // 4, dtype=torch.float32, device="cuda")
     per_call = _estimate_ms(fn)
     for _ in range(max(1, int(min(WARMUP_MS, rep_ms) / per_call))):
@@ -827,42 +841,53 @@ def _fail(result: Result, exc: BaseException) -> None:
     torch.cuda.empty_cache()
 
 
+def _own_copies(copies: list[Inputs]) -> list[Inputs]:
+    """Input sets of the same values in new tensors (OpBench.overwrites_inputs)."""
+    return [{name: t.detach().clone().requires_grad_(t.requires_grad)
+             for name, t in inputs.items()} for inputs in copies]
+
+
 def run_case(
     op: OpBench, dtype_name: str, M: int, N: int, ceiling_gbps: float, with_baselines: bool
 ) -> list[Result]:
-    """Time ours and every installed baseline on one shape (ours first), in turn over
-    TIMING_ROUNDS rounds."""
+    """Time ours and every installed baseline on one shape (ours first): in turn over
+    TIMING_ROUNDS rounds, or one after another (OpBench.interleaved)."""
     dtype = DTYPES[dtype_name]
     impls = {OURS: op.ours} | (op.baselines if with_baselines else {})
     copies = _input_copies(op, M, N, dtype)
-    results, ready = {}, {}
-    for impl, build in impls.items():
-        result = Result(op.name, dtype_name, M, N, impl, timing=op.timing)
-        try:
-            ready[impl] = _prepared(build, copies)
-        except Unavailable:
-            continue
-        except Exception as exc:  # noqa: BLE001 (recorded in the CSV)
-            _fail(result, exc)
-        results[impl] = result
-    rounds = {impl: [] for impl in ready}
-    for _ in range(TIMING_ROUNDS):
-        for impl, fn in list(ready.items()):
-            try:
-                rounds[impl].append(_timed_ms(fn, op, REP_MS / TIMING_ROUNDS))
-            except Exception as exc:  # noqa: BLE001 (recorded in the CSV)
-                _fail(results[impl], exc)
-                del ready[impl]
     model_bytes = op.model_bytes(M, N, dtype)
-    for impl in ready:
-        ms = statistics.median(rounds[impl])
-        result = results[impl]
-        result.time_us = ms * 1e3
-        result.gbps = model_bytes / (ms * 1e-3) / 1e9
-        result.pct_of_copy = 100 * result.gbps / ceiling_gbps
-    del copies, ready
-    gc.collect()
-    torch.cuda.empty_cache()
+    rounds = TIMING_ROUNDS if op.interleaved else 1
+    results = {}
+    for group in [list(impls)] if op.interleaved else [[impl] for impl in impls]:
+        ready = {}
+        for impl in group:
+            result = Result(op.name, dtype_name, M, N, impl, timing=op.timing)
+            own = _own_copies(copies) if impl in op.overwrites_inputs else copies
+            try:
+                ready[impl] = _prepared(impls[impl], own)
+            except Unavailable:
+                continue
+            except Exception as exc:  # noqa: BLE001 (recorded in the CSV)
+                _fail(result, exc)
+            results[impl] = result
+        times = {impl: [] for impl in ready}
+        for _ in range(rounds):
+            for impl, fn in list(ready.items()):
+                try:
+                    times[impl].append(_timed_ms(fn, op, REP_MS / rounds))
+                except Exception as exc:  # noqa: BLE001 (recorded in the CSV)
+                    _fail(results[impl], exc)
+                    del ready[impl]
+        for impl in ready:
+            ms = statistics.median(times[impl])
+            result = results[impl]
+            result.time_us = ms * 1e3
+            result.gbps = model_bytes / (ms * 1e-3) / 1e9
+            result.pct_of_copy = 100 * result.gbps / ceiling_gbps
+        del ready, own
+        gc.collect()
+        torch.cuda.empty_cache()
+    del copies
     ordered = list(results.values())
     _set_speedup(ordered)
     return ordered

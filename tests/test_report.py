@@ -259,3 +259,48 @@ def test_a_case_times_its_implementations_in_turn(monkeypatch):
     assert by_impl[bench.OURS].time_us == 1e3 and by_impl["liger"].time_us == 4e3
     assert by_impl["torch"].time_us is None and "broke in round 2" in by_impl["torch"].error
     assert by_impl[bench.OURS].speedup_vs_best_baseline == 4.0
+
+
+def test_a_case_gives_input_overwriters_their_own_copies_and_may_time_one_by_one(monkeypatch):
+    """OpBench.overwrites_inputs: such a baseline is built on new tensors of the same
+    values (Liger's cross-entropy writes the gradient over the logits the others read);
+    OpBench.interleaved False (the graphed step): each implementation's rounds all run
+    before the next is built."""
+    from quack_kernels import bench
+
+    given, events = {}, []
+
+    def builder(impl):
+        def build(copies):
+            given[impl] = copies[0]["x"]
+            events.append(("build", impl))
+            fn = lambda: None  # noqa: E731
+            fn.impl = impl
+            return fn
+        return build
+
+    def timed(fn, op, rep_ms):
+        events.append(("time", fn.impl))
+        return 1.0
+
+    x = torch.arange(4.0).requires_grad_()
+    monkeypatch.setattr(bench, "_input_copies", lambda *args: [{"x": x}])
+    monkeypatch.setattr(bench, "_prepared", lambda build, copies: build(copies))
+    monkeypatch.setattr(bench, "_timed_ms", timed)
+    for op_name in ("cross_entropy_fwdbwd", "cross_entropy_fwdbwd_graphed"):
+        op = bench.dataclasses.replace(
+            bench.OPS[op_name], ours=builder(bench.OURS),
+            baselines={name: builder(name) for name in ("torch", "liger")})
+        given.clear()
+        events.clear()
+        bench.run_case(op, "bf16", 8, 8, 1000.0, with_baselines=True)
+        assert given[bench.OURS] is x and given["torch"] is x
+        assert given["liger"] is not x and torch.equal(given["liger"], x)
+        assert given["liger"].requires_grad and given["liger"].is_leaf
+        if op.interleaved:
+            assert events[:4] == [("build", bench.OURS), ("build", "torch"),
+                                  ("build", "liger"), ("time", bench.OURS)]
+        else:
+            assert events[:3] == [("build", bench.OURS), ("time", bench.OURS),
+                                  ("build", "torch")]
+        assert events.count(("time", "liger")) == (bench.TIMING_ROUNDS if op.interleaved else 1)

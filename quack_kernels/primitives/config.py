@@ -743,8 +743,8 @@ MEAN_DENOMINATOR_MAX_CTAS = 256
 
 
 def mean_denominator_ctas(num_targets: int) -> int:
-    """CTAs of the denominator's grid: one round of loads each, at least one CTA (it
-    writes D for no targets too)."""
+    """CTAs of the denominator's grid: one round of loads each up to the cap (more
+    targets take more rounds), at least one CTA (it writes D for no targets too)."""
     per_cta = MEAN_DENOMINATOR_THREADS * MEAN_TARGETS_IN_FLIGHT
     return max(1, min(-(-num_targets // per_cta), MEAN_DENOMINATOR_MAX_CTAS))
 
@@ -829,8 +829,9 @@ GRID_SUM_GROUPS = 32
 
 def grid_sum_slots(cfg, row_blocks, first_level: bool = False):
     """Slots (of GridSum.grid_sum's values) a launch of ``row_blocks`` CTAs (of
-    ``cfg.threads_per_block`` threads) needs: one per row block, then one per group, each level with room for the
-    gathering CTA's loads past its last slot; ``first_level``: the first level's."""
+    ``cfg.threads_per_block`` threads) needs: one per CTA, then one per group, each
+    level with room for the gathering CTA's loads past its last slot; ``first_level``:
+    the first level's."""
     slack = cfg.threads_per_block * GRID_SUM_SLOTS_IN_FLIGHT
     first = row_blocks + slack
     return first if first_level else first + GRID_SUM_GROUPS + slack
