@@ -614,26 +614,27 @@ def _ce_training_step(resolve: Callable[[], Callable], **options) -> Builder:
     return build
 
 
+def captured(step: Callable[[], object]) -> "torch.cuda.CUDAGraph":
+    """``step`` captured in a CUDA graph, warmed up on a side stream first, as capture
+    asks (compiles, autotunes, fills the allocator); a step that synchronizes fails
+    here."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
 def _graphed(build: Builder) -> Builder:
     """Builder of the same step captured in a CUDA graph and replayed: the GPU time of
     its kernels without the host's gaps between them (what a training loop under CUDA
-    graphs pays). Warmed up on a side stream first, as capture asks (compiles,
-    autotunes, fills the allocator); a step that synchronizes fails here."""
-
-    def build_graphed(inputs):
-        step = build(inputs)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        return graph.replay
-
-    return build_graphed
+    graphs pays)."""
+    return lambda inputs: captured(build(inputs)).replay
 
 
 # Liger's cross-entropy writes the gradient over logits that require grad

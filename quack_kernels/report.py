@@ -9,7 +9,8 @@ is visible, see compile_cache.compile_for_hopper_without_gpu) lets
 kernels call no functions, so a stack frame (STACK > 0) holds spilled registers
 (nvdisasm marks its loads and stores "SpillRefill"), as does local memory (LOCAL > 0);
 ``cuobjdump -sass`` (with ``nvidia-cuda-nvdisasm``) shows any WARPSYNC (see
-warp_syncs). The report exits 1 when it sees a spill or a warp sync. Compiling is
+warp_syncs) and any register read before it is written (uninitialized_reads, a
+compiler fault). The report exits 1 when it sees a spill, a warp sync or such a read. Compiling is
 single-threaded, so ``--jobs`` worker processes (default: the cores, at most 4) share
 the variants.
 """
@@ -94,12 +95,8 @@ def spills(res: dict) -> int:
     return res["stack"] + res["local"]
 
 
-def warp_syncs(cubin: str, cuobjdump: str) -> int:
-    """WARPSYNC instructions in the cubin's SASS. Our kernels reconverge at barriers
-    and use shuffles only where the whole warp runs, so they have none; the compiler
-    emits one for a full-warp ``*_sync`` (a shuffle, or ``cute.arch.warp_idx()``, which
-    makes its result warp-uniform with one) reached by part of a warp, which deadlocks
-    when the other lanes wait at a barrier (a reduced cross-entropy kernel hung so)."""
+def disassembly(cubin: str, cuobjdump: str) -> str:
+    """The cubin's SASS (``cuobjdump -sass``)."""
     # cuobjdump disassembles with nvdisasm, which pip installs next to it
     env = dict(os.environ, PATH=os.pathsep.join([os.path.dirname(cuobjdump),
                                                   os.environ.get("PATH", "")]))
@@ -107,7 +104,132 @@ def warp_syncs(cubin: str, cuobjdump: str) -> int:
     if run.returncode:
         raise RuntimeError(f"cuobjdump -sass failed (it needs nvdisasm: pip install "
                            f"'nvidia-cuda-nvdisasm>=13.4'): {run.stderr.strip()}")
-    return run.stdout.count("WARPSYNC")
+    return run.stdout
+
+
+def warp_syncs(sass: str) -> int:
+    """WARPSYNC instructions in ``sass``. Our kernels reconverge at barriers and use
+    shuffles only where the whole warp runs, so they have none; the compiler emits one
+    for a full-warp ``*_sync`` (a shuffle, or ``cute.arch.warp_idx()``, which makes its
+    result warp-uniform with one) reached by part of a warp, which deadlocks when the
+    other lanes wait at a barrier (a reduced cross-entropy kernel hung so)."""
+    return sass.count("WARPSYNC")
+
+
+_INSTRUCTION = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]\s+)?"
+                          r"([A-Z][A-Z0-9_.]*)\s*(.*?)\s*;")
+_REGISTER = re.compile(r"(?<![A-Z0-9_])R(\d+)(\.64|\.128)?")
+_JUMPS = ("BRA", "BRX", "JMP", "JMX", "CALL", "RET", "EXIT", "BPT", "KILL")
+_NO_REGISTER_DEST = ("ST", "STS", "STG", "STL", "LDGSTS", "RED", "ATOMS", "BAR", "MEMBAR",
+                     "SYNCS", "R2UR")
+
+
+def _dest_registers(opcode: str) -> int:
+    """Registers an instruction's destination operand spans (by its opcode's width)."""
+    if ".128" in opcode:
+        return 4
+    wide = (".64", ".WIDE", ".F64")
+    if any(w in opcode for w in wide) or opcode.startswith("D") or opcode == "CS2R":
+        return 2
+    return 1
+
+
+def _operands(args: str) -> list[str]:
+    return [o.strip() for o in re.split(r",(?![^\[]*\])", args)] if args else []
+
+
+def _written_and_read(opcode: str, args: str) -> tuple[set, list]:
+    """(registers the instruction writes, registers it reads besides its own
+    destination's)."""
+    base = opcode.split(".")[0]
+    operands = _operands(args)
+    first = 1 if base == "SHFL" else 0  # (a shuffle writes its predicate first)
+    dest = None
+    if base not in _NO_REGISTER_DEST and len(operands) > first \
+            and re.fullmatch(r"R\d+", operands[first]):
+        dest = first
+    written = set()
+    if dest is not None:
+        start = int(operands[dest][1:])
+        written = set(range(start, start + _dest_registers(opcode)))
+    read = [r for i, operand in enumerate(operands) if i != dest
+            for number, width in _REGISTER.findall(operand)
+            for r in range(int(number), int(number) + {".64": 2, ".128": 4}.get(width, 1))
+            if r not in written]
+    return written, read
+
+
+def _blocks(instructions: list) -> tuple[list, dict]:
+    """Basic blocks (first, end) of a function's instructions and their successors."""
+    index = {int(address, 16): i for i, (address, *_) in enumerate(instructions)}
+    starts = {0}
+    for i, (_, opcode, args, _) in enumerate(instructions):
+        base = opcode.split(".")[0]
+        if base in ("BRA", "CALL"):
+            starts |= {index[t] for t in map(lambda h: int(h, 16),
+                                              re.findall(r"0x([0-9a-f]+)", args)) if t in index}
+        if base in _JUMPS and i + 1 < len(instructions):
+            starts.add(i + 1)
+    starts = sorted(starts)
+    blocks = list(zip(starts, starts[1:] + [len(instructions)]))
+    block_at = {first: b for b, (first, _) in enumerate(blocks)}
+    successors = {}
+    for b, (_, end) in enumerate(blocks):
+        _, opcode, args, predicated = instructions[end - 1]
+        base = opcode.split(".")[0]
+        successors[b] = []
+        if base == "BRA":
+            target = int(re.findall(r"0x([0-9a-f]+)", args)[0], 16)
+            successors[b].append(block_at[index[target]])
+        if (base not in ("BRA", "EXIT", "RET") or predicated) and end < len(instructions):
+            successors[b].append(block_at[end])
+    return blocks, successors
+
+
+def uninitialized_reads(sass: str) -> list[str]:
+    """Instructions that read a register which some path from the function's entry
+    reaches without writing (a forward must-write analysis over the basic blocks): such
+    a read sees garbage. The CUDA 13 ptxas of nvidia-cutlass-dsl 4.8.1 compiled the
+    thread index so (read from one register, written to another) in the looping
+    cross-entropy gradient with label smoothing and the loss summed in the kernel at
+    16384 bf16 columns: every CTA's first cp.async wrote outside its shared memory (an
+    illegal instruction on the H200). Lenient where it cannot tell: a predicated write
+    counts as a write, a register pair's odd half of a 64-bit source outside an address
+    is not checked, and an instruction may read its own destination: ptxas merges into
+    the undefined bits of a value it only partly defines (a PRMT packing one 16-bit
+    half, a LOP3 masking bits of a register whose rest goes unused)."""
+    found = []
+    for body in re.split(r"\n\s*Function : ", sass)[1:] or [sass]:
+        instructions = []
+        for line in body.splitlines():
+            match = _INSTRUCTION.match(line)
+            if match:
+                address, opcode, args = match.groups()
+                instructions.append((address, opcode, args, "@" in line.split("*/", 1)[1][:30]))
+        if not instructions:
+            continue
+        blocks, successors = _blocks(instructions)
+        effects = [[_written_and_read(opcode, args) for _, opcode, args, _ in
+                    instructions[first:end]] for first, end in blocks]
+        every = set(range(256))
+        written_in = [set() if b == 0 else set(every) for b in range(len(blocks))]
+        changed = True
+        while changed:  # (monotone: the sets only shrink)
+            changed = False
+            written_out = [written_in[b].union(*(w for w, _ in effects[b]))
+                           for b in range(len(blocks))]
+            for b, outs in successors.items():
+                for s in outs:
+                    if s and not written_in[s] <= written_out[b]:
+                        written_in[s] &= written_out[b]
+                        changed = True
+        for b, (first, _) in enumerate(blocks):
+            written = set(written_in[b])
+            for (address, opcode, args, _), (writes, reads) in zip(instructions[first:],
+                                                                    effects[b]):
+                found += [f"{address} {opcode} {args} (R{r})" for r in reads if r not in written]
+                written |= writes
+    return found
 
 
 def measure(variants, dump_dir: str, cuobjdump: str):
@@ -129,12 +251,14 @@ def measure(variants, dump_dir: str, cuobjdump: str):
             raise RuntimeError(f"{name}: compiled for another arch ({arch}) than the "
                                f"target {target_arch()}")
         res = resource_usage(cubin, cuobjdump)
-        res["warp_syncs"] = warp_syncs(cubin, cuobjdump)
+        sass = disassembly(cubin, cuobjdump)
+        res["warp_syncs"] = warp_syncs(sass)
+        res["uninitialized"] = len(uninitialized_reads(sass))
         yield name, n, dtype, cfg, kernel, res
 
 
 def _variant_lines(args, cuobjdump: str, shard: tuple[int, int]):
-    """(index, spilled, synced, printed line) of every variant of the report whose
+    """(index, spilled, faulty, printed line) of every variant of the report whose
     index (in the report's fixed order) is ``shard[0]`` modulo ``shard[1]``."""
     import torch
 
@@ -153,24 +277,26 @@ def _variant_lines(args, cuobjdump: str, shard: tuple[int, int]):
             for (index, _), (name, n, dtype, cfg, kernel, res) in zip(mine, rows):
                 flag = "  <-- SPILL" if spills(res) else ""
                 flag += "  <-- WARPSYNC" if res["warp_syncs"] else ""
+                flag += "  <-- UNINIT" if res["uninitialized"] else ""
                 # "smem+1r": a share in shared memory holding 1 chunk in registers
                 held = getattr(cfg, "register_chunks", 0)  # (RowConfig only)
                 stage = cfg.staging + (f"+{held}r" if held else "")
                 line = (f"{name:18s} {str(dtype).replace('torch.', ''):9s} {n:8d} "
                         f"{cfg.threads_per_block:5d} {cfg.cluster_size:4d} {stage:>9s} "
                         f"{res['regs']:5d} {res['static_smem']:8d} {kernel.smem_bytes():8d} "
-                        f"{res['stack']:6d} {res['local']:6d} {res['warp_syncs']:5d}{flag}")
-                yield index, spills(res) > 0, res["warp_syncs"] > 0, line
+                        f"{res['stack']:6d} {res['local']:6d} {res['warp_syncs']:5d} "
+                        f"{res['uninitialized']:6d}{flag}")
+                yield index, spills(res) > 0, res["warp_syncs"] + res["uninitialized"] > 0, line
 
 
-def record(index: int, spilled: bool, synced: bool, line: str) -> str:
+def record(index: int, spilled: bool, faulty: bool, line: str) -> str:
     """A worker's output line for one variant (see parse_record)."""
-    return f"{index}\t{int(spilled)}\t{int(synced)}\t{line}"
+    return f"{index}\t{int(spilled)}\t{int(faulty)}\t{line}"
 
 
 def parse_record(text: str) -> tuple[int, bool, bool, str]:
-    index, spilled, synced, line = text.split("\t", 3)
-    return int(index), spilled == "1", synced == "1", line
+    index, spilled, faulty, line = text.split("\t", 3)
+    return int(index), spilled == "1", faulty == "1", line
 
 
 def _worker_lines(args, jobs: int):
@@ -229,21 +355,21 @@ def main(argv=None) -> int:
     print(f"resource report for {target_arch()} (registers/thread, shared memory/block in bytes)")
     print(f"{'kernel':18s} {'dtype':9s} {'N':>8s} {'thr':>5s} {'clu':>4s} {'stage':>9s} "
           f"{'regs':>5s} {'smem_st':>8s} {'smem_dyn':>8s} {'stack':>6s} {'spill':>6s} "
-          f"{'wsync':>5s}", flush=True)
+          f"{'wsync':>5s} {'uninit':>6s}", flush=True)
     start = time.time()
     if args.jobs > 1:
         lines = _worker_lines(args, args.jobs)
     else:
         lines = _variant_lines(args, cuobjdump, (0, 1))
-    spilled = synced = count = 0
-    for _, spill, sync, line in lines:
+    spilled = faulty = count = 0
+    for _, spill, fault, line in lines:
         count += 1
         spilled += spill
-        synced += sync
+        faulty += fault
         print(line, flush=True)
     print(f"{count} variants compiled in {time.time() - start:.0f} s ({args.jobs} processes); "
-          f"{spilled} with spills, {synced} with warp syncs")
-    return 1 if spilled or synced else 0
+          f"{spilled} with spills, {faulty} with warp syncs or uninitialized reads")
+    return 1 if spilled or faulty else 0
 
 
 if __name__ == "__main__":

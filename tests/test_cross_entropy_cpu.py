@@ -540,6 +540,10 @@ def test_loss_reduced_in_the_kernel_where_the_rule_says():
     assert config.ce_reduces_in_kernel(1 << 20, False)
     assert not config.ce_reduces_in_kernel(0, False)
     assert not config.ce_reduces_in_kernel(8, True)
+    # label smoothing without softcap: torch's reduction (a CUDA 13 ptxas miscompile)
+    assert not config.ce_reduces_in_kernel(8, False, smoothing=True)
+    assert config.ce_reduces_in_kernel(8, False, smoothing=True, softcap=True)
+    assert config.ce_reduces_in_kernel(8, False, softcap=True)
 
 
 def test_reduced_loss_epilogue_has_no_divergent_warp_sync(tmp_path):
@@ -551,7 +555,7 @@ def test_reduced_loss_epilogue_has_no_divergent_warp_sync(tmp_path):
     if cuobjdump is None:
         pytest.skip("cuobjdump not installed")
     from quack_kernels.primitives.compile_cache import compile_kernel
-    from quack_kernels.report import _cubin_file, warp_syncs
+    from quack_kernels.report import _cubin_file, disassembly, warp_syncs
 
     for n, write_grad in ((4096, True), (7, False), (151936, False)):
         cfg = ops.forward_config(n, torch.bfloat16, False, write_grad)
@@ -560,7 +564,40 @@ def test_reduced_loss_epilogue_has_no_divergent_warp_sync(tmp_path):
                                     write_grad=write_grad, reduce="mean")
         fn = compile_kernel(*kernel, keep_cubin_in=str(tmp_path))
         cubin = _cubin_file(fn.__cubin__, str(tmp_path))
-        assert warp_syncs(cubin, cuobjdump) == 0, f"{n} columns, write_grad={write_grad}"
+        assert warp_syncs(disassembly(cubin, cuobjdump)) == 0, f"{n} columns, write_grad={write_grad}"
+
+
+def test_looping_staged_gradient_reads_no_unwritten_register(tmp_path):
+    """The looping gradient kernels of shares staged in shared memory, with the options
+    that change their code and the reduction a mean gets eagerly, read no register
+    before writing it (report.uninitialized_reads): with label smoothing without
+    softcap and the loss summed in the kernel, CUDA 13's ptxas took the thread index
+    from a register it never wrote at 16-bit rows of 16384 columns (those are reduced
+    by torch instead: config.ce_reduces_in_kernel). Meaningful where the toolchain is
+    CUDA 13's (CI installs the cu13 flavor)."""
+    cuobjdump = find_cuobjdump()
+    if cuobjdump is None:
+        pytest.skip("cuobjdump not installed")
+    from quack_kernels.primitives.compile_cache import compile_kernel
+    from quack_kernels.report import _cubin_file, disassembly, uninitialized_reads
+
+    option_sets = [dict(smoothing=True), dict(smoothing=True, zloss=True), dict(zloss=True),
+                   dict(smoothing=True, zloss=True, softcap=30.0)]
+    for n, dtype in ((16384, torch.bfloat16), (16384, torch.float16), (8192, torch.float32)):
+        for index, chosen in enumerate(option_sets):
+            options = dict(weighted=False, smoothing=False, zloss=False, softcap=0.0,
+                           write_grad=True) | chosen
+            in_kernel = ops.reduces_in_kernel(4096, None, 0.1 if options["smoothing"] else 0.0,
+                                              options["softcap"])
+            assert in_kernel == ("softcap" in chosen or "smoothing" not in chosen)
+            cfg, flags = ops.variant(n, dtype, reduce="mean" if in_kernel else "none", **options)
+            assert config.loops_over_row_blocks(cfg, True) and cfg.staging == "smem"
+            folder = tmp_path / f"{n}_{dtype}_{index}"
+            folder.mkdir()
+            fn = compile_kernel(*ops.forward_kernel(cfg, dtype, torch.int64, **flags),
+                                keep_cubin_in=str(folder))
+            sass = disassembly(_cubin_file(fn.__cubin__, str(folder)), cuobjdump)
+            assert uninitialized_reads(sass) == [], (n, dtype, chosen)
 
 
 @pytest.mark.parametrize("inplace", [False, True])

@@ -110,6 +110,33 @@ def test_every_option(v, dtype, flags):
     assert torch.equal(weights, ops.row_weights(target, weight, -100, v, torch.float32))
 
 
+@pytest.mark.parametrize("v,dtype", [(16384, torch.bfloat16), (8192, torch.float32)])
+@pytest.mark.parametrize("flags", FLAGS, ids=lambda f: "w{}s{}z{}c{}".format(*map(int, f)))
+def test_every_option_reduced_with_the_gradient(v, dtype, flags):
+    """Every option through the public loss with the gradient, summed and averaged, on
+    shares staged in shared memory by the looping grid with two staging buffers (the
+    configs of these rows). Summed in the kernel, label smoothing without softcap was
+    compiled by the CUDA 13 ptxas with the thread index read from a register never
+    written (report.uninitialized_reads): an illegal instruction on the H200, which no
+    test of these rows had run (torch reduces that variant now:
+    config.ce_reduces_in_kernel)."""
+    weighted, smoothing, zloss, softcap = flags
+    x, target = fresh(45, v, dtype)
+    weight = torch.rand(v, device="cuda") + 0.5 if weighted else None
+    kw = dict(label_smoothing=0.1 if smoothing else 0.0, lse_square_scale=1e-3 if zloss else 0.0,
+              softcap=30.0 if softcap else None)
+    for reduction in ("mean", "sum"):
+        leaf = x.clone().requires_grad_()
+        loss = qk.cross_entropy(leaf, target, weight, reduction=reduction, **kw)
+        loss.backward()
+        xr = x.double().requires_grad_()
+        ref = torch_cross_entropy(xr, target, None if weight is None else weight.double(),
+                                  reduction=reduction, **kw)
+        ref.backward()
+        assert_close(loss, ref, LOSS_TOL, scale=LOSS_SCALE, name=reduction)
+        assert_close(leaf.grad, xr.grad, dtype, scale=2.0, name=f"grad ({reduction})")
+
+
 @pytest.mark.parametrize("v,dtype", [(4096, torch.float32), (128256, torch.bfloat16),
                                      (151936, torch.float32)])
 def test_softcap_of_infinite_and_nan_logits(v, dtype):

@@ -1,5 +1,5 @@
-"""The sm_90a resource report compiles kernels without a GPU and finds no spills and no
-warp syncs."""
+"""The sm_90a resource report compiles kernels without a GPU and finds no spills, no
+warp syncs and no register read before it is written."""
 
 import os
 import subprocess
@@ -39,14 +39,15 @@ def test_report_quick_has_no_spills():
     families = {row[0].split("_")[0] for row in rows}
     assert families == {"softmax", "log", "rms", "layer", "xent", "column", "rescale"}
     assert len(rows) >= 150
-    assert all(int(row[10]) == 0 and int(row[11]) == 0 for row in rows)  # spill, wsync
+    assert all(int(row[10]) == 0 and int(row[11]) == 0 and int(row[12]) == 0
+               for row in rows)  # spill, wsync, uninit
 
 
 @pytest.mark.slow
 def test_report_full_grid_has_no_spills():
     proc, rows = _run_report(timeout=3600)
     assert len(rows) >= 500, proc.stdout[-4000:] + proc.stderr[-4000:]
-    flagged = {(row[0], row[1], int(row[2])) for row in rows if row[-1] in ("SPILL", "WARPSYNC")}
+    flagged = {(row[0], row[1], int(row[2])) for row in rows if row[-1] in ("SPILL", "WARPSYNC", "UNINIT")}
     assert not flagged
     assert proc.returncode == 0
 
@@ -127,7 +128,7 @@ def test_report_workers_split_the_variants_between_them(monkeypatch, capsys):
 
     from quack_kernels import report
 
-    res = dict(regs=32, stack=0, static_smem=1024, local=0, warp_syncs=0)
+    res = dict(regs=32, stack=0, static_smem=1024, local=0, warp_syncs=0, uninitialized=0)
     kernel = SimpleNamespace(smem_bytes=lambda: 0)
     monkeypatch.setattr(report, "measure", lambda variants, dump_dir, cuobjdump: (
         (name, n, dtype, cfg, kernel, res) for name, n, dtype, cfg, _ in variants))
@@ -304,3 +305,47 @@ def test_a_case_gives_input_overwriters_their_own_copies_and_may_time_one_by_one
             assert events[:3] == [("build", bench.OURS), ("time", bench.OURS),
                                   ("build", "torch")]
         assert events.count(("time", "liger")) == (bench.TIMING_ROUNDS if op.interleaved else 1)
+
+
+SASS_HEAD = """
+        code for sm_90a
+                Function : kernel_0
+        .headerflags    @"EF_CUDA_SM90 EF_CUDA_VIRTUAL_SM(EF_CUDA_SM90)"
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/                   S2R R20, SR_TID.X ;
+        /*0020*/                   LDC.64 R2, c[0x0][0x210] ;
+"""
+
+
+def _sass(*lines):
+    return SASS_HEAD + "".join(f"        /*{0x30 + 16 * i:04x}*/                   {line} ;\n"
+                               for i, line in enumerate(lines))
+
+
+def test_uninitialized_reads_on_some_path():
+    """The compiler fault of the CUDA 13 ptxas (report.uninitialized_reads): the thread
+    index used from a register nothing wrote. Writes of every width count (a 64-bit
+    constant load, a shuffle's value after its predicate), reads inside an address too,
+    and a merge into the instruction's own destination is not a read. Over branches: a
+    register written on one side only is unwritten after the merge; written on both
+    sides, or before a loop that reads it, it is written."""
+    from quack_kernels.report import uninitialized_reads
+
+    clean = _sass("IMAD.SHL.U32 R14, R20, 0x8, RZ", "SHFL.BFLY PT, R5, R14, 0x10, 0x1f",
+                  "PRMT R15, R14, 0x7632, R15",  # (a 16-bit half packed into undefined bits)
+                  "@!P3 LDGSTS.E.LTC128B.128 [R5], desc[UR12][R2.64]", "EXIT")
+    assert uninitialized_reads(clean) == []
+    faulty = _sass("IMAD.SHL.U32 R14, R8, 0x8, RZ", "LEA R12, R8, UR4, 0x4",
+                   "LDGSTS.E.128 [R12], desc[UR12][R4.64]", "EXIT")
+    reads = uninitialized_reads(faulty)
+    assert [r.split()[0] for r in reads] == ["0030", "0040", "0050", "0050"]
+    assert reads[0].endswith("(R8)") and reads[-1].endswith("(R5)")
+    # 0x30: branch over the write at 0x40 to the merge at 0x50
+    one_side = _sass("@P0 BRA 0x50", "MOV R9, R20", "IADD3 R10, R9, 0x1, RZ", "EXIT")
+    assert [r.split()[0] for r in uninitialized_reads(one_side)] == ["0050"]
+    both_sides = _sass("@P0 BRA 0x60", "MOV R9, R20", "BRA 0x70", "MOV R9, RZ",
+                       "IADD3 R10, R9, 0x1, RZ", "EXIT")
+    assert uninitialized_reads(both_sides) == []
+    # a loop (0x40-0x50) reading what was written before it and writing it again
+    loop = _sass("MOV R9, RZ", "IADD3 R9, R9, 0x1, RZ", "@P0 BRA 0x40", "EXIT")
+    assert uninitialized_reads(loop) == []

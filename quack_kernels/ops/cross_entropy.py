@@ -450,6 +450,13 @@ def stages_weight(weight: Optional[Tensor], label_smoothing: float) -> bool:
     return weight is not None and label_smoothing != 0.0
 
 
+def reduces_in_kernel(num_rows: int, weight: Optional[Tensor], label_smoothing: float,
+                      softcap: float) -> bool:
+    """config.ce_reduces_in_kernel for a call with these options (softcap 0: none)."""
+    return ce_reduces_in_kernel(num_rows, stages_weight(weight, label_smoothing),
+                                label_smoothing != 0.0, softcap != 0.0)
+
+
 def reduced_stats(stats: Tensor, reduction: str) -> Tensor:
     """The loss of (2, M) stats (losses, row weights) reduced over the rows: a mean is
     the losses' sum over the row weights' (one reduction of both)."""
@@ -548,7 +555,7 @@ def reduced_loss_cuda(logits: Tensor, target: Tensor, weight: Optional[Tensor],
     checked the inputs already (a training step's mean, before its denominator). The
     eager path of cross_entropy; the ops and torch.compile reduce cross_entropy_forward's
     stats."""
-    assert ce_reduces_in_kernel(logits.shape[0], stages_weight(weight, label_smoothing)), \
+    assert reduces_in_kernel(logits.shape[0], weight, label_smoothing, softcap), \
         "see its rule"
     if not checked:
         _check_op_inputs(logits, target, weight, grad_scale, cuda=True)
@@ -721,10 +728,9 @@ class CrossEntropyFunction(torch.autograd.Function):
             held = held.expand(num_rows)
         options = (ignore_index, label_smoothing, lse_square_scale, softcap)
         reduced = None
-        stage_weight = stages_weight(weight, label_smoothing)
         late_grad = ce_gradient_in_backward(logits.dtype)
         if eager and reduction != "none" and (not inplace or logits.stride(-1) == 1) \
-                and ce_reduces_in_kernel(num_rows, stage_weight):
+                and reduces_in_kernel(num_rows, weight, label_smoothing, softcap):
             reduced, lse, grad = reduced_loss_cuda(logits, target, weight, *options, reduction,
                                                    None if late_grad else held, inplace, checked)
         elif inplace and not late_grad:
@@ -894,8 +900,9 @@ def cross_entropy(logits: Tensor, target: Tensor, weight: Optional[Tensor] = Non
     target_rows = target if target.dim() == 1 else target.reshape(-1)
     if check_targets:
         _raise_on_bad_targets(target_rows, n_cols, ignore_index)
+    cap = float(softcap or 0.0)
     args = (target_rows, weight, int(ignore_index), float(label_smoothing),
-            float(lse_square_scale), float(softcap or 0.0))
+            float(lse_square_scale), cap)
     eager = eager_cuda(logits, target, weight)
 
     if torch.is_grad_enabled() and logits.requires_grad:
@@ -906,7 +913,7 @@ def cross_entropy(logits: Tensor, target: Tensor, weight: Optional[Tensor] = Non
             # in place: hand out a copy (M floats)
             out = out.clone()
     elif eager and reduction != "none" \
-            and ce_reduces_in_kernel(rows.shape[0], stages_weight(weight, label_smoothing)):
+            and reduces_in_kernel(rows.shape[0], weight, label_smoothing, cap):
         out, lse, _ = reduced_loss_cuda(rows, *args, reduction)
     else:
         forward = _cross_entropy_forward_cuda if eager else cross_entropy_forward
