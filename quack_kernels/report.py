@@ -120,8 +120,12 @@ _INSTRUCTION = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]\s+)?"
                           r"([A-Z][A-Z0-9_.]*)\s*(.*?)\s*;")
 _REGISTER = re.compile(r"(?<![A-Z0-9_])R(\d+)(\.64|\.128)?")
 _JUMPS = ("BRA", "BRX", "JMP", "JMX", "CALL", "RET", "EXIT", "BPT", "KILL")
-_NO_REGISTER_DEST = ("ST", "STS", "STG", "STL", "LDGSTS", "RED", "ATOMS", "BAR", "MEMBAR",
-                     "SYNCS", "R2UR")
+# opcodes that may write predicates before their register destination (LOP3.LUT P0, R52,
+# ...; SHFL.BFLY PT, R5, ...; ATOMG PT, R5, ...); an ISETP's predicates come before its
+# sources instead
+_PREDICATE_FIRST = ("SHFL", "LOP3", "ATOM", "ATOMG", "ATOMS")
+_NO_REGISTER_DEST = ("ST", "STS", "STG", "STL", "LDGSTS", "RED", "BAR", "MEMBAR", "SYNCS",
+                     "R2UR")
 
 
 def _dest_registers(opcode: str) -> int:
@@ -143,7 +147,10 @@ def _written_and_read(opcode: str, args: str) -> tuple[set, list]:
     destination's)."""
     base = opcode.split(".")[0]
     operands = _operands(args)
-    first = 1 if base == "SHFL" else 0  # (a shuffle writes its predicate first)
+    first = 0
+    if base in _PREDICATE_FIRST:  # (predicate destinations before the register's)
+        while first < len(operands) and re.fullmatch(r"!?P[T0-6]", operands[first]):
+            first += 1
     dest = None
     if base not in _NO_REGISTER_DEST and len(operands) > first \
             and re.fullmatch(r"R\d+", operands[first]):
@@ -152,6 +159,8 @@ def _written_and_read(opcode: str, args: str) -> tuple[set, list]:
     if dest is not None:
         start = int(operands[dest][1:])
         written = set(range(start, start + _dest_registers(opcode)))
+    if base == "CALL":  # (a subroutine, e.g. a division's slow path: it may write any)
+        written = set(range(256))
     read = [r for i, operand in enumerate(operands) if i != dest
             for number, width in _REGISTER.findall(operand)
             for r in range(int(number), int(number) + {".64": 2, ".128": 4}.get(width, 1))

@@ -333,12 +333,17 @@ def test_uninitialized_reads_on_some_path():
 
     clean = _sass("IMAD.SHL.U32 R14, R20, 0x8, RZ", "SHFL.BFLY PT, R5, R14, 0x10, 0x1f",
                   "PRMT R15, R14, 0x7632, R15",  # (a 16-bit half packed into undefined bits)
+                  # a predicate written before the register, then read: R52 is written
+                  "LOP3.LUT P0, R52, R20, 0xfc, RZ, 0xc0, !PT",
+                  "ISETP.NE.U32.AND P1, PT, R52, RZ, PT",
                   "@!P3 LDGSTS.E.LTC128B.128 [R5], desc[UR12][R2.64]", "EXIT")
     assert uninitialized_reads(clean) == []
     faulty = _sass("IMAD.SHL.U32 R14, R8, 0x8, RZ", "LEA R12, R8, UR4, 0x4",
                    "LDGSTS.E.128 [R12], desc[UR12][R4.64]", "EXIT")
     reads = uninitialized_reads(faulty)
     assert [r.split()[0] for r in reads] == ["0030", "0040", "0050", "0050"]
+    # an ISETP's predicates precede its sources: its registers are read
+    assert uninitialized_reads(_sass("ISETP.NE.AND P0, PT, R40, RZ, PT"))[0].endswith("(R40)")
     assert reads[0].endswith("(R8)") and reads[-1].endswith("(R5)")
     # 0x30: branch over the write at 0x40 to the merge at 0x50
     one_side = _sass("@P0 BRA 0x50", "MOV R9, R20", "IADD3 R10, R9, 0x1, RZ", "EXIT")
@@ -349,3 +354,6 @@ def test_uninitialized_reads_on_some_path():
     # a loop (0x40-0x50) reading what was written before it and writing it again
     loop = _sass("MOV R9, RZ", "IADD3 R9, R9, 0x1, RZ", "@P0 BRA 0x40", "EXIT")
     assert uninitialized_reads(loop) == []
+    # what a subroutine returns (a division's slow path) counts as written
+    call = _sass("CALL.REL.NOINC 0x60", "MOV R8, R10", "EXIT", "MOV R10, RZ", "RET.REL.NODEC R6 0x0")
+    assert uninitialized_reads(call) == []
