@@ -540,10 +540,6 @@ def test_loss_reduced_in_the_kernel_where_the_rule_says():
     assert config.ce_reduces_in_kernel(1 << 20, False)
     assert not config.ce_reduces_in_kernel(0, False)
     assert not config.ce_reduces_in_kernel(8, True)
-    # label smoothing without softcap: torch's reduction (a CUDA 13 ptxas miscompile)
-    assert not config.ce_reduces_in_kernel(8, False, smoothing=True)
-    assert config.ce_reduces_in_kernel(8, False, smoothing=True, softcap=True)
-    assert config.ce_reduces_in_kernel(8, False, softcap=True)
 
 
 def test_reduced_loss_epilogue_has_no_divergent_warp_sync(tmp_path):
@@ -569,12 +565,12 @@ def test_reduced_loss_epilogue_has_no_divergent_warp_sync(tmp_path):
 
 def test_looping_staged_gradient_reads_no_unwritten_register(tmp_path):
     """The looping gradient kernels of shares staged in shared memory, with the options
-    that change their code and the reduction a mean gets eagerly, read no register
-    before writing it (report.uninitialized_reads): with label smoothing without
-    softcap and the loss summed in the kernel, CUDA 13's ptxas took the thread index
-    from a register it never wrote at 16-bit rows of 16384 columns (those are reduced
-    by torch instead: config.ce_reduces_in_kernel). Meaningful where the toolchain is
-    CUDA 13's (CI installs the cu13 flavor)."""
+    that change their code and the loss summed in the kernel, read no register before
+    writing it (report.uninitialized_reads): CUDA 13's ptxas compiled label smoothing
+    without softcap, when it still compared every value with the target column, with
+    the thread index taken from a register it never wrote (16-bit rows of 16384
+    columns). Every staged variant but weighted smoothing now sets the target aside.
+    Meaningful where the toolchain is CUDA 13's (CI installs the cu13 flavor)."""
     cuobjdump = find_cuobjdump()
     if cuobjdump is None:
         pytest.skip("cuobjdump not installed")
@@ -586,16 +582,14 @@ def test_looping_staged_gradient_reads_no_unwritten_register(tmp_path):
     for n, dtype in ((16384, torch.bfloat16), (16384, torch.float16), (8192, torch.float32)):
         for index, chosen in enumerate(option_sets):
             options = dict(weighted=False, smoothing=False, zloss=False, softcap=0.0,
-                           write_grad=True) | chosen
-            in_kernel = ops.reduces_in_kernel(4096, None, 0.1 if options["smoothing"] else 0.0,
-                                              options["softcap"])
-            assert in_kernel == ("softcap" in chosen or "smoothing" not in chosen)
-            cfg, flags = ops.variant(n, dtype, reduce="mean" if in_kernel else "none", **options)
+                           write_grad=True, reduce="mean") | chosen
+            cfg, flags = ops.variant(n, dtype, **options)
             assert config.loops_over_row_blocks(cfg, True) and cfg.staging == "smem"
+            kernel, *fakes = ops.forward_kernel(cfg, dtype, torch.int64, **flags)
+            assert kernel.target_aside
             folder = tmp_path / f"{n}_{dtype}_{index}"
             folder.mkdir()
-            fn = compile_kernel(*ops.forward_kernel(cfg, dtype, torch.int64, **flags),
-                                keep_cubin_in=str(folder))
+            fn = compile_kernel(kernel, *fakes, keep_cubin_in=str(folder))
             sass = disassembly(_cubin_file(fn.__cubin__, str(folder)), cuobjdump)
             assert uninitialized_reads(sass) == [], (n, dtype, chosen)
 

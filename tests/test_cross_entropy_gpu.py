@@ -115,11 +115,12 @@ def test_every_option(v, dtype, flags):
 def test_every_option_reduced_with_the_gradient(v, dtype, flags):
     """Every option through the public loss with the gradient, summed and averaged, on
     shares staged in shared memory by the looping grid with two staging buffers (the
-    configs of these rows). Summed in the kernel, label smoothing without softcap was
-    compiled by the CUDA 13 ptxas with the thread index read from a register never
-    written (report.uninitialized_reads): an illegal instruction on the H200, which no
-    test of these rows had run (torch reduces that variant now:
-    config.ce_reduces_in_kernel)."""
+    configs of these rows). Summed in the kernel, label smoothing without softcap (then
+    comparing every value with the target column) was compiled by the CUDA 13 ptxas
+    with the thread index read from a register never written
+    (report.uninitialized_reads): an illegal instruction on the H200, which no test of
+    these rows had run. It sets the target aside now (kernels.cross_entropy,
+    smoothing_aside)."""
     weighted, smoothing, zloss, softcap = flags
     x, target = fresh(45, v, dtype)
     weight = torch.rand(v, device="cuda") + 0.5 if weighted else None

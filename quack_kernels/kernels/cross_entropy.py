@@ -165,8 +165,9 @@ class CrossEntropyForward(RowKernel):
         # per bf16 logit, which held the loss alone at the issue rate). With the
         # gradient, the vector stores write a placeholder's value at the set-aside target
         # and its owner overwrites it with the true one once per row
-        # (RowTiles.store_column). Not with label smoothing alone (its sum of z needs
-        # every class: see capped_placeholders for smoothing with softcap). A streamed
+        # (RowTiles.store_column). Label smoothing alone sums z over every class from
+        # the staged chunk before its target is set aside (smoothing_aside: one more
+        # shared-memory read of the chunk, not the compares). A streamed
         # row (loss alone) sets it aside in registers instead: one select per value,
         # after the cap, replaces it by -inf, and every thread loads z_t (one broadcast
         # word, the index clamped into the row) while the row's lead thread keeps it; not
@@ -179,7 +180,9 @@ class CrossEntropyForward(RowKernel):
         # with the weight row staged (its sum of w z would need w_t as well).
         self.capped_placeholders = softcap and not self.stage_weight \
             and cfg.staging != "global"
-        self.target_aside = self.capped_placeholders or (
+        self.smoothing_aside = smoothing and not softcap and not self.stage_weight \
+            and cfg.staging != "global"
+        self.target_aside = self.capped_placeholders or self.smoothing_aside or (
             not softcap and not smoothing and (cfg.staging != "global" or self.streams))
         self.scratch_buffers = 2 if self.loops else 1  # alternate per row block
 
@@ -356,6 +359,11 @@ class CrossEntropyForward(RowKernel):
         else:
             for c in cutlass.range_constexpr(cfg.num_chunks):
                 tiles.wait_chunk(c)
+                if cutlass.const_expr(self.smoothing_aside):
+                    # every class's z, the target's among them, before it is set aside
+                    sum_z = running[4] + red.thread_reduce(tiles.values(0, c, fill=0.0),
+                                                           cute.ReductionOp.ADD, 0.0)
+                    running = (*running[:4], sum_z, running[5])
                 if cutlass.const_expr(self.target_aside):
                     z_target = running[3] + tiles.take_column(0, c, target_col, -math.inf)
                     running = (*running[:3], z_target, *running[4:])
@@ -533,7 +541,7 @@ class CrossEntropyForward(RowKernel):
             w = tiles.values(1, chunk, fill=0.0)
             sum_wz = sum_wz + red.thread_reduce(w * z_sum_in, cute.ReductionOp.ADD, 0.0)
             sum_w = sum_w + red.thread_reduce(w, cute.ReductionOp.ADD, 0.0)
-        elif cutlass.const_expr(self.smoothing):
+        elif cutlass.const_expr(self.smoothing and not self.smoothing_aside):
             sum_wz = sum_wz + red.thread_reduce(z_sum_in, cute.ReductionOp.ADD, 0.0)
         return (*stats, z_target, sum_wz, sum_w), w
 

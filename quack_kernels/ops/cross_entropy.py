@@ -192,7 +192,8 @@ def variant(n_cols: int, dtype: torch.dtype, **options) -> tuple[RowConfig, dict
 # registers, config.KEPT_CAPPED_VALUES), smoothing + softcap without the gradient,
 # with Gemma's softcap 30 (a fixed max, config.CE_FIXED_MAX_SOFTCAP), and the mean reduced
 # in the kernel (the weighted loss alone; the plain loss + gradient; "_capped" + gradient,
-# a Gemma training step); "_capped_wide" with a softcap past that bound (the running max)
+# a Gemma training step; label smoothing alone + gradient, the set-aside target without
+# softcap); "_capped_wide" with a softcap past that bound (the running max)
 REPORT_OPTIONS = {
     "_grad": dict(weighted=False, smoothing=False, zloss=False, softcap=0.0, write_grad=True),
     "_all": dict(weighted=True, smoothing=True, zloss=True, softcap=30.0, write_grad=True),
@@ -205,6 +206,8 @@ REPORT_OPTIONS = {
     "_grad_mean": dict(weighted=False, smoothing=False, zloss=False, softcap=0.0,
                        write_grad=True, reduce="mean"),
     "_capped_mean": dict(weighted=False, smoothing=True, zloss=True, softcap=30.0,
+                         write_grad=True, reduce="mean"),
+    "_smooth_mean": dict(weighted=False, smoothing=True, zloss=False, softcap=0.0,
                          write_grad=True, reduce="mean"),
 }
 
@@ -450,13 +453,6 @@ def stages_weight(weight: Optional[Tensor], label_smoothing: float) -> bool:
     return weight is not None and label_smoothing != 0.0
 
 
-def reduces_in_kernel(num_rows: int, weight: Optional[Tensor], label_smoothing: float,
-                      softcap: float) -> bool:
-    """config.ce_reduces_in_kernel for a call with these options (softcap 0: none)."""
-    return ce_reduces_in_kernel(num_rows, stages_weight(weight, label_smoothing),
-                                label_smoothing != 0.0, softcap != 0.0)
-
-
 def reduced_stats(stats: Tensor, reduction: str) -> Tensor:
     """The loss of (2, M) stats (losses, row weights) reduced over the rows: a mean is
     the losses' sum over the row weights' (one reduction of both)."""
@@ -555,7 +551,7 @@ def reduced_loss_cuda(logits: Tensor, target: Tensor, weight: Optional[Tensor],
     checked the inputs already (a training step's mean, before its denominator). The
     eager path of cross_entropy; the ops and torch.compile reduce cross_entropy_forward's
     stats."""
-    assert reduces_in_kernel(logits.shape[0], weight, label_smoothing, softcap), \
+    assert ce_reduces_in_kernel(logits.shape[0], stages_weight(weight, label_smoothing)), \
         "see its rule"
     if not checked:
         _check_op_inputs(logits, target, weight, grad_scale, cuda=True)
@@ -730,7 +726,7 @@ class CrossEntropyFunction(torch.autograd.Function):
         reduced = None
         late_grad = ce_gradient_in_backward(logits.dtype)
         if eager and reduction != "none" and (not inplace or logits.stride(-1) == 1) \
-                and reduces_in_kernel(num_rows, weight, label_smoothing, softcap):
+                and ce_reduces_in_kernel(num_rows, stages_weight(weight, label_smoothing)):
             reduced, lse, grad = reduced_loss_cuda(logits, target, weight, *options, reduction,
                                                    None if late_grad else held, inplace, checked)
         elif inplace and not late_grad:
@@ -900,9 +896,8 @@ def cross_entropy(logits: Tensor, target: Tensor, weight: Optional[Tensor] = Non
     target_rows = target if target.dim() == 1 else target.reshape(-1)
     if check_targets:
         _raise_on_bad_targets(target_rows, n_cols, ignore_index)
-    cap = float(softcap or 0.0)
     args = (target_rows, weight, int(ignore_index), float(label_smoothing),
-            float(lse_square_scale), cap)
+            float(lse_square_scale), float(softcap or 0.0))
     eager = eager_cuda(logits, target, weight)
 
     if torch.is_grad_enabled() and logits.requires_grad:
@@ -913,7 +908,7 @@ def cross_entropy(logits: Tensor, target: Tensor, weight: Optional[Tensor] = Non
             # in place: hand out a copy (M floats)
             out = out.clone()
     elif eager and reduction != "none" \
-            and reduces_in_kernel(rows.shape[0], weight, label_smoothing, cap):
+            and ce_reduces_in_kernel(rows.shape[0], stages_weight(weight, label_smoothing)):
         out, lse, _ = reduced_loss_cuda(rows, *args, reduction)
     else:
         forward = _cross_entropy_forward_cuda if eager else cross_entropy_forward

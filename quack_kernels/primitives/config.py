@@ -837,15 +837,8 @@ def grid_sum_slots(cfg, row_blocks, first_level: bool = False):
     return first if first_level else first + GRID_SUM_GROUPS + slack
 
 
-def ce_reduces_in_kernel(num_rows: int, stage_weight: bool, smoothing: bool = False,
-                         softcap: bool = False) -> bool:
-    """Label smoothing without softcap (the one variant that compares every value with
-    the target column, kernels.cross_entropy target_aside) is reduced by torch: the CUDA
-    13 ptxas of nvidia-cutlass-dsl 4.8.1 compiled its reducing gradient kernel of 16-bit
-    rows of 16384 columns (with and without z-loss) reading the thread index from a
-    register it never wrote (report.uninitialized_reads), an illegal instruction and an
-    illegal address on the H200."""
-    return num_rows > 0 and not stage_weight and (softcap or not smoothing)
+def ce_reduces_in_kernel(num_rows: int, stage_weight: bool) -> bool:
+    return num_rows > 0 and not stage_weight
 
 
 def _streamed_loss_row_config(n_cols: int, elem: int, max_vec: int | None) -> RowConfig:
