@@ -126,6 +126,11 @@ _JUMPS = ("BRA", "BRX", "JMP", "JMX", "CALL", "RET", "EXIT", "BPT", "KILL")
 _PREDICATE_FIRST = ("SHFL", "LOP3", "ATOM", "ATOMG", "ATOMS")
 _NO_REGISTER_DEST = ("ST", "STS", "STG", "STL", "LDGSTS", "RED", "BAR", "MEMBAR", "SYNCS",
                      "R2UR")
+# opcodes ptxas uses to merge into bits of a register it only partly defines (a PRMT
+# packing one 16-bit half, a LOP3 masking bits whose rest goes unused): their reads of
+# their own destination are not judged
+_MERGING = ("PRMT", "LOP3", "BFI", "F2FP", "HADD2", "HFMA2", "HMUL2")
+_CONDITION = re.compile(r"!?U?P[T0-6]|~?UR\w+")
 
 
 def _dest_registers(opcode: str) -> int:
@@ -143,8 +148,8 @@ def _operands(args: str) -> list[str]:
 
 
 def _written_and_read(opcode: str, args: str) -> tuple[set, list]:
-    """(registers the instruction writes, registers it reads besides its own
-    destination's)."""
+    """(registers the instruction writes, registers it reads; a merging opcode's reads of
+    its own destination left out)."""
     base = opcode.split(".")[0]
     operands = _operands(args)
     first = 0
@@ -161,10 +166,11 @@ def _written_and_read(opcode: str, args: str) -> tuple[set, list]:
         written = set(range(start, start + _dest_registers(opcode)))
     if base == "CALL":  # (a subroutine, e.g. a division's slow path: it may write any)
         written = set(range(256))
+    merged = written if base in _MERGING else set()
     read = [r for i, operand in enumerate(operands) if i != dest
             for number, width in _REGISTER.findall(operand)
             for r in range(int(number), int(number) + {".64": 2, ".128": 4}.get(width, 1))
-            if r not in written]
+            if r not in merged]
     return written, read
 
 
@@ -187,10 +193,14 @@ def _blocks(instructions: list) -> tuple[list, dict]:
         _, opcode, args, predicated = instructions[end - 1]
         base = opcode.split(".")[0]
         successors[b] = []
-        if base == "BRA":
-            target = int(re.findall(r"0x([0-9a-f]+)", args)[0], 16)
-            successors[b].append(block_at[index[target]])
-        if (base not in ("BRA", "EXIT", "RET") or predicated) and end < len(instructions):
+        operands = _operands(args)
+        targets = [int(h, 16) for h in re.findall(r"0x([0-9a-f]+)", args)]
+        if base == "BRA" and targets and targets[-1] in index:  # (else no edge known)
+            successors[b].append(block_at[index[targets[-1]]])
+        # a branch on a condition written as an operand (BRA !P0, 0x..; BRA.U !UP0,
+        # 0x..; BRA.DIV UR4, 0x..) falls through too
+        conditional = predicated or any(_CONDITION.fullmatch(o) for o in operands[:-1])
+        if (base not in ("BRA", "EXIT", "RET") or conditional) and end < len(instructions):
             successors[b].append(block_at[end])
     return blocks, successors
 
@@ -204,9 +214,8 @@ def uninitialized_reads(sass: str) -> list[str]:
     16384 bf16 columns: every CTA's first cp.async wrote outside its shared memory (an
     illegal instruction on the H200). Lenient where it cannot tell: a predicated write
     counts as a write, a register pair's odd half of a 64-bit source outside an address
-    is not checked, and an instruction may read its own destination: ptxas merges into
-    the undefined bits of a value it only partly defines (a PRMT packing one 16-bit
-    half, a LOP3 masking bits of a register whose rest goes unused)."""
+    is not checked, a subroutine call writes every register, and a merging opcode may
+    read its own destination (_MERGING)."""
     found = []
     for body in re.split(r"\n\s*Function : ", sass)[1:] or [sass]:
         instructions = []

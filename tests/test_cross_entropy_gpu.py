@@ -112,7 +112,7 @@ def test_every_option(v, dtype, flags):
 
 @pytest.mark.parametrize("v,dtype", [(16384, torch.bfloat16), (8192, torch.float32)])
 @pytest.mark.parametrize("flags", FLAGS, ids=lambda f: "w{}s{}z{}c{}".format(*map(int, f)))
-def test_every_option_reduced_with_the_gradient(v, dtype, flags):
+def test_every_option_reduced_with_the_gradient(monkeypatch, v, dtype, flags):
     """Every option through the public loss with the gradient, summed and averaged, on
     shares staged in shared memory by the looping grid with two staging buffers (the
     configs of these rows). Summed in the kernel, label smoothing without softcap (then
@@ -122,6 +122,9 @@ def test_every_option_reduced_with_the_gradient(v, dtype, flags):
     these rows had run. It sets the target aside now (kernels.cross_entropy,
     smoothing_aside)."""
     weighted, smoothing, zloss, softcap = flags
+    calls = []
+    monkeypatch.setattr(ops, "reduced_loss_cuda",
+                        lambda *a: calls.append(a[7]) or REDUCED_LOSS_CUDA(*a))  # (reduction)
     x, target = fresh(45, v, dtype)
     weight = torch.rand(v, device="cuda") + 0.5 if weighted else None
     kw = dict(label_smoothing=0.1 if smoothing else 0.0, lse_square_scale=1e-3 if zloss else 0.0,
@@ -136,6 +139,8 @@ def test_every_option_reduced_with_the_gradient(v, dtype, flags):
         ref.backward()
         assert_close(loss, ref, LOSS_TOL, scale=LOSS_SCALE, name=reduction)
         assert_close(leaf.grad, xr.grad, dtype, scale=2.0, name=f"grad ({reduction})")
+    # summed in the kernel, except with the weight row staged (class weights with smoothing)
+    assert calls == ([] if weighted and smoothing else ["mean", "sum"])
 
 
 @pytest.mark.parametrize("v,dtype", [(4096, torch.float32), (128256, torch.bfloat16),

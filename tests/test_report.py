@@ -326,9 +326,9 @@ def test_uninitialized_reads_on_some_path():
     """The compiler fault of the CUDA 13 ptxas (report.uninitialized_reads): the thread
     index used from a register nothing wrote. Writes of every width count (a 64-bit
     constant load, a shuffle's value after its predicate), reads inside an address too,
-    and a merge into the instruction's own destination is not a read. Over branches: a
-    register written on one side only is unwritten after the merge; written on both
-    sides, or before a loop that reads it, it is written."""
+    and a merging opcode's read of its own destination is not judged (any other's is).
+    Over branches: a register written on one side only is unwritten after the merge;
+    written on both sides, or before a loop that reads it, it is written."""
     from quack_kernels.report import uninitialized_reads
 
     clean = _sass("IMAD.SHL.U32 R14, R20, 0x8, RZ", "SHFL.BFLY PT, R5, R14, 0x10, 0x1f",
@@ -342,18 +342,35 @@ def test_uninitialized_reads_on_some_path():
                    "LDGSTS.E.128 [R12], desc[UR12][R4.64]", "EXIT")
     reads = uninitialized_reads(faulty)
     assert [r.split()[0] for r in reads] == ["0030", "0040", "0050", "0050"]
+    assert reads[0].endswith("(R8)") and reads[-1].endswith("(R5)")
     # an ISETP's predicates precede its sources: its registers are read
     assert uninitialized_reads(_sass("ISETP.NE.AND P0, PT, R40, RZ, PT"))[0].endswith("(R40)")
-    assert reads[0].endswith("(R8)") and reads[-1].endswith("(R5)")
-    # 0x30: branch over the write at 0x40 to the merge at 0x50
-    one_side = _sass("@P0 BRA 0x50", "MOV R9, R20", "IADD3 R10, R9, 0x1, RZ", "EXIT")
-    assert [r.split()[0] for r in uninitialized_reads(one_side)] == ["0050"]
+    # a read of its own destination by an opcode that does not merge
+    assert uninitialized_reads(_sass("IMAD.SHL.U32 R8, R8, 0x8, RZ", "EXIT")) != []
+    # 0x30: branch over the write at 0x40 to the merge at 0x50; the condition written
+    # as an operand (BRA !P0, ...) falls through as much as a predicated branch
+    for branch in ("@P0 BRA 0x50", "BRA !P0, 0x50", "BRA.U !UP0, 0x50"):
+        one_side = _sass(branch, "MOV R9, R20", "IADD3 R10, R9, 0x1, RZ", "EXIT")
+        assert [r.split()[0] for r in uninitialized_reads(one_side)] == ["0050"], branch
     both_sides = _sass("@P0 BRA 0x60", "MOV R9, R20", "BRA 0x70", "MOV R9, RZ",
                        "IADD3 R10, R9, 0x1, RZ", "EXIT")
     assert uninitialized_reads(both_sides) == []
-    # a loop (0x40-0x50) reading what was written before it and writing it again
-    loop = _sass("MOV R9, RZ", "IADD3 R9, R9, 0x1, RZ", "@P0 BRA 0x40", "EXIT")
-    assert uninitialized_reads(loop) == []
+    # a loop (0x40-0x60) reading what is written before it and again in it
+    loop = ["IADD3 R10, R9, 0x1, RZ", "MOV R9, R10", "@P0 BRA 0x40", "EXIT"]
+    assert uninitialized_reads(_sass("MOV R9, RZ", *loop)) == []
+    assert [r.split()[0] for r in uninitialized_reads(_sass("NOP", *loop))] == ["0040"]
     # what a subroutine returns (a division's slow path) counts as written
     call = _sass("CALL.REL.NOINC 0x60", "MOV R8, R10", "EXIT", "MOV R10, RZ", "RET.REL.NODEC R6 0x0")
     assert uninitialized_reads(call) == []
+    # a branch whose target is no instruction (or no address) adds no edge, no error
+    assert uninitialized_reads(_sass("@P0 BRA 0x1000", "BRA `(.L_x_1)", "EXIT")) == []
+
+
+def test_uninitialized_reads_find_the_miscompile():
+    """The entry of the kernel CUDA 13's ptxas miscompiled, as cuobjdump printed it
+    (tests/data): the thread index read twice from R8, which nothing writes."""
+    from quack_kernels.report import uninitialized_reads
+
+    with open(os.path.join(ROOT, "tests", "data", "cuda13_thread_index_miscompile.sass")) as f:
+        reads = uninitialized_reads(f.read())
+    assert [(r.split()[0], r.split()[-1]) for r in reads] == [("0050", "(R8)"), ("02b0", "(R8)")]
