@@ -48,7 +48,7 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Boolean, Float32, Int32, Int64
+from cutlass import Boolean, Float16, Float32, Int32, Int64
 from cutlass.memory import SmemAllocator
 
 from ..primitives import reduce as red
@@ -113,7 +113,9 @@ class CrossEntropyForward(RowKernel):
     # columns spilled; with softcap and the gradient, fp16 rows of 1000 columns spilled 8
     # bytes at 96.
     loop_registers = 96
-    SOFTCAP_GRAD_LOOP_REGISTERS = 104
+    # with softcap, or fp16 with label smoothing alone (its sum of z read apart: rows of
+    # 256 columns spilled 40 bytes at 96; bf16 and fp32 did not)
+    WIDE_GRAD_LOOP_REGISTERS = 104
     GRID_SUM_VALUES = 2  # a reduction's sums over the grid: losses and row weights
 
     def __init__(self, cfg: RowConfig, dtype, *, weighted: bool, smoothing: bool,
@@ -141,8 +143,11 @@ class CrossEntropyForward(RowKernel):
         # (max, sumexp, sumexp without the target, z_t, [w_t], [sum w z], [W])
         self.values_per_reduction = 4 + int(weighted) + int(smoothing) + int(self.stage_weight)
         self.loops = loops_over_row_blocks(cfg, write_grad)
-        if softcap and write_grad:
-            self.loop_registers = self.SOFTCAP_GRAD_LOOP_REGISTERS
+        # label smoothing alone sets the target aside too (see target_aside below)
+        self.smoothing_aside = smoothing and not softcap and not self.stage_weight \
+            and cfg.staging != "global"
+        if write_grad and (softcap or self.smoothing_aside and dtype == Float16):
+            self.loop_registers = self.WIDE_GRAD_LOOP_REGISTERS
         # (with class weights 64 spilled 16 bytes, unbounded they take the running max's
         # 80; with the in-kernel reduction's epilogue 64 spilled 16 bytes at 65536 16-bit
         # columns)
@@ -179,8 +184,6 @@ class CrossEntropyForward(RowKernel):
         # row (capped_placeholders) instead of masking and comparing every value. Not
         # with the weight row staged (its sum of w z would need w_t as well).
         self.capped_placeholders = softcap and not self.stage_weight \
-            and cfg.staging != "global"
-        self.smoothing_aside = smoothing and not softcap and not self.stage_weight \
             and cfg.staging != "global"
         self.target_aside = self.capped_placeholders or self.smoothing_aside or (
             not softcap and not smoothing and (cfg.staging != "global" or self.streams))

@@ -193,7 +193,8 @@ def variant(n_cols: int, dtype: torch.dtype, **options) -> tuple[RowConfig, dict
 # with Gemma's softcap 30 (a fixed max, config.CE_FIXED_MAX_SOFTCAP), and the mean reduced
 # in the kernel (the weighted loss alone; the plain loss + gradient; "_capped" + gradient,
 # a Gemma training step; label smoothing alone + gradient, the set-aside target without
-# softcap); "_capped_wide" with a softcap past that bound (the running max)
+# softcap, also unreduced as fp16's gradient in the backward runs it); "_capped_wide"
+# with a softcap past that bound (the running max)
 REPORT_OPTIONS = {
     "_grad": dict(weighted=False, smoothing=False, zloss=False, softcap=0.0, write_grad=True),
     "_all": dict(weighted=True, smoothing=True, zloss=True, softcap=30.0, write_grad=True),
@@ -207,6 +208,7 @@ REPORT_OPTIONS = {
                        write_grad=True, reduce="mean"),
     "_capped_mean": dict(weighted=False, smoothing=True, zloss=True, softcap=30.0,
                          write_grad=True, reduce="mean"),
+    "_smooth": dict(weighted=False, smoothing=True, zloss=False, softcap=0.0, write_grad=True),
     "_smooth_mean": dict(weighted=False, smoothing=True, zloss=False, softcap=0.0,
                          write_grad=True, reduce="mean"),
 }
