@@ -116,7 +116,8 @@ def warp_syncs(sass: str) -> int:
     return sass.count("WARPSYNC")
 
 
-_INSTRUCTION = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]\s+)?"
+# (address, guard predicate or None, opcode, operands)
+_INSTRUCTION = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]\s+)?"
                           r"([A-Z][A-Z0-9_.]*)\s*(.*?)\s*;")
 _REGISTER = re.compile(r"(?<![A-Z0-9_])R(\d+)(\.64|\.128)?")
 _JUMPS = ("BRA", "BRX", "JMP", "JMX", "CALL", "RET", "EXIT", "BPT", "KILL")
@@ -174,6 +175,11 @@ def _written_and_read(opcode: str, args: str) -> tuple[set, list]:
     return written, read
 
 
+def _targets(args: str) -> list[int]:
+    """The addresses among an instruction's operands (a branch's or call's target)."""
+    return [int(h, 16) for h in re.findall(r"0x([0-9a-f]+)", args)]
+
+
 def _blocks(instructions: list) -> tuple[list, dict]:
     """Basic blocks (first, end) of a function's instructions and their successors."""
     index = {int(address, 16): i for i, (address, *_) in enumerate(instructions)}
@@ -181,8 +187,7 @@ def _blocks(instructions: list) -> tuple[list, dict]:
     for i, (_, opcode, args, _) in enumerate(instructions):
         base = opcode.split(".")[0]
         if base in ("BRA", "CALL"):
-            starts |= {index[t] for t in map(lambda h: int(h, 16),
-                                              re.findall(r"0x([0-9a-f]+)", args)) if t in index}
+            starts |= {index[t] for t in _targets(args) if t in index}
         if base in _JUMPS and i + 1 < len(instructions):
             starts.add(i + 1)
     starts = sorted(starts)
@@ -194,7 +199,7 @@ def _blocks(instructions: list) -> tuple[list, dict]:
         base = opcode.split(".")[0]
         successors[b] = []
         operands = _operands(args)
-        targets = [int(h, 16) for h in re.findall(r"0x([0-9a-f]+)", args)]
+        targets = _targets(args)
         if base == "BRA" and targets and targets[-1] in index:  # (else no edge known)
             successors[b].append(block_at[index[targets[-1]]])
         # a branch on a condition written as an operand (BRA !P0, 0x..; BRA.U !UP0,
@@ -222,8 +227,8 @@ def uninitialized_reads(sass: str) -> list[str]:
         for line in body.splitlines():
             match = _INSTRUCTION.match(line)
             if match:
-                address, opcode, args = match.groups()
-                instructions.append((address, opcode, args, "@" in line.split("*/", 1)[1][:30]))
+                address, guard, opcode, args = match.groups()
+                instructions.append((address, opcode, args, guard is not None))
         if not instructions:
             continue
         blocks, successors = _blocks(instructions)

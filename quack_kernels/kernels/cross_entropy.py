@@ -146,7 +146,7 @@ class CrossEntropyForward(RowKernel):
         # label smoothing alone sets the target aside too (see target_aside below)
         self.smoothing_aside = smoothing and not softcap and not self.stage_weight \
             and cfg.staging != "global"
-        if write_grad and (softcap or self.smoothing_aside and dtype == Float16):
+        if write_grad and (softcap or (self.smoothing_aside and dtype == Float16)):
             self.loop_registers = self.WIDE_GRAD_LOOP_REGISTERS
         # (with class weights 64 spilled 16 bytes, unbounded they take the running max's
         # 80; with the in-kernel reduction's epilogue 64 spilled 16 bytes at 65536 16-bit
