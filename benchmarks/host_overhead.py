@@ -62,13 +62,14 @@ def norm_rows():
     x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
     xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    bg = torch.randn_like(w).requires_grad_()
     dy = torch.randn_like(x)
     _, _, _, rstd = norm_ops._norm_forward_eager(x, w, None, None, 1e-6, 0.0, True, None,
                                                  x.dtype, False)
 
     def step(norm):
         def run():
-            xg.grad = wg.grad = None
+            xg.grad = wg.grad = bg.grad = None
             norm(xg, wg).backward(dy)
         return run
 
@@ -82,6 +83,8 @@ def norm_rows():
         ("F.rms_norm (no grad)", lambda: F.rms_norm(x, (4096,), w)),
         ("F.rms_norm with grad (graph built)", lambda: F.rms_norm(xg, (4096,), wg)),
         ("fwd+bwd F.rms_norm", step(lambda a, b: F.rms_norm(a, (4096,), b))),
+        ("fwd+bwd qk.layer_norm", step(lambda a, b: qk.layer_norm(a, b, bg))),
+        ("fwd+bwd F.layer_norm", step(lambda a, b: F.layer_norm(a, (4096,), b, bg))),
     ]
 
 

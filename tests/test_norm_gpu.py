@@ -76,6 +76,47 @@ def test_forward_backward(n, dtype, rms):
                    dx_magnitude=terms)
 
 
+@pytest.mark.parametrize("grads", ["all", "x", "weight", "none"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 7, 1000, 4096, 131073])
+@pytest.mark.parametrize("rms", [True, False])
+def test_public_api_on_the_cpp_path(rms, n, dtype, grads):
+    """rms_norm / layer_norm of contiguous inputs without a residual run on the C++
+    fast path (native/launch.cpp): its node is the graph's, its outputs and gradients
+    match fp64 (outputs and gradients over NaN-filled blocks), an upstream gradient of
+    another dtype and layout included."""
+    w_dtype = torch.float32 if dtype == torch.bfloat16 else dtype  # mixed where it can
+    x = fresh((3, 11, n), dtype, 2.0, 0.5).requires_grad_(grads in ("all", "x"))
+    w = fresh(n, w_dtype, 0.5, 1.0).requires_grad_(grads in ("all", "weight"))
+    b = None if rms else fresh(n, w_dtype, 0.5).requires_grad_(grads == "all")
+    eps = 1e-6 if rms else 1e-5
+    stats = torch.empty(33, dtype=torch.float32, device="cuda")
+    poison_allocator(x, stats, stats)
+    y = qk.rms_norm(x, w, eps=eps) if rms else qk.layer_norm(x, w, b, eps=eps)
+    ry, _, rmean, rrstd = forward_ref(x.detach(), w.detach(), None if rms else b.detach(), None,
+                                      eps, 0.0, rms)
+    assert_close(y, ry, dtype)
+    if grads == "none":
+        assert y.grad_fn is None
+        return
+    assert "NormFunction" in y.grad_fn.name(), y.grad_fn.name()
+    dy = fresh((n, 3, 11), torch.float32).permute(1, 2, 0)  # fp32, not contiguous
+    poison_allocator(x, w, w)
+    y.backward(dy)
+    rdx, rdw, rdb = ops.norm_backward_reference(dy.to(dtype), x.detach(), w.detach(),
+                                                None if rms else rmean, rrstd, None, 0.0, rms,
+                                                compute_dtype=F64)
+    terms = (dy.double() * w.double() * rrstd.double()[..., None]).abs() \
+        if rms and n == 1 else None  # see test_forward_backward
+    if x.requires_grad:
+        assert_close(x.grad, rdx, dtype, scale=4.0, name="dx", magnitude=terms)
+    grow = 4.0 * math.sqrt(33)
+    if w.requires_grad:
+        assert_close(w.grad, rdw, w_dtype, scale=grow, name="dweight")
+    if b is not None and b.requires_grad:
+        assert_close(b.grad, rdb, w_dtype, scale=grow, name="dbias")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rms", [True, False])
 def test_262144_columns(dtype, rms):

@@ -24,7 +24,8 @@ from torch import Tensor
 
 from ..kernels.column_sum import ColumnSum
 from ..kernels.norm import NormBackward, NormForward
-from ..primitives.compile_cache import compile_kernel, fake_rows, fake_vector
+from ..native import module as native_module
+from ..primitives.compile_cache import compile_kernel, fake_rows, fake_vector, kernel_handle
 from ..primitives.config import (
     ColumnSumConfig,
     SUM_THREADS_PER_ROW,
@@ -359,15 +360,11 @@ def _norm_forward_checked(x, weight, bias, residual, eps, weight_offset, rms, ou
     rstd = torch.empty(num_rows, dtype=torch.float32, device=x.device)
     if num_rows > 0:
         tensors = [t for t in (rows, res_rows, y, h if store_residual else None) if t is not None]
-        max_vec = min(vector_limit(*tensors), _pointer_vec_limit(weight, bias))
-        residual_in_dtype = residual.dtype if has_residual else None
-        cfg = forward_config(n_cols, rms, x.dtype, residual_dtype, has_residual, out_dtype,
-                             weight.dtype if weight is not None else None,
-                             bias.dtype if bias is not None else None, max_vec, residual_in_dtype)
-        fn = compile_forward(cfg, rms, x.dtype, residual_dtype, has_residual, store_residual,
-                             weight.dtype if weight is not None else None,
-                             bias.dtype if bias is not None else None, out_dtype,
-                             residual_in_dtype)
+        fn = _forward_fn(n_cols, rms, x.dtype, residual_dtype, has_residual, store_residual,
+                         weight.dtype if weight is not None else None,
+                         bias.dtype if bias is not None else None, out_dtype,
+                         residual.dtype if has_residual else None,
+                         min(vector_limit(*tensors), _pointer_vec_limit(weight, bias)))
         fn(rows, res_rows, weight, bias, y, h if store_residual else None,
            mean if not rms else None, rstd, eps, weight_offset)
         if plan_key is not None:
@@ -458,21 +455,11 @@ def _norm_backward_checked(dy, h, weight, mean, rstd, dresidual_out, weight_offs
     if num_rows > 0 and (dx_dtype or dresidual_dtype or need_dweight or need_dbias):
         outs = [t for t in (dres_rows, dx if dx_dtype else None, dres if dresidual_dtype else None)
                 if t is not None]
-        max_vec = min(vector_limit(h_rows, dy_rows, *outs), _pointer_vec_limit(weight_c))
-        out_dtypes = tuple(t.dtype for t in outs)
-        accumulators = int(need_dweight) + int(need_dbias)
-        cfg = backward_config(n_cols, h.dtype, dy.dtype, out_dtypes, weight_dtype,
-                              accumulators, max_vec)
-        fn = compile_backward(cfg, rms, h.dtype, dy.dtype, weight_dtype,
-                              dres_rows is not None,
-                              dres_rows.dtype if dres_rows is not None else None,
-                              dx_dtype, dresidual_dtype, need_dweight, need_dbias)
-        kernel = _backward_kernel_object(cfg, rms, h.dtype, dy.dtype, need_dweight, need_dbias,
-                                         weight_dtype)
-        sum_dtypes = tuple(d for d in (weight_dtype if need_dweight else None, dbias_dtype) if d)
-        sum_cfg = column_sum_config(n_cols, len(sum_dtypes)) if sum_dtypes else None
-        column_sum = compile_column_sum(sum_cfg, sum_dtypes) if sum_dtypes else None
-        plan = (fn, cfg, resident_row_blocks(kernel, device), column_sum, sum_cfg)
+        plan = _backward_plan(n_cols, rms, h.dtype, dy.dtype, weight_dtype,
+                              dres_rows.dtype if dres_rows is not None else None, dx_dtype,
+                              dresidual_dtype, need_dweight, dbias_dtype,
+                              min(vector_limit(h_rows, dy_rows, *outs),
+                                  _pointer_vec_limit(weight_c)), device)
         if plan_key is not None:
             _backward_plans[plan_key] = plan
         dw, db = _launch_backward(
@@ -484,6 +471,36 @@ def _norm_backward_checked(dy, h, weight, mean, rstd, dresidual_out, weight_offs
         dbias = db if need_dbias else dbias
     return (dx.view(dy.shape) if dx_dtype else dx, dres.view(dy.shape) if dresidual_dtype else dres,
             dweight, dbias)
+
+
+def _forward_fn(n_cols: int, rms: bool, x_dtype, residual_dtype, has_residual: bool,
+                store_residual: bool, weight_dtype, bias_dtype, out_dtype, residual_in_dtype,
+                max_vec: int):
+    """The compiled forward for these dtypes and flags, ``max_vec`` elements per access
+    at most (the alignment of the tensors it runs on)."""
+    cfg = forward_config(n_cols, rms, x_dtype, residual_dtype, has_residual, out_dtype,
+                         weight_dtype, bias_dtype, max_vec, residual_in_dtype)
+    return compile_forward(cfg, rms, x_dtype, residual_dtype, has_residual, store_residual,
+                           weight_dtype, bias_dtype, out_dtype, residual_in_dtype)
+
+
+def _backward_plan(n_cols: int, rms: bool, h_dtype, dy_dtype, weight_dtype, dres_out_dtype,
+                   dx_dtype, dresidual_dtype, need_dweight: bool, dbias_dtype, max_vec: int,
+                   device: torch.device) -> tuple:
+    """(compiled backward, its config, resident row blocks on ``device``, compiled column
+    sum, its config) for these dtypes (None: not given / not computed)."""
+    need_dbias = dbias_dtype is not None
+    out_dtypes = tuple(d for d in (dres_out_dtype, dx_dtype, dresidual_dtype) if d is not None)
+    cfg = backward_config(n_cols, h_dtype, dy_dtype, out_dtypes, weight_dtype,
+                          int(need_dweight) + int(need_dbias), max_vec)
+    fn = compile_backward(cfg, rms, h_dtype, dy_dtype, weight_dtype, dres_out_dtype is not None,
+                          dres_out_dtype, dx_dtype, dresidual_dtype, need_dweight, need_dbias)
+    kernel = _backward_kernel_object(cfg, rms, h_dtype, dy_dtype, need_dweight, need_dbias,
+                                     weight_dtype)
+    sum_dtypes = tuple(d for d in (weight_dtype if need_dweight else None, dbias_dtype) if d)
+    sum_cfg = column_sum_config(n_cols, len(sum_dtypes)) if sum_dtypes else None
+    column_sum = compile_column_sum(sum_cfg, sum_dtypes) if sum_dtypes else None
+    return fn, cfg, resident_row_blocks(kernel, device), column_sum, sum_cfg
 
 
 def _launch_backward(plan, h_rows, dy_rows, weight, mean, rstd, dresidual_out_rows, dx_rows,
@@ -640,6 +657,59 @@ def _norm_backward_eager(dy, h, weight, mean, rstd, dresidual_out, weight_offset
     return dx, dres, dweight, dbias
 
 
+# ------------------------------------------------------------------ the C++ fast path
+def _native_norm(x, weight, bias, eps, weight_offset, rms):
+    """(y, None, mean, rstd) of the C++ fast path (native/launch.cpp: the kernels and the
+    autograd node without Python), mean None for RMSNorm; None where it does not apply
+    (not built, non-contiguous inputs, no rows): the Python path runs."""
+    native = native_module()
+    if native is None:
+        return None
+    outputs = native.norm(x, weight, bias, float(eps), float(weight_offset), rms)
+    if outputs is None:
+        if not _native_plan(native, x, weight, bias, rms):
+            return None
+        outputs = native.norm(x, weight, bias, float(eps), float(weight_offset), rms)
+    if rms:
+        return outputs[0], None, None, outputs[1]
+    return outputs[0], None, outputs[1], outputs[2]
+
+
+def _native_plan(native, x, weight, bias, rms) -> bool:
+    """Compile the kernels of these inputs (y in x's dtype, no residual) and register
+    them with the C++ fast path, under the key it derives from the same inputs (row
+    length, dtypes, alignments, device, the gradients asked for); False where the fast
+    path does not apply. Bad input raises here, as on the Python path."""
+    if not native.norm_eligible(x, weight, bias):
+        return False
+    _check_forward(x, weight, bias, None, None, None)
+    check_gpu(x)
+    n_cols = x.shape[-1]
+    weight_dtype = weight.dtype if weight is not None else None
+    bias_dtype = bias.dtype if bias is not None else None
+    forward = _forward_fn(n_cols, rms, x.dtype, x.dtype, False, False, weight_dtype, bias_dtype,
+                          x.dtype, None, _pointer_vec_limit(x, weight, bias))
+    grad = torch.is_grad_enabled()
+    need_dx = grad and x.requires_grad
+    need_dweight = grad and weight is not None and weight.requires_grad
+    need_dbias = grad and bias is not None and bias.requires_grad
+    backward = column_sum = None
+    rows_per_block = resident = sum_width = sum_padded = 0
+    if need_dx or need_dweight or need_dbias:
+        # dy as the C++ backward hands it over: x's dtype, contiguous and aligned
+        backward, cfg, resident, column_sum, sum_cfg = _backward_plan(
+            n_cols, rms, x.dtype, x.dtype, weight_dtype, None, x.dtype if need_dx else None,
+            None, need_dweight, bias_dtype if need_dbias else None,
+            _pointer_vec_limit(x, weight), x.device)
+        rows_per_block = cfg.rows_per_block
+        if sum_cfg is not None:
+            sum_width, sum_padded = sum_cfg.width, sum_cfg.padded
+    native.register_norm_plan(x, weight, bias, rms, kernel_handle(forward),
+                              kernel_handle(backward), kernel_handle(column_sum),
+                              rows_per_block, resident, sum_width, sum_padded)
+    return True
+
+
 # --------------------------------------------------------------------------- autograd
 def _setup_context(ctx, inputs, output):
     x, weight, bias, residual, eps, weight_offset, rms, out_dtype, residual_dtype, store = inputs
@@ -721,6 +791,9 @@ def _norm(x, weight, bias, residual, eps, weight_offset, rms, prenorm, out_dtype
             residual_dtype, store)
     if not eager_cuda(x, weight, bias, residual):
         y, h, mean, rstd = norm_forward(*args)
+    elif residual is None and out_dtype in (None, x.dtype) \
+            and (native := _native_norm(x, weight, bias, eps, weight_offset, rms)) is not None:
+        y, h, mean, rstd = native
     elif needs_grad:
         y, h, mean, rstd = _EagerNorm.apply(*args)
     else:

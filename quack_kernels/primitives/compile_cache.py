@@ -74,6 +74,12 @@ def compiled(key: Hashable, build: Callable[[], Any]) -> Any:
     return fn
 
 
+def kernel_handle(fn) -> int:
+    """The TVM-FFI function handle of a compiled kernel (0 for None), for the C++ fast
+    path (quack_kernels.native), which calls it with the same arguments as Python."""
+    return 0 if fn is None else fn._tvm_ffi_function.__chandle__()
+
+
 def fake_rows(dtype, n_cols: int, vec: int, rows=None):
     """A fake (M, n_cols) tensor: M symbolic, unit column stride, row stride symbolic
     but a multiple of ``vec`` (64-bit, so tensors over 2^31 elements index safely), base
