@@ -183,3 +183,33 @@ def test_disabled_by_the_environment(monkeypatch):
     finally:
         monkeypatch.undo()
         native.module.cache_clear()
+
+
+@pytest.mark.parametrize("log", [False, True])
+def test_softmax_plan_runs_through_the_cpp_node(module, log):
+    from quack_kernels.ops.softmax import softmax_backward_reference, softmax_reference
+
+    calls = []
+
+    def forward(x, y):
+        calls.append(("forward", tuple(x.shape), tuple(y.shape)))
+        as_torch(y).copy_(softmax_reference(as_torch(x), log))
+
+    def backward(y, dy, dx):
+        calls.append(("backward", tuple(dy.shape)))
+        as_torch(dx).copy_(softmax_backward_reference(as_torch(y), as_torch(dy), log))
+
+    kernels = [tvm_ffi.convert(f) for f in (forward, backward)]
+    n = 40 + log  # plans outlive a test: a row length of each test's own
+    x = torch.randn(4, 3, n, requires_grad=True)
+    assert module.softmax(x, log) is None
+    module.register_softmax_plan(x, log, *(k.__chandle__() for k in kernels))
+    assert module.softmax(x, not log) is None  # the other function has its own plan
+    y = module.softmax(x, log)
+    assert type(y.grad_fn).__name__ == "CppFunction" and "SoftmaxFunction" in y.grad_fn.name()
+    torch.testing.assert_close(y, softmax_reference(x.detach(), log))
+    dy = torch.randn(n, 4, 3, dtype=torch.float64).permute(1, 2, 0)
+    y.backward(dy)
+    torch.testing.assert_close(x.grad, softmax_backward_reference(y.detach(), dy.float(), log))
+    assert calls == [("forward", (12, n), (12, n)), ("backward", (12, n))]
+    assert not module.softmax_eligible(x.transpose(0, 1))

@@ -49,6 +49,28 @@ def test_forward_backward(n, dtype, log):
     check_backward(ops.softmax_backward(y, dy, log), y, dy, log)
 
 
+@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 7, 1000, 4096, 131073])
+@pytest.mark.parametrize("log", [False, True])
+def test_public_api_on_the_cpp_path(log, n, dtype, grad):
+    """softmax / log_softmax of contiguous inputs run on the C++ fast path
+    (native/launch.cpp): its node is the graph's, and y and dx (over NaN-filled blocks)
+    match fp64, for an upstream gradient of another dtype and layout too."""
+    x = fresh((3, 11, n), dtype).requires_grad_(grad)
+    poison_allocator(x)
+    y = qk.log_softmax(x) if log else qk.softmax(x)
+    assert_close(y, reference(x.detach(), log), dtype)
+    if not grad:
+        assert y.grad_fn is None
+        return
+    assert "SoftmaxFunction" in y.grad_fn.name(), y.grad_fn.name()
+    dy = fresh((n, 3, 11), torch.float32, 1.0).permute(1, 2, 0)  # fp32, not contiguous
+    poison_allocator(x, x)
+    y.backward(dy)
+    check_backward(x.grad, y.detach(), dy.to(dtype), log)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [1 << 20, 1000000, 1000003])
 def test_million_columns(n, dtype):

@@ -4,7 +4,7 @@
 // and its launch code cost more host time than torch's whole training step of a small
 // norm (benchmarks/NOTES.md, "Host time"); every decision (configs, grids, kernels)
 // stays in Python, which registers a plan here once per key (rms_norm / layer_norm:
-// ops/norm.py, _native_plan).
+// ops/norm.py, softmax / log_softmax: ops/softmax.py, each in _native_plan).
 
 #include <ATen/ATen.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -160,6 +160,22 @@ int64_t alignment(const at::Tensor& t) {
   return static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16);
 }
 
+// An upstream gradient as the plans' backward kernels read it: as ``output`` was written
+// (its dtype, contiguous, 16-byte aligned), copied only where it is not.
+at::Tensor as_written(const at::Tensor& grad, const at::Tensor& output) {
+  if (grad.scalar_type() == output.scalar_type() && grad.is_contiguous() &&
+      alignment(grad) == 0) {
+    return grad;
+  }
+  return at::empty_like(output, at::MemoryFormat::Contiguous).copy_(grad);
+}
+
+int64_t dtype_code(const at::Tensor& t) {
+  return t.defined() ? static_cast<int64_t>(t.scalar_type()) : -1;
+}
+
+int64_t device_code(const at::Tensor& t) { return t.is_cuda() ? t.get_device() : -1; }
+
 // ------------------------------------------------------------------------ norms
 // What a plan was decided from (ops/norm.py, _native_plan): the row length, dtypes,
 // alignments and device of x, weight and bias (-1: absent), and which gradients the
@@ -196,12 +212,9 @@ std::optional<NormKey> norm_key(const at::Tensor& x, const at::Tensor& weight,
   int64_t n_cols = x.size(-1);
   if (!vector_fits(weight, x, n_cols) || !vector_fits(bias, x, n_cols)) return std::nullopt;
   bool grad = at::GradMode::is_enabled();
-  auto dtype = [](const at::Tensor& t) {
-    return t.defined() ? static_cast<int64_t>(t.scalar_type()) : -1;
-  };
   auto align = [](const at::Tensor& t) { return t.defined() ? alignment(t) : -1; };
-  return NormKey{rms, n_cols, dtype(x), dtype(weight), dtype(bias), align(x), align(weight),
-                 align(bias), x.is_cuda() ? x.get_device() : -1,
+  return NormKey{rms, n_cols, dtype_code(x), dtype_code(weight), dtype_code(bias), align(x),
+                 align(weight), align(bias), device_code(x),
                  grad && needs_grad(x), grad && needs_grad(weight), grad && needs_grad(bias)};
 }
 
@@ -237,8 +250,7 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
     ctx->save_for_backward({x, weight, mean, rstd});
     ctx->saved_data["plan"] = plan_address;
     ctx->saved_data["weight_offset"] = weight_offset;
-    ctx->saved_data["bias_dtype"] =
-        bias.defined() ? static_cast<int64_t>(bias.scalar_type()) : int64_t{-1};
+    ctx->saved_data["bias_dtype"] = dtype_code(bias);
     return outputs;
   }
 
@@ -248,11 +260,7 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
     const at::Tensor &x = saved[0], &weight = saved[1], &mean = saved[2], &rstd = saved[3];
     int64_t bias_dtype = ctx->saved_data["bias_dtype"].toInt();
     bool need_dx = plan.need_dx, need_dweight = plan.need_dweight, need_dbias = plan.need_dbias;
-    // the plan's kernel reads dy as y was written: x's dtype, contiguous, 16-byte aligned
-    at::Tensor dy = grads[0];
-    if (dy.scalar_type() != x.scalar_type() || !dy.is_contiguous() || alignment(dy) != 0) {
-      dy = at::empty_like(x, at::MemoryFormat::Contiguous).copy_(dy);
-    }
+    at::Tensor dy = as_written(grads[0], x);  // y is written as x is laid out
     int64_t n_cols = x.size(-1);
     int64_t num_rows = x.numel() / n_cols;
     // as config.loop_grid_rows
@@ -335,6 +343,78 @@ void register_norm_plan(const at::Tensor& x, const std::optional<at::Tensor>& we
                              sum_padded};
 }
 
+// ---------------------------------------------------------------------- softmax
+// What a plan was decided from (ops/softmax.py, _native_plan): row length, dtype,
+// alignment and device of x, log or not, and whether a gradient is needed.
+using SoftmaxKey = std::array<int64_t, 6>;
+
+struct SoftmaxPlan {
+  TVMFFIObjectHandle forward = nullptr;
+  TVMFFIObjectHandle backward = nullptr;  // null without a gradient
+};
+
+std::map<SoftmaxKey, SoftmaxPlan>& softmax_plans() {
+  static std::map<SoftmaxKey, SoftmaxPlan> plans;
+  return plans;
+}
+
+std::optional<SoftmaxKey> softmax_key(const at::Tensor& x, bool log) {
+  if (x.dim() < 1 || x.numel() == 0 || !x.is_contiguous()) return std::nullopt;
+  return SoftmaxKey{x.size(-1), dtype_code(x), alignment(x), device_code(x), log,
+                    at::GradMode::is_enabled() && x.requires_grad()};
+}
+
+at::Tensor softmax_forward(const SoftmaxPlan& plan, const at::Tensor& x) {
+  int64_t n_cols = x.size(-1);
+  at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  Call(plan.forward).rows(x, n_cols).rows(y, n_cols).run(x.device());
+  return y;
+}
+
+struct SoftmaxFunction : public torch::autograd::Function<SoftmaxFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t plan_address) {
+    const auto& plan = *reinterpret_cast<const SoftmaxPlan*>(plan_address);
+    at::Tensor y = softmax_forward(plan, x);
+    ctx->save_for_backward({y});
+    ctx->saved_data["plan"] = plan_address;
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto& plan = *reinterpret_cast<const SoftmaxPlan*>(ctx->saved_data["plan"].toInt());
+    at::Tensor y = ctx->get_saved_variables()[0];
+    at::Tensor dy = as_written(grads[0], y);
+    at::Tensor dx = at::empty_like(y, at::MemoryFormat::Contiguous);
+    int64_t n_cols = y.size(-1);
+    Call(plan.backward).rows(y, n_cols).rows(dy, n_cols).rows(dx, n_cols).run(y.device());
+    return {dx, at::Tensor()};
+  }
+};
+
+// softmax (log_softmax) of x over its last dimension, with an autograd node where a
+// gradient is needed; None as for norm().
+std::optional<at::Tensor> softmax(const at::Tensor& x, bool log) {
+  auto key = softmax_key(x, log);
+  if (!key) return std::nullopt;
+  auto found = softmax_plans().find(*key);
+  if (found == softmax_plans().end()) return std::nullopt;
+  const SoftmaxPlan& plan = found->second;
+  if (plan.backward == nullptr) {
+    at::NoGradGuard no_grad;
+    return softmax_forward(plan, x);
+  }
+  return SoftmaxFunction::apply(x, reinterpret_cast<int64_t>(&plan));
+}
+
+bool softmax_eligible(const at::Tensor& x) { return softmax_key(x, false).has_value(); }
+
+void register_softmax_plan(const at::Tensor& x, bool log, int64_t forward, int64_t backward) {
+  auto key = softmax_key(x, log);
+  TORCH_CHECK(key.has_value(), "quack_kernels: these inputs take no native plan");
+  if (softmax_plans().count(*key)) return;
+  softmax_plans()[*key] = SoftmaxPlan{kernel_from_handle(forward), kernel_from_handle(backward)};
+}
+
 }  // namespace
 }  // namespace quack_kernels
 
@@ -342,4 +422,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("norm", &quack_kernels::norm);
   m.def("norm_eligible", &quack_kernels::norm_eligible);
   m.def("register_norm_plan", &quack_kernels::register_norm_plan);
+  m.def("softmax", &quack_kernels::softmax);
+  m.def("softmax_eligible", &quack_kernels::softmax_eligible);
+  m.def("register_softmax_plan", &quack_kernels::register_softmax_plan);
 }

@@ -10,7 +10,8 @@ import torch
 from torch import Tensor
 
 from ..kernels.softmax import SoftmaxBackward, SoftmaxForward
-from ..primitives.compile_cache import compile_kernel, fake_rows
+from ..native import module as native_module
+from ..primitives.compile_cache import compile_kernel, fake_rows, kernel_handle
 from ..primitives.config import (RowConfig, copies_async, row_config, widened_16bit_share,
                                  with_held_chunk)
 from .common import (
@@ -239,9 +240,45 @@ class _EagerSoftmax(torch.autograd.Function):
         return _softmax_backward_cuda(y, grad, ctx.log), None
 
 
+def _native_softmax(x: Tensor, log: bool) -> Tensor | None:
+    """softmax / log_softmax of the C++ fast path (native/launch.cpp: the kernels and
+    the autograd node without Python); None where it does not apply (not built,
+    non-contiguous, no rows): the Python path runs."""
+    native = native_module()
+    if native is None:
+        return None
+    y = native.softmax(x, log)
+    if y is None and _native_plan(native, x, log):
+        y = native.softmax(x, log)
+    return y
+
+
+def _native_plan(native, x: Tensor, log: bool) -> bool:
+    """Compile the kernels of these inputs and register them with the C++ fast path,
+    under the key it derives from them (row length, dtype, alignment, device, log,
+    whether a gradient is needed); False where the fast path does not apply. Bad input
+    raises here, as on the Python path."""
+    if not native.softmax_eligible(x):
+        return False
+    check_float_dtype("x", x)
+    check_gpu(x)
+    n_cols = x.shape[-1]
+    max_vec = vector_limit(as_rows(x))
+    forward = compile_forward(forward_config(n_cols, x.dtype, max_vec), x.dtype, log)
+    backward = None
+    if x.requires_grad and torch.is_grad_enabled():
+        # y, dy and dx as the C++ backward hands them over: contiguous and aligned
+        backward = compile_backward(backward_config(n_cols, x.dtype, max_vec), x.dtype, log)
+    native.register_softmax_plan(x, log, kernel_handle(forward), kernel_handle(backward))
+    return True
+
+
 def _softmax_last_dim(x: Tensor, log: bool) -> Tensor:
     if not eager_cuda(x):
         return softmax_forward(x, log)
+    y = _native_softmax(x, log)
+    if y is not None:
+        return y
     if x.requires_grad and torch.is_grad_enabled():
         return _EagerSoftmax.apply(x, log)
     return _softmax_forward_cuda(x, log)
