@@ -36,6 +36,14 @@ def fresh(m, v, dtype, confident_every=3, ignore_every=5, seed=0):
     return x.to(dtype), target
 
 
+def takes_the_cpp_step(dtype, weight) -> bool:
+    """Whether a reduced loss's training step on these logits runs on the C++ fast
+    path (native/launch.cpp): without class weights, for logits whose gradient the
+    forward computes, where the extension is built."""
+    return weight is None and not config.ce_gradient_in_backward(dtype) \
+        and ops.native_module() is not None
+
+
 def reference(x, target, weight=None, ignore_index=-100, label_smoothing=0.0,
               lse_square_scale=0.0, softcap=0.0):
     """Per-row loss, lse, gradient in fp64 from the logits as stored."""
@@ -129,9 +137,11 @@ def test_every_option_reduced_with_the_gradient(monkeypatch, v, dtype, flags):
     weight = torch.rand(v, device="cuda") + 0.5 if weighted else None
     kw = dict(label_smoothing=0.1 if smoothing else 0.0, lse_square_scale=1e-3 if zloss else 0.0,
               softcap=30.0 if softcap else None)
+    native = takes_the_cpp_step(dtype, weight)
     for reduction in ("mean", "sum"):
         leaf = x.clone().requires_grad_()
         loss = qk.cross_entropy(leaf, target, weight, reduction=reduction, **kw)
+        assert (type(loss.grad_fn).__name__ == "CppFunction") == native
         loss.backward()
         xr = x.double().requires_grad_()
         ref = torch_cross_entropy(xr, target, None if weight is None else weight.double(),
@@ -139,8 +149,55 @@ def test_every_option_reduced_with_the_gradient(monkeypatch, v, dtype, flags):
         ref.backward()
         assert_close(loss, ref, LOSS_TOL, scale=LOSS_SCALE, name=reduction)
         assert_close(leaf.grad, xr.grad, dtype, scale=2.0, name=f"grad ({reduction})")
-    # summed in the kernel, except with the weight row staged (class weights with smoothing)
-    assert calls == ([] if weighted and smoothing else ["mean", "sum"])
+    # summed in the kernel, except with the weight row staged (class weights with
+    # smoothing); the C++ step's kernel sums it too, without this Python function
+    assert calls == ([] if weighted and smoothing or native else ["mean", "sum"])
+
+
+CPP_STEP_OPTIONS = {"plain": {}, "smoothing": dict(label_smoothing=0.1),
+                    "zloss": dict(lse_square_scale=1e-3), "softcap": dict(softcap=30.0),
+                    "wide_softcap": dict(softcap=60.0),
+                    "all": dict(label_smoothing=0.1, lse_square_scale=1e-3, softcap=30.0)}
+
+
+@pytest.mark.parametrize("options", list(CPP_STEP_OPTIONS))
+@pytest.mark.parametrize("m,v,dtype", [(37, 1000, torch.bfloat16), (45, 16384, torch.bfloat16),
+                                       (8, 128256, torch.bfloat16), (64, 4096, torch.float32),
+                                       (5, 151936, torch.float32)])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_training_step_on_the_cpp_path(reduction, m, v, dtype, options):
+    """A reduced loss with the gradient (no class weights, bf16 / fp32) runs on the C++
+    fast path (native/launch.cpp): the mean's denominator, the loss + gradient kernel
+    and the node's rescale launched from C++. Loss, lse and gradient against fp64 for a
+    plain backward, a scaled loss (every row rescaled) and a graph retained for a second
+    backward; (3, M/3, V) logits for a view's gradient."""
+    if ops.native_module() is None:
+        pytest.fail("the C++ fast path did not build")
+    kw = CPP_STEP_OPTIONS[options]
+    x, target = fresh(m, v, dtype)
+    shape = (3, m // 3, v) if m % 3 == 0 else (m, v)
+    xr = x.double().requires_grad_()
+    ref = torch_cross_entropy(xr, target, None, reduction=reduction, **kw)
+    ref.backward()
+    ref_lse = reference(x, target, None, -100, kw.get("label_smoothing", 0.0),
+                        kw.get("lse_square_scale", 0.0), kw.get("softcap", 0.0))[1]
+    for scale in (1.0, 0.37):
+        leaf = x.clone().view(shape).requires_grad_()
+        poison_allocator(x, x)
+        loss, lse = qk.cross_entropy(leaf, target.view(shape[:-1]), reduction=reduction,
+                                     return_lse=True, **kw)
+        assert type(loss.grad_fn).__name__ == "CppFunction", loss.grad_fn.name()
+        assert_close(loss, ref.detach(), LOSS_TOL, scale=LOSS_SCALE, name="loss")
+        assert_close(lse.view(-1), ref_lse, LOSS_TOL, scale=LOSS_SCALE, name="lse")
+        (loss * scale).backward()
+        assert_close(leaf.grad.view(m, v), xr.grad * scale, dtype, scale=2.0,
+                     name=f"grad x {scale}")
+    leaf = x.clone().requires_grad_()
+    loss = qk.cross_entropy(leaf, target, reduction=reduction, **kw)
+    first = torch.autograd.grad(loss, leaf, retain_graph=True)[0]
+    second = torch.autograd.grad(3.0 * loss, leaf)[0]
+    assert_close(first, xr.grad, dtype, scale=2.0, name="retained 1st")
+    assert_close(second, 3.0 * xr.grad, dtype, scale=2.0, name="retained 2nd")
 
 
 @pytest.mark.parametrize("v,dtype", [(4096, torch.float32), (128256, torch.bfloat16),
@@ -249,6 +306,9 @@ def test_plain_backward_moves_no_gradient_bytes(monkeypatch, reduction, weighted
     helpers.check_plain_backward_rescales_no_row, through the CUDA rescale's launch."""
     x, target = fresh(64, 4096, torch.bfloat16)
     weight = torch.rand(4096, device="cuda") + 0.5 if weighted else None
+    # the Python step's launch is what is counted (the C++ step launches the same
+    # rescale kernel from C++)
+    monkeypatch.setattr(ops, "native_module", lambda: None)
     check_plain_backward_rescales_no_row(monkeypatch, "rescale_launch",
                                          x, target, weight, reduction)
 
@@ -446,7 +506,16 @@ def test_loss_reduced_in_the_kernel(monkeypatch, m, v, dtype, options):
         trained.backward()
         assert torch.isnan(trained) if reduction == "mean" else trained == 0
         assert int(torch.count_nonzero(leaf.grad)) == 0
-    in_kernel = ["sum"] * 2 + ["mean"] * 2 + ["sum"] * 2 + ["mean"] * 3 + ["mean", "sum"] * 2
+    # the C++ step (no class weights) reduces in its own kernel launch, not through
+    # reduced_loss_cuda
+    native = takes_the_cpp_step(dtype, weight)
+    assert (type(trained.grad_fn).__name__ == "CppFunction") == native
+
+    def stepped(reductions):
+        return [] if native else reductions
+
+    in_kernel = ["sum"] * 2 + ["mean"] * 2 + stepped(["sum"] * 2 + ["mean"] * 3) \
+        + ["mean", "sum"] + stepped(["mean", "sum"])
     assert calls == ([] if options == "weighted_smoothing" else in_kernel)
 
 

@@ -213,3 +213,107 @@ def test_softmax_plan_runs_through_the_cpp_node(module, log):
     torch.testing.assert_close(x.grad, softmax_backward_reference(y.detach(), dy.float(), log))
     assert calls == [("forward", (12, n), (12, n)), ("backward", (12, n))]
     assert not module.softmax_eligible(x.transpose(0, 1))
+
+
+class CrossEntropyStandIns:
+    """The cross-entropy step's kernels as reference math: the mean's denominator, the
+    loss + gradient (loss reduced over the rows), the gradient's rescale."""
+
+    def __init__(self, softcap=False):
+        self.softcap = softcap  # (a compile-time switch: the value is read only if on)
+        self.calls = []
+        self.functions = [tvm_ffi.convert(f) for f in (self.denominator, self.forward,
+                                                       self.rescale)]
+
+    def handles(self):
+        return [f.__chandle__() for f in self.functions]
+
+    def denominator(self, target, weight_slot, out, partials, ignore_index, ctas):
+        self.calls.append(("denominator", ctas, tuple(partials.shape)))
+        count = (as_long(target) != ignore_index).sum().float()
+        as_torch(out).copy_(torch.stack((count, 1 / count)))
+
+    def forward(self, logits, target, weight_slot, loss, row_weight, lse, grad, grad_scale,
+                reduced, partials, ignore_index, smoothing, zloss, softcap, grid_rows):
+        from quack_kernels.ops.cross_entropy import cross_entropy_reference
+
+        self.calls.append(("forward", tuple(grad_scale.strides), tuple(partials.shape),
+                           smoothing, zloss, softcap, grid_rows))
+        target = as_long(target)
+        scale = as_torch(grad_scale)
+        rloss, rlse, rgrad = cross_entropy_reference(as_torch(logits), target, None,
+                                                     ignore_index, smoothing, zloss,
+                                                     softcap if self.softcap else 0.0, True,
+                                                     scale.contiguous())
+        kept = (target != ignore_index).float()
+        as_torch(loss).copy_(rloss)
+        as_torch(row_weight).copy_(kept)
+        as_torch(lse).copy_(rlse)
+        as_torch(grad).copy_(rgrad)
+        # a mean's rows are scaled by 1 / D: the reduced loss is the mean over kept rows
+        total = rloss.sum() * (scale[0] if scale[0] != 1 else 1.0)
+        as_torch(reduced).copy_(total.reshape(1))
+
+    def rescale(self, grad, out, target, dloss, held, ignore_index, grid_rows):
+        self.calls.append(("rescale", tuple(dloss.strides), tuple(held.strides), grid_rows))
+        factor = as_torch(dloss) / as_torch(held)
+        kept = as_long(target) != ignore_index
+        as_torch(out).mul_(torch.where(kept, factor, 1.0)[:, None])
+
+
+def as_long(t):
+    """A TVM-FFI int64 vector as a torch tensor."""
+    buffer = (ctypes.c_char * (t.shape[0] * 8)).from_address(t.data_ptr())
+    return torch.frombuffer(buffer, dtype=torch.int64, count=t.shape[0])
+
+
+@pytest.mark.parametrize("mean", [True, False])
+def test_cross_entropy_step_through_the_cpp_node(module, mean):
+    import torch.nn.functional as F
+
+    n = 50 + mean
+    logits = torch.randn(6, n, requires_grad=True)
+    target = torch.randint(0, n, (6,))
+    target[2] = -100
+    stand_ins = CrossEntropyStandIns()
+    options = (-100, 0.0, 0.0, 0.0, mean)
+    assert module.cross_entropy(logits, target, *options) is None
+    denominator, forward, rescale = stand_ins.handles()
+    unit = torch.ones(())
+    # 2 rows per block, 2 resident row blocks; grid sums of 2 values per block + 10;
+    # denominator CTAs of 4 targets, at most 8, + 3 words; rescale 1 row per block, 4
+    sizes = [2, 2, 2, 10, 4, 8, 3, 1, 4]
+    module.register_cross_entropy_plan(logits, target, mean, 0.0, 0.0, 0.0,
+                                       denominator if mean else 0, forward, rescale, unit, sizes)
+    loss, lse = module.cross_entropy(logits, target, *options)
+    assert "CrossEntropyFunction" in loss.grad_fn.name() and not lse.requires_grad
+    reduction = "mean" if mean else "sum"
+    reference = logits.detach().clone().requires_grad_()
+    ref_loss = F.cross_entropy(reference, target, reduction=reduction)
+    torch.testing.assert_close(loss, ref_loss)
+    torch.testing.assert_close(lse, torch.logsumexp(logits.detach(), -1))
+    (3 * loss).backward()  # an upstream gradient of 3: every kept row rescaled
+    (3 * ref_loss).backward()
+    torch.testing.assert_close(logits.grad, reference.grad)
+    calls = stand_ins.calls
+    if mean:  # 6 targets, 4 per CTA: 2 CTAs, 2 + 3 words
+        assert calls.pop(0) == ("denominator", 2, (5,))
+    # the gradient's scale broadcast to every row; a looping grid of 2 row blocks:
+    # partials of 2 * 2 + 10 words (the denominator's grown to them)
+    assert calls == [("forward", (0,), (14,), 0.0, 0.0, 1.0, 2), ("rescale", (0,), (0,), 4)]
+
+
+def test_cross_entropy_retained_graph_keeps_its_gradient(module):
+    logits = torch.randn(4, 48, requires_grad=True)
+    target = torch.randint(0, 48, (4,))
+    stand_ins = CrossEntropyStandIns(softcap=True)
+    options = (-100, 0.0, 0.0, 30.0, False)  # a softcap: a plan of its own
+    _, forward, rescale = stand_ins.handles()
+    module.register_cross_entropy_plan(logits, target, False, 0.0, 0.0, 30.0, 0, forward,
+                                       rescale, torch.ones(()), [4, 0, 2, 10, 4, 8, 3, 1, 4])
+    loss, _ = module.cross_entropy(logits, target, *options)
+    loss.backward(torch.tensor(2.0), retain_graph=True)
+    first = logits.grad.clone()
+    loss.backward(torch.tensor(2.0))
+    torch.testing.assert_close(logits.grad, 2 * first)
+    assert stand_ins.calls[0][-2:] == (30.0, 4)  # |softcap|; one row block per CTA: grid M

@@ -8,12 +8,16 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/utils/pybind.h>
 #include <tvm/ffi/c_api.h>
 #include <tvm/ffi/extra/c_env_api.h>
 
+#include <dlfcn.h>
+
 #include <array>
+#include <cstring>
 #include <map>
 #include <optional>
 #include <string>
@@ -58,6 +62,29 @@ DLDataType dl_dtype(at::ScalarType dtype) {
   TORCH_CHECK(false, message);
 }
 
+// torch's current CUDA stream on ``device`` (null off CUDA).
+void* current_stream(const c10::Device& device) {
+  if (!device.is_cuda()) return nullptr;
+  c10::impl::VirtualGuardImpl guard(device.type());
+  return guard.getStream(device).native_handle();
+}
+
+// Whether torch's current stream on ``device`` is capturing a CUDA graph (the driver's
+// cuStreamIsCapturing, looked up at run time: this file builds without CUDA headers;
+// where it cannot be found, assume so).
+bool capturing(const c10::Device& device) {
+  if (!device.is_cuda()) return false;
+  using IsCapturing = int (*)(void*, int*);
+  static IsCapturing is_capturing = [] {
+    void* driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    return driver ? reinterpret_cast<IsCapturing>(dlsym(driver, "cuStreamIsCapturing"))
+                  : nullptr;
+  }();
+  int status = 1;
+  return is_capturing == nullptr || is_capturing(current_stream(device), &status) != 0 ||
+         status != 0;
+}
+
 // The arguments of one kernel call, in the compiled signature's order: tensors as DLTensor
 // views (contiguous rows as (M, N), per-row and per-column vectors as 1-D) held for the
 // call, None, floats and integers. run() launches on torch's current stream, which the
@@ -81,6 +108,14 @@ class Call {
     if (!t.defined()) return none();
     return tensor(t, {t.numel(), 0}, {1, 0}, 1);
   }
+  // ``length`` elements of a contiguous tensor from element ``first`` on.
+  Call& slice(const at::Tensor& t, int64_t first, int64_t length) {
+    return tensor(t, {length, 0}, {1, 0}, 1, first);
+  }
+  // Element ``index`` of a contiguous tensor seen ``length`` times (stride 0).
+  Call& broadcast(const at::Tensor& t, int64_t index, int64_t length) {
+    return tensor(t, {length, 0}, {0, 0}, 1, index);
+  }
   Call& none() {
     TVMFFIAny& arg = next();
     arg.type_index = kTVMFFINone;
@@ -102,9 +137,7 @@ class Call {
   void run(const c10::Device& device) {
     TVMFFIStreamHandle previous = nullptr;
     if (device.is_cuda()) {
-      c10::impl::VirtualGuardImpl guard(device.type());
-      TVMFFIEnvSetStream(kDLCUDA, device.index(), guard.getStream(device).native_handle(),
-                         &previous);
+      TVMFFIEnvSetStream(kDLCUDA, device.index(), current_stream(device), &previous);
     }
     TVMFFIAny result{};
     result.type_index = kTVMFFINone;
@@ -175,6 +208,7 @@ int64_t dtype_code(const at::Tensor& t) {
 }
 
 int64_t device_code(const at::Tensor& t) { return t.is_cuda() ? t.get_device() : -1; }
+
 
 // ------------------------------------------------------------------------ norms
 // What a plan was decided from (ops/norm.py, _native_plan): the row length, dtypes,
@@ -415,6 +449,177 @@ void register_softmax_plan(const at::Tensor& x, bool log, int64_t forward, int64
   softmax_plans()[*key] = SoftmaxPlan{kernel_from_handle(forward), kernel_from_handle(backward)};
 }
 
+// ----------------------------------------------------------------- cross-entropy
+// The training step of a reduced loss ("mean" or "sum"; no class weights, 16-bit brain
+// float or fp32 logits whose gradient the forward computes; ops/cross_entropy.py,
+// _native_plan): the mean's denominator, the loss + gradient kernel with the loss
+// reduced in its grid, and a node whose backward rescales the gradient's rows only
+// where the upstream gradient is not the 1 the forward assumed (CrossEntropyFunction
+// there: the same kernels from Python).
+// Key: row length, dtypes of logits and target, alignment and device of the logits,
+// mean or sum, smoothing and z-loss on or off, the softcap's bits (0: none).
+using CrossEntropyKey = std::array<int64_t, 9>;
+
+struct CrossEntropyPlan {
+  TVMFFIObjectHandle denominator = nullptr;  // null for a sum
+  TVMFFIObjectHandle forward = nullptr;
+  TVMFFIObjectHandle rescale = nullptr;
+  at::Tensor unit;  // fp32 1 on the device: the upstream gradient the gradient assumes
+  // forward grid: row blocks of rows_per_block rows; a looping grid of at most
+  // resident_row_blocks (0: one row block per CTA); its grid sum's words per row block
+  // and fixed words (config.grid_sum_slots times the summed values)
+  int64_t rows_per_block = 1, resident_row_blocks = 0, words_per_block = 0, fixed_words = 0;
+  // the denominator's CTAs (one per targets_per_cta targets, at most max_ctas) and words
+  int64_t targets_per_cta = 1, max_ctas = 1, denominator_fixed_words = 0;
+  // the rescale's looping grid
+  int64_t rescale_rows_per_block = 1, rescale_resident_row_blocks = 1;
+};
+
+std::map<CrossEntropyKey, CrossEntropyPlan>& cross_entropy_plans() {
+  static std::map<CrossEntropyKey, CrossEntropyPlan> plans;
+  return plans;
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// config.loop_grid_rows
+int64_t loop_grid_rows(int64_t num_rows, int64_t rows_per_block, int64_t resident) {
+  return std::max<int64_t>(1, std::min(ceil_div(num_rows, rows_per_block), resident));
+}
+
+// The zeroed int64 words the grid sums of launches on the current stream add into (each
+// launch's gathering CTA zeroes its words again), grown as needed; one buffer per
+// device and stream (never used while a graph is captured: such calls take the Python
+// path, whose capture gets its own).
+at::Tensor grid_partials(const at::Tensor& like, int64_t words) {
+  static std::map<std::pair<int64_t, void*>, at::Tensor> buffers;
+  auto& buffer = buffers[{device_code(like), current_stream(like.device())}];
+  if (!buffer.defined() || buffer.numel() < words) {
+    buffer = at::zeros({words}, like.options().dtype(at::kLong));
+  }
+  return buffer;
+}
+
+std::optional<CrossEntropyKey> cross_entropy_key(const at::Tensor& logits,
+                                                 const at::Tensor& target, bool mean,
+                                                 double smoothing, double zloss,
+                                                 double softcap) {
+  if (logits.dim() != 2 || logits.size(0) == 0 || !logits.is_contiguous() ||
+      !target.is_contiguous() || target.dim() != 1 || target.size(0) != logits.size(0) ||
+      target.device() != logits.device() || capturing(logits.device())) {
+    return std::nullopt;
+  }
+  int64_t softcap_bits;
+  std::memcpy(&softcap_bits, &softcap, sizeof softcap_bits);
+  return CrossEntropyKey{logits.size(1), dtype_code(logits), dtype_code(target),
+                         device_code(logits), alignment(logits), mean, smoothing != 0.0,
+                         zloss != 0.0, softcap_bits};
+}
+
+struct CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& logits,
+                               const at::Tensor& target, int64_t ignore_index,
+                               double smoothing, double zloss, double softcap,
+                               int64_t plan_address) {
+    const auto& plan = *reinterpret_cast<const CrossEntropyPlan*>(plan_address);
+    int64_t num_rows = logits.size(0);
+    auto fp32 = logits.options().dtype(at::kFloat);
+    at::Tensor held_from = plan.unit;  // element 0: the gradient's scale, every row
+    int64_t held_index = 0;
+    if (plan.denominator != nullptr) {  // a mean: (D, 1 / D)
+      at::Tensor scales = at::empty({2}, fp32);
+      int64_t ctas = std::max<int64_t>(
+          1, std::min(ceil_div(num_rows, plan.targets_per_cta), plan.max_ctas));
+      Call(plan.denominator)
+          .vector(target).vector(scales).vector(scales)
+          .vector(grid_partials(logits, ctas + plan.denominator_fixed_words))
+          .integer(ignore_index).integer(ctas).run(logits.device());
+      held_from = scales;
+      held_index = 1;
+    }
+    at::Tensor stats = at::empty({2, num_rows}, fp32);  // losses, row weights
+    at::Tensor lse = at::empty({num_rows}, fp32);
+    at::Tensor reduced = at::empty({}, fp32);
+    at::Tensor grad = at::empty_like(logits, at::MemoryFormat::Contiguous);
+    bool loops = plan.resident_row_blocks > 0;
+    int64_t grid_rows = loops ? loop_grid_rows(num_rows, plan.rows_per_block,
+                                               plan.resident_row_blocks)
+                              : num_rows;  // (ignored by one row block per CTA)
+    int64_t row_blocks = loops ? grid_rows : ceil_div(num_rows, plan.rows_per_block);
+    Call(plan.forward)
+        .rows(logits, logits.size(1)).vector(target)
+        .slice(stats, 0, num_rows)  // (no class weights: a vector the kernel does not read)
+        .slice(stats, 0, num_rows).slice(stats, num_rows, num_rows).vector(lse)
+        .rows(grad, logits.size(1)).broadcast(held_from, held_index, num_rows)
+        .vector(reduced)
+        .vector(grid_partials(logits, row_blocks * plan.words_per_block + plan.fixed_words))
+        .integer(ignore_index).real(smoothing).real(zloss)
+        .real(softcap != 0.0 ? std::abs(softcap) : 1.0).integer(grid_rows)
+        .run(logits.device());
+    ctx->mark_non_differentiable({lse});
+    ctx->set_materialize_grads(false);
+    ctx->save_for_backward({grad, target});
+    ctx->saved_data["plan"] = plan_address;
+    ctx->saved_data["ignore_index"] = ignore_index;
+    return {reduced, lse};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list none(7);
+    const at::Tensor& dout = grads[0];
+    if (!dout.defined()) return none;
+    const auto& plan =
+        *reinterpret_cast<const CrossEntropyPlan*>(ctx->saved_data["plan"].toInt());
+    variable_list saved = ctx->get_saved_variables();
+    at::Tensor grad = saved[0];
+    const at::Tensor& target = saved[1];
+    // a graph that runs backward again keeps its saved gradient: rescale a copy
+    if (torch::autograd::get_current_graph_task_keep_graph()) grad = grad.clone();
+    at::Tensor dloss = dout.to(at::kFloat);
+    int64_t num_rows = grad.size(0);
+    Call(plan.rescale)
+        .rows(grad, grad.size(1)).rows(grad, grad.size(1)).vector(target)
+        .broadcast(dloss, 0, num_rows).broadcast(plan.unit, 0, num_rows)
+        .integer(ctx->saved_data["ignore_index"].toInt())
+        .integer(loop_grid_rows(num_rows, plan.rescale_rows_per_block,
+                                plan.rescale_resident_row_blocks))
+        .run(grad.device());
+    none[0] = grad;
+    return none;
+  }
+};
+
+// (the loss reduced over the rows, lse) of (M, C) logits that require grad, the node
+// holding the gradient; None as for norm().
+std::optional<variable_list> cross_entropy(const at::Tensor& logits, const at::Tensor& target,
+                                           int64_t ignore_index, double smoothing,
+                                           double zloss, double softcap, bool mean) {
+  auto key = cross_entropy_key(logits, target, mean, smoothing, zloss, softcap);
+  if (!key) return std::nullopt;
+  auto found = cross_entropy_plans().find(*key);
+  if (found == cross_entropy_plans().end()) return std::nullopt;
+  return CrossEntropyFunction::apply(logits, target, ignore_index, smoothing, zloss, softcap,
+                                     reinterpret_cast<int64_t>(&found->second));
+}
+
+bool cross_entropy_eligible(const at::Tensor& logits, const at::Tensor& target) {
+  return cross_entropy_key(logits, target, true, 0.0, 0.0, 0.0).has_value();
+}
+
+void register_cross_entropy_plan(const at::Tensor& logits, const at::Tensor& target,
+                                 bool mean, double smoothing, double zloss, double softcap,
+                                 int64_t denominator, int64_t forward, int64_t rescale,
+                                 const at::Tensor& unit, std::vector<int64_t> sizes) {
+  auto key = cross_entropy_key(logits, target, mean, smoothing, zloss, softcap);
+  TORCH_CHECK(key.has_value() && sizes.size() == 9,
+              "quack_kernels: these inputs take no native plan");
+  if (cross_entropy_plans().count(*key)) return;
+  cross_entropy_plans()[*key] = CrossEntropyPlan{
+      kernel_from_handle(denominator), kernel_from_handle(forward), kernel_from_handle(rescale),
+      unit, sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], sizes[6], sizes[7],
+      sizes[8]};
+}
+
 }  // namespace
 }  // namespace quack_kernels
 
@@ -425,4 +630,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("softmax", &quack_kernels::softmax);
   m.def("softmax_eligible", &quack_kernels::softmax_eligible);
   m.def("register_softmax_plan", &quack_kernels::register_softmax_plan);
+  m.def("cross_entropy", &quack_kernels::cross_entropy);
+  m.def("cross_entropy_eligible", &quack_kernels::cross_entropy_eligible);
+  m.def("register_cross_entropy_plan", &quack_kernels::register_cross_entropy_plan);
 }

@@ -38,14 +38,19 @@ from torch.autograd.function import once_differentiable
 
 from ..kernels.cross_entropy import CrossEntropyForward
 from ..kernels.mean_denominator import MeanDenominator
+from ..native import module as native_module
 from ..primitives.compile_cache import (
     SUPPORTED_DTYPES,
     compile_kernel,
     fake_rows,
     fake_strided_vector,
     fake_vector,
+    kernel_handle,
 )
 from ..primitives.config import (
+    MEAN_DENOMINATOR_MAX_CTAS,
+    MEAN_DENOMINATOR_THREADS,
+    MEAN_TARGETS_IN_FLIGHT,
     MeanDenominatorConfig,
     RowConfig,
     ce_fixed_max,
@@ -58,7 +63,7 @@ from ..primitives.config import (
     loops_over_row_blocks,
     with_prefetch,
 )
-from .rescale import rescale_launch
+from .rescale import compile_rescale, rescale_config, rescale_kernel, rescale_launch
 from .common import (
     alignment_key,
     as_rows,
@@ -832,6 +837,54 @@ def _late_gradient(ctx, dout: Tensor) -> Tensor:
     return forward(logits, target, weight, *ctx.options, True, scale)[2]
 
 
+# ------------------------------------------------------------------ the C++ fast path
+def _native_cross_entropy(rows: Tensor, target: Tensor, ignore_index: int,
+                          label_smoothing: float, lse_square_scale: float, softcap: float,
+                          mean: bool):
+    """(the reduced loss, lse) of the C++ fast path (native/launch.cpp: the training
+    step's kernels and autograd node without Python); None where it does not apply (not
+    built, fp16, non-contiguous, no rows, a graph being captured): the Python path
+    runs."""
+    native = native_module()
+    if native is None:
+        return None
+    options = (ignore_index, label_smoothing, lse_square_scale, softcap, mean)
+    out = native.cross_entropy(rows, target, *options)
+    if out is None and _native_plan(native, rows, target, *options[1:]):
+        out = native.cross_entropy(rows, target, *options)
+    return out
+
+
+def _native_plan(native, rows: Tensor, target: Tensor, label_smoothing: float,
+                 lse_square_scale: float, softcap: float, mean: bool) -> bool:
+    """Compile the training step's kernels for these inputs (no class weights) and
+    register them with the C++ fast path, under the key it derives from them (row
+    length, dtypes, alignment, device, mean or sum, which options are on, the softcap);
+    False where the fast path does not apply. Bad input raises here."""
+    if ce_gradient_in_backward(rows.dtype) or not native.cross_entropy_eligible(rows, target):
+        return False
+    _check_op_inputs(rows, target, None, None, cuda=True)
+    check_gpu(rows)
+    reduce = "mean" if mean else "sum"
+    # the gradient buffer is made as the logits are laid out (contiguous, aligned)
+    forward, cfg, resident = _forward_plan(rows, target, rows, False, False,
+                                           label_smoothing != 0.0, lse_square_scale != 0.0,
+                                           softcap, True, reduce)
+    denominator = compile_mean_denominator(False, target.dtype) if mean else None
+    rescale_cfg = rescale_config(rows.shape[1], rows.dtype, vector_limit(rows))
+    rescale = (rescale_cfg, rows.dtype, None, target.dtype, True)  # in place, broadcast scales
+    values = CrossEntropyForward.GRID_SUM_VALUES
+    sizes = [cfg.rows_per_block, resident or 0, values, values * grid_sum_slots(cfg, 0),
+             MEAN_DENOMINATOR_THREADS * MEAN_TARGETS_IN_FLIGHT, MEAN_DENOMINATOR_MAX_CTAS,
+             grid_sum_slots(MeanDenominatorConfig(False), 0), rescale_cfg.rows_per_block,
+             resident_row_blocks(rescale_kernel(*rescale)[0], rows.device)]
+    native.register_cross_entropy_plan(
+        rows, target, mean, label_smoothing, lse_square_scale, softcap,
+        kernel_handle(denominator), kernel_handle(forward), kernel_handle(compile_rescale(*rescale)),
+        unit_scale(torch.float32, rows.device), sizes)
+    return True
+
+
 # A backward with create_graph=True (grad mode on) must not be differentiated again: this
 # backward is not differentiable (an error then, not a silent None); once_differentiable's
 # wrapper costs ~10 us of host time, so only that case pays it.
@@ -902,7 +955,13 @@ def cross_entropy(logits: Tensor, target: Tensor, weight: Optional[Tensor] = Non
             float(lse_square_scale), float(softcap or 0.0))
     eager = eager_cuda(logits, target, weight)
 
-    if torch.is_grad_enabled() and logits.requires_grad:
+    native = None
+    if torch.is_grad_enabled() and logits.requires_grad and eager and reduction != "none" \
+            and weight is None and not inplace_backward:
+        native = _native_cross_entropy(rows, target_rows, *args[2:], reduction == "mean")
+    if native is not None:
+        out, lse = native
+    elif torch.is_grad_enabled() and logits.requires_grad:
         out, lse = CrossEntropyFunction.apply(rows, *args, bool(inplace_backward), reduction,
                                               eager)
         if reduction == "none":
