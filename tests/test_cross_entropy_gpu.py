@@ -200,6 +200,24 @@ def test_training_step_on_the_cpp_path(reduction, m, v, dtype, options):
     assert_close(second, 3.0 * xr.grad, dtype, scale=2.0, name="retained 2nd")
 
 
+def test_cpp_step_with_int32_targets_and_create_graph():
+    """The C++ training step with int32 targets (a plan of their own), and backward with
+    create_graph=True: the first-order gradient, and an error (not a silent None) when
+    it is differentiated again, as the Python path's once_differentiable gives."""
+    x, target = fresh(64, 32000, torch.bfloat16)
+    xr = x.double().requires_grad_()
+    torch_cross_entropy(xr, target, None).backward()
+    for targets in (target.int(), target):
+        leaf = x.clone().requires_grad_()
+        loss = qk.cross_entropy(leaf, targets)
+        assert type(loss.grad_fn).__name__ == "CppFunction"
+        upstream = torch.tensor(0.5, device="cuda", requires_grad=True)
+        (grad,) = torch.autograd.grad(loss, leaf, upstream, create_graph=True)
+        assert_close(grad, 0.5 * xr.grad, torch.bfloat16, scale=2.0, name="grad")
+        with pytest.raises(RuntimeError, match="once_differentiable"):
+            grad.float().sum().backward()
+
+
 @pytest.mark.parametrize("v,dtype", [(4096, torch.float32), (128256, torch.bfloat16),
                                      (151936, torch.float32)])
 def test_softcap_of_infinite_and_nan_logits(v, dtype):

@@ -164,14 +164,18 @@ def test_inputs_off_the_fast_path(module):
         module.register_norm_plan(x.t(), None, None, True, 0, 0, 0, 0, 0, 0, 0)
 
 
-def test_kernel_errors_come_back_as_python_errors(module):
+@pytest.mark.parametrize("raised,expected", [(ValueError, ValueError), (TypeError, TypeError),
+                                             (KeyError, RuntimeError)])
+def test_kernel_errors_come_back_as_python_errors(module, raised, expected):
+    """A kernel's argument checks raise TypeError / ValueError on the Python path; the C++
+    path raises the same kinds (others as RuntimeError), with the message."""
     def failing(*args):
-        raise ValueError("the stand-in refuses")
+        raise raised("the stand-in refuses")
 
-    x = torch.randn(2, N, dtype=torch.bfloat16)
+    x = torch.randn(2, 10 + len(raised.__name__), dtype=torch.bfloat16)  # a plan each
     kernel = tvm_ffi.convert(failing)
     module.register_norm_plan(x, None, None, True, kernel.__chandle__(), 0, 0, 0, 0, 0, 0)
-    with pytest.raises(RuntimeError, match="the stand-in refuses"):
+    with pytest.raises(expected, match="the stand-in refuses"):
         module.norm(x, None, None, 1e-6, 0.0, True)
 
 
@@ -229,7 +233,8 @@ class CrossEntropyStandIns:
         return [f.__chandle__() for f in self.functions]
 
     def denominator(self, target, weight_slot, out, partials, ignore_index, ctas):
-        self.calls.append(("denominator", ctas, tuple(partials.shape)))
+        # (the partials buffer is shared and only grows: its words are at least those asked)
+        self.calls.append(("denominator", ctas, partials.shape[0]))
         count = (as_long(target) != ignore_index).sum().float()
         as_torch(out).copy_(torch.stack((count, 1 / count)))
 
@@ -237,7 +242,7 @@ class CrossEntropyStandIns:
                 reduced, partials, ignore_index, smoothing, zloss, softcap, grid_rows):
         from quack_kernels.ops.cross_entropy import cross_entropy_reference
 
-        self.calls.append(("forward", tuple(grad_scale.strides), tuple(partials.shape),
+        self.calls.append(("forward", tuple(grad_scale.strides), partials.shape[0],
                            smoothing, zloss, softcap, grid_rows))
         target = as_long(target)
         scale = as_torch(grad_scale)
@@ -297,10 +302,14 @@ def test_cross_entropy_step_through_the_cpp_node(module, mean):
     torch.testing.assert_close(logits.grad, reference.grad)
     calls = stand_ins.calls
     if mean:  # 6 targets, 4 per CTA: 2 CTAs, 2 + 3 words
-        assert calls.pop(0) == ("denominator", 2, (5,))
+        name, ctas, words = calls.pop(0)
+        assert (name, ctas) == ("denominator", 2) and words >= 5
     # the gradient's scale broadcast to every row; a looping grid of 2 row blocks:
-    # partials of 2 * 2 + 10 words (the denominator's grown to them)
-    assert calls == [("forward", (0,), (14,), 0.0, 0.0, 1.0, 2), ("rescale", (0,), (0,), 4)]
+    # partials of 2 * 2 + 10 words
+    (name, scale_strides, words, *options), rescale = calls
+    assert (name, scale_strides, words >= 14, *options) == ("forward", (0,), True, 0.0, 0.0,
+                                                            1.0, 2)
+    assert rescale == ("rescale", (0,), (0,), 4)
 
 
 def test_cross_entropy_retained_graph_keeps_its_gradient(module):
@@ -317,3 +326,33 @@ def test_cross_entropy_retained_graph_keeps_its_gradient(module):
     loss.backward(torch.tensor(2.0))
     torch.testing.assert_close(logits.grad, 2 * first)
     assert stand_ins.calls[0][-2:] == (30.0, 4)  # |softcap|; one row block per CTA: grid M
+
+
+def test_cross_entropy_gradient_with_create_graph_is_once_differentiable(module):
+    logits = torch.randn(3, 44, requires_grad=True)
+    target = torch.randint(0, 44, (3,))
+    stand_ins = CrossEntropyStandIns()
+    _, forward, rescale = stand_ins.handles()
+    module.register_cross_entropy_plan(logits, target, False, 0.0, 0.0, 0.0, 0, forward,
+                                       rescale, torch.ones(()), [4, 0, 2, 10, 4, 8, 3, 1, 4])
+    loss, _ = module.cross_entropy(logits, target, -100, 0.0, 0.0, 0.0, False)
+    upstream = torch.tensor(0.5, requires_grad=True)
+    (grad,) = torch.autograd.grad(loss, logits, upstream, create_graph=True)
+    reference = logits.detach().clone().requires_grad_()
+    torch.nn.functional.cross_entropy(reference, target, reduction="sum").backward()
+    torch.testing.assert_close(grad, 0.5 * reference.grad)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad.sum().backward()
+
+
+def test_saved_tensor_changed_by_a_hook_is_refused(module):
+    x = torch.randn(4, 45, requires_grad=True)
+    stand_ins = StandIns(rms=True)
+    forward, backward, sums = stand_ins.handles()
+    module.register_norm_plan(x, None, None, True, forward, backward, sums, 1, 4, SUM_WIDTH,
+                              SUM_PADDED)
+    # an unpack hook that hands back a transposed copy's transpose: same values, new strides
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t.t().contiguous().t()):
+        y, _ = module.norm(x, None, None, 1e-6, 0.0, True)
+    with pytest.raises(RuntimeError, match="expects a contiguous tensor"):
+        y.sum().backward()

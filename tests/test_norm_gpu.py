@@ -80,11 +80,13 @@ def test_forward_backward(n, dtype, rms):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [1, 7, 1000, 4096, 131073])
 @pytest.mark.parametrize("rms", [True, False])
-def test_public_api_on_the_cpp_path(rms, n, dtype, grads):
+def test_public_api_on_the_cpp_path(monkeypatch, rms, n, dtype, grads):
     """rms_norm / layer_norm of contiguous inputs without a residual run on the C++
     fast path (native/launch.cpp): its node is the graph's, its outputs and gradients
     match fp64 (outputs and gradients over NaN-filled blocks), an upstream gradient of
-    another dtype and layout included."""
+    another dtype and layout included; without a gradient the Python launch never
+    runs."""
+    monkeypatch.setattr(ops, "_norm_forward_eager", None)  # (the Python path's launch)
     w_dtype = torch.float32 if dtype == torch.bfloat16 else dtype  # mixed where it can
     x = fresh((3, 11, n), dtype, 2.0, 0.5).requires_grad_(grads in ("all", "x"))
     w = fresh(n, w_dtype, 0.5, 1.0).requires_grad_(grads in ("all", "weight"))
@@ -115,6 +117,41 @@ def test_public_api_on_the_cpp_path(rms, n, dtype, grads):
         assert_close(w.grad, rdw, w_dtype, scale=grow, name="dweight")
     if b is not None and b.requires_grad:
         assert_close(b.grad, rdb, w_dtype, scale=grow, name="dbias")
+
+
+def test_cpp_path_plans_by_alignment_and_gradients_and_serves_modules():
+    """The C++ fast path keys its plans by what they were decided from: a misaligned x
+    (an offset of one element: 2-byte vectors) and an aligned one, a bias-only gradient
+    (the one-segment column sum of dbias), and nn.Parameter weights of the modules; a
+    saved_tensors_hooks pair offloading to the CPU hands contiguous tensors back."""
+    n = 4096
+    base = fresh(16 * n + 1, torch.bfloat16, 2.0, 0.5)
+    w = fresh(n, torch.bfloat16, 0.5, 1.0)
+    b = fresh(n, torch.bfloat16, 0.5)
+    for x in (base[1:].view(16, n), base[:-1].view(16, n)):  # misaligned, then aligned
+        bias = b.clone().requires_grad_()
+        y = qk.layer_norm(x, w, bias)
+        assert "NormFunction" in y.grad_fn.name()
+        ry, _, mean, rstd = forward_ref(x, w, b, None, 1e-5, 0.0, False)
+        assert_close(y, ry, torch.bfloat16)
+        dy = fresh((16, n), torch.bfloat16)
+        y.backward(dy)
+        _, _, rdb = ops.norm_backward_reference(dy, x, w, mean, rstd, None, 0.0, False, F64)
+        assert_close(bias.grad, rdb, torch.bfloat16, scale=16.0, name="dbias")
+    for module in (qk.nn.RMSNorm(n).cuda(), qk.nn.LayerNorm(n).cuda()):
+        x = fresh((64, n), torch.float32).requires_grad_()
+        with torch.autograd.graph.save_on_cpu():
+            y = module(x)
+        assert "NormFunction" in y.grad_fn.name(), y.grad_fn.name()
+        dy = fresh((64, n), torch.float32)
+        y.backward(dy)
+        ref_x = x.detach().double().requires_grad_()
+        ref_module = (torch.nn.RMSNorm(n, eps=1e-6) if isinstance(module, qk.nn.RMSNorm)
+                      else torch.nn.LayerNorm(n)).cuda().double()
+        ref_module(ref_x).backward(dy.double())
+        assert_close(x.grad, ref_x.grad, torch.float32, scale=4.0, name="dx")
+        assert_close(module.weight.grad, ref_module.weight.grad, torch.float32, scale=32.0,
+                     name="dweight")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -11,6 +11,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/csrc/utils/pybind.h>
 #include <tvm/ffi/c_api.h>
 #include <tvm/ffi/extra/c_env_api.h>
@@ -50,16 +51,20 @@ DLDataType dl_dtype(at::ScalarType dtype) {
   }
 }
 
+// The error a kernel call raised, as the Python exception its kind names (TypeError and
+// ValueError as on the Python path, which gets them from the same argument checks).
 [[noreturn]] void throw_raised_error() {
   TVMFFIObjectHandle error = nullptr;
   TVMFFIErrorMoveFromRaised(&error);
-  std::string message = "quack_kernels: kernel launch failed";
+  std::string kind, message = "quack_kernels: kernel launch failed";
   if (error != nullptr) {
     const TVMFFIErrorCell* cell = TVMFFIErrorGetCellPtr(error);
-    message = std::string(cell->kind.data, cell->kind.size) + ": " +
-              std::string(cell->message.data, cell->message.size);
+    kind = std::string(cell->kind.data, cell->kind.size);
+    message = kind + ": " + std::string(cell->message.data, cell->message.size);
     TVMFFIObjectDecRef(error);
   }
+  TORCH_CHECK_TYPE(kind != "TypeError", message);
+  TORCH_CHECK_VALUE(kind != "ValueError", message);
   TORCH_CHECK(false, message);
 }
 
@@ -81,6 +86,7 @@ bool capturing(const c10::Device& device) {
     return driver ? reinterpret_cast<IsCapturing>(dlsym(driver, "cuStreamIsCapturing"))
                   : nullptr;
   }();
+  c10::DeviceGuard on_device(device);  // (the null stream is the current context's)
   int status = 1;
   return is_capturing == nullptr || is_capturing(current_stream(device), &status) != 0 ||
          status != 0;
@@ -97,7 +103,7 @@ class Call {
   // A contiguous (..., n_cols) tensor as (M, n_cols); undefined: None.
   Call& rows(const at::Tensor& t, int64_t n_cols) {
     if (!t.defined()) return none();
-    return tensor(t, {t.numel() / n_cols, n_cols}, {n_cols, 1}, 2);
+    return tensor(contiguous(t), {t.numel() / n_cols, n_cols}, {n_cols, 1}, 2);
   }
   // A (M, n_cols) view of row stride ``row_stride`` starting ``first_col`` columns in.
   Call& strided_rows(const at::Tensor& t, int64_t n_cols, int64_t row_stride,
@@ -107,11 +113,11 @@ class Call {
   // A contiguous tensor as 1-D; undefined: None.
   Call& vector(const at::Tensor& t) {
     if (!t.defined()) return none();
-    return tensor(t, {t.numel(), 0}, {1, 0}, 1);
+    return tensor(contiguous(t), {t.numel(), 0}, {1, 0}, 1);
   }
   // ``length`` elements of a contiguous tensor from element ``first`` on.
   Call& slice(const at::Tensor& t, int64_t first, int64_t length) {
-    return tensor(t, {length, 0}, {1, 0}, 1, first);
+    return tensor(contiguous(t), {length, 0}, {1, 0}, 1, first);
   }
   // Element ``index`` of a contiguous tensor seen ``length`` times (stride 0).
   Call& broadcast(const at::Tensor& t, int64_t index, int64_t length) {
@@ -154,6 +160,16 @@ class Call {
 
  private:
   static constexpr int kMaxArgs = 16;
+
+  // The layout these views assume: what the plans' keys guarantee for the inputs, and
+  // the outputs are made so; a saved tensor a saved_tensors_hooks unpack hook changed is
+  // refused, not misread.
+  static const at::Tensor& contiguous(const at::Tensor& t) {
+    TORCH_CHECK(t.is_contiguous(), "quack_kernels: the C++ fast path expects a contiguous "
+                "tensor (a saved tensor changed by an unpack hook?), got strides ",
+                t.strides());
+    return t;
+  }
 
   TVMFFIAny& next() {
     TORCH_CHECK(count_ < kMaxArgs, "quack_kernels: too many kernel arguments");
@@ -591,6 +607,14 @@ struct CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFunct
         .integer(loop_grid_rows(num_rows, plan.rescale_rows_per_block,
                                 plan.rescale_resident_row_blocks))
         .run(grad.device());
+    if (at::GradMode::is_enabled()) {
+      // create_graph: the first-order gradient, and an error if it is differentiated
+      // again, as Python's once_differentiable gives (the fused gradient has no graph)
+      auto error = std::make_shared<torch::autograd::DelayedError>(
+          "trying to differentiate twice a function that was marked with "
+          "@once_differentiable (quack_kernels' fused cross-entropy gradient)", 1);
+      grad = (*error)({grad.detach().requires_grad_()})[0];
+    }
     none[0] = grad;
     return none;
   }

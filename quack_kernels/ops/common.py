@@ -77,10 +77,17 @@ def eager_cuda(*tensors) -> bool:
     directly: plain CUDA tensors (None allowed), no torch.compile tracing and no
     dispatch mode (fake tensors, profilers of ops). The dispatcher's Python layers cost
     100+ us per call in torch 2.11 (measured with benchmarks/host_profile.py), more
-    than the kernels of most shapes."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+    than the kernels of most shapes. Under functorch transforms (vmap, grad) tensors
+    are wrapped and have no data of their own."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() \
+            or torch._C._are_functorch_transforms_active():
         return False
-    return all(t is None or (type(t) is torch.Tensor and t.is_cuda) for t in tensors)
+    return all(t is None or (type(t) in _PLAIN_TENSORS and t.is_cuda) for t in tensors)
+
+
+# tensors whose data the kernels may read directly: not subclasses (DTensor, fake
+# tensors, ...) beyond Parameter, which every module's weights are
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def as_rows(tensor: torch.Tensor) -> torch.Tensor:
