@@ -16,6 +16,7 @@ tvm_ffi = pytest.importorskip("tvm_ffi")
 
 N = 24  # row length of the stand-in plans
 SUM_WIDTH, SUM_PADDED = 64, 32  # dweight at column 0 of a partial row, dbias at 32
+NO_KERNEL = [0, 0, 0]  # (handle, ...) of a kernel a plan does not have
 
 
 @pytest.fixture(scope="module")
@@ -48,25 +49,29 @@ class StandIns:
         return [f.__chandle__() for f in self.functions]
 
     def forward(self, x, residual, weight, bias, y, h, mean, rstd, eps, weight_offset):
-        self.calls.append(("forward", residual, h, eps, weight_offset, tuple(x.shape)))
+        self.calls.append(("forward", residual is None, h is None, eps, weight_offset,
+                           tuple(x.shape)))
         x, weight, bias = as_torch(x), as_torch(weight), as_torch(bias)
-        ry, _, rmean, rrstd = ops.norm_reference(x, weight, bias, None, eps, weight_offset,
-                                                 self.rms)
+        ry, rh, rmean, rrstd = ops.norm_reference(x, weight, bias, as_torch(residual), eps,
+                                                  weight_offset, self.rms)
         as_torch(y).copy_(ry)
         as_torch(rstd).copy_(rrstd)
+        if h is not None:
+            as_torch(h).copy_(rh)
         assert (mean is None) == self.rms
         if mean is not None:
             as_torch(mean).copy_(rmean)
 
     def backward(self, h, dy, weight, mean, rstd, dres_out, dx, dresidual, dw_part, db_part,
                  weight_offset, grid_rows):
-        self.calls.append(("backward", dres_out, dresidual, weight_offset, grid_rows,
-                           dx is None, dw_part is None, db_part is None))
+        self.calls.append(("backward", dres_out is None, dresidual is None, weight_offset,
+                           grid_rows, dx is None, dw_part is None, db_part is None))
         dh, dw, db = ops.norm_backward_reference(as_torch(dy), as_torch(h), as_torch(weight),
-                                                 as_torch(mean), as_torch(rstd), None,
-                                                 weight_offset, self.rms)
-        if dx is not None:
-            as_torch(dx).copy_(dh)
+                                                 as_torch(mean), as_torch(rstd),
+                                                 as_torch(dres_out), weight_offset, self.rms)
+        for out in (dx, dresidual):
+            if out is not None:
+                as_torch(out).copy_(dh)
         # the sums over rows land in the first partial row; the column sum adds them up
         for part, total in ((dw_part, dw), (db_part, db)):
             if part is not None:
@@ -76,17 +81,25 @@ class StandIns:
 
     def sums(self, partial, first, second):
         self.calls.append(("sums", tuple(partial.shape), second is None))
-        partial = as_torch(partial)
-        as_torch(first).copy_(partial[:, :N].sum(0))
+        partial, n = as_torch(partial), first.shape[0]
+        as_torch(first).copy_(partial[:, :n].sum(0))
         if second is not None:
             start = SUM_WIDTH - SUM_PADDED
-            as_torch(second).copy_(partial[:, start:start + N].sum(0))
+            as_torch(second).copy_(partial[:, start:start + n].sum(0))
 
 
-def register(module, stand_ins, x, weight, bias, rms, rows_per_block=2, resident=3):
+def register(module, stand_ins, x, weight, bias, rms, rows_per_block=2, resident=3,
+             residual=None, prenorm=False):
+    """A plan of the stand-ins; its backward with the stream's gradient (prenorm) runs
+    row blocks of one row, at most 5 resident."""
     forward, backward, sums = stand_ins.handles()
-    module.register_norm_plan(x, weight, bias, rms, forward, backward, sums, rows_per_block,
-                              resident, SUM_WIDTH, SUM_PADDED)
+    module.register_norm_plan(x, weight, bias, residual, None, rms, prenorm, forward,
+                              [backward, rows_per_block, resident], [backward, 1, 5],
+                              [sums, SUM_WIDTH, SUM_PADDED])
+
+
+def norm(module, x, weight, bias, eps, weight_offset, rms, residual=None, prenorm=False):
+    return module.norm(x, weight, bias, residual, None, eps, weight_offset, rms, prenorm)
 
 
 @pytest.mark.parametrize("rms", [True, False])
@@ -95,9 +108,9 @@ def test_plan_runs_forward_and_backward_through_the_cpp_node(module, rms):
     weight = torch.randn(N, requires_grad=True)
     bias = None if rms else torch.randn(N, requires_grad=True)
     stand_ins = StandIns(rms)
-    assert module.norm(x, weight, bias, 1e-5, 0.25, rms) is None  # no plan yet
+    assert norm(module, x, weight, bias, 1e-5, 0.25, rms) is None  # no plan yet
     register(module, stand_ins, x, weight, bias, rms)
-    outputs = module.norm(x, weight, bias, 1e-5, 0.25, rms)
+    outputs = norm(module, x, weight, bias, 1e-5, 0.25, rms)
     y, rstd = outputs[0], outputs[-1]
     assert type(y.grad_fn).__name__ == "CppFunction" and "NormFunction" in y.grad_fn.name()
     assert not rstd.requires_grad
@@ -117,9 +130,9 @@ def test_plan_runs_forward_and_backward_through_the_cpp_node(module, rms):
     if not rms:
         torch.testing.assert_close(bias.grad, db)
     forward, backward, sums = stand_ins.calls
-    assert forward == ("forward", None, None, 1e-5, 0.25, (10, N))
+    assert forward == ("forward", True, True, 1e-5, 0.25, (10, N))
     # 10 rows in blocks of 2, at most 3 resident: a grid of 3 row blocks
-    assert backward == ("backward", None, None, 0.25, 3, False, False, rms)
+    assert backward == ("backward", True, True, 0.25, 3, False, False, rms)
     assert sums == ("sums", (6, SUM_WIDTH), rms)
 
 
@@ -129,7 +142,7 @@ def test_gradients_not_asked_for_are_neither_computed_nor_returned(module):
     bias = torch.randn(N)  # frozen
     stand_ins = StandIns(rms=False)
     register(module, stand_ins, x, weight, bias, False)
-    y = module.norm(x, weight, bias, 1e-5, 0.0, False)[0]
+    y = norm(module, x, weight, bias, 1e-5, 0.0, False)[0]
     y.sum().backward()
     _, backward, sums = stand_ins.calls
     assert backward[-3:] == (True, False, True)  # no dx, dweight, no dbias
@@ -144,10 +157,11 @@ def test_inference_plan_is_apart_and_builds_no_graph(module):
     x = torch.randn(3, N, requires_grad=True)
     stand_ins = StandIns(rms=True)
     with torch.no_grad():
-        assert module.norm(x, None, None, 1e-6, 0.0, True) is None  # grad plans don't serve it
+        assert norm(module, x, None, None, 1e-6, 0.0, True) is None  # grad plans don't serve
         forward = stand_ins.handles()[0]
-        module.register_norm_plan(x, None, None, True, forward, 0, 0, 0, 0, 0, 0)
-        y, rstd = module.norm(x, None, None, 1e-6, 0.0, True)
+        module.register_norm_plan(x, None, None, None, None, True, False, forward, NO_KERNEL,
+                                  NO_KERNEL, NO_KERNEL)
+        y, rstd = norm(module, x, None, None, 1e-6, 0.0, True)
     assert y.grad_fn is None
     torch.testing.assert_close(y, ops.norm_reference(x.detach(), None, None, None, 1e-6, 0.0,
                                                      True)[0])
@@ -155,13 +169,15 @@ def test_inference_plan_is_apart_and_builds_no_graph(module):
 
 def test_inputs_off_the_fast_path(module):
     x = torch.randn(6, N)
-    assert module.norm_eligible(x, None, None)
-    assert not module.norm_eligible(x.t(), None, None)  # non-contiguous
-    assert not module.norm_eligible(x[:0], None, None)  # no rows
-    assert not module.norm_eligible(x, torch.randn(N + 1), None)  # weight of another length
-    assert not module.norm_eligible(x, torch.randn(2 * N)[::2], None)  # strided weight
+    assert module.norm_eligible(x, None, None, None)
+    assert not module.norm_eligible(x.t(), None, None, None)  # non-contiguous
+    assert not module.norm_eligible(x[:0], None, None, None)  # no rows
+    assert not module.norm_eligible(x, torch.randn(N + 1), None, None)  # another length
+    assert not module.norm_eligible(x, torch.randn(2 * N)[::2], None, None)  # strided
+    assert not module.norm_eligible(x, None, None, torch.randn(3, N))  # residual's shape
     with pytest.raises(RuntimeError, match="take no native plan"):
-        module.register_norm_plan(x.t(), None, None, True, 0, 0, 0, 0, 0, 0, 0)
+        module.register_norm_plan(x.t(), None, None, None, None, True, False, 0, NO_KERNEL,
+                                  NO_KERNEL, NO_KERNEL)
 
 
 @pytest.mark.parametrize("raised,expected", [(ValueError, ValueError), (TypeError, TypeError),
@@ -174,9 +190,10 @@ def test_kernel_errors_come_back_as_python_errors(module, raised, expected):
 
     x = torch.randn(2, 10 + len(raised.__name__), dtype=torch.bfloat16)  # a plan each
     kernel = tvm_ffi.convert(failing)
-    module.register_norm_plan(x, None, None, True, kernel.__chandle__(), 0, 0, 0, 0, 0, 0)
+    module.register_norm_plan(x, None, None, None, None, True, False, kernel.__chandle__(),
+                              NO_KERNEL, NO_KERNEL, NO_KERNEL)
     with pytest.raises(expected, match="the stand-in refuses"):
-        module.norm(x, None, None, 1e-6, 0.0, True)
+        norm(module, x, None, None, 1e-6, 0.0, True)
 
 
 def test_disabled_by_the_environment(monkeypatch):
@@ -348,11 +365,36 @@ def test_cross_entropy_gradient_with_create_graph_is_once_differentiable(module)
 def test_saved_tensor_changed_by_a_hook_is_refused(module):
     x = torch.randn(4, 45, requires_grad=True)
     stand_ins = StandIns(rms=True)
-    forward, backward, sums = stand_ins.handles()
-    module.register_norm_plan(x, None, None, True, forward, backward, sums, 1, 4, SUM_WIDTH,
-                              SUM_PADDED)
+    register(module, stand_ins, x, None, None, True, rows_per_block=1, resident=4)
     # an unpack hook that hands back a transposed copy's transpose: same values, new strides
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t.t().contiguous().t()):
-        y, _ = module.norm(x, None, None, 1e-6, 0.0, True)
+        y, _ = norm(module, x, None, None, 1e-6, 0.0, True)
     with pytest.raises(RuntimeError, match="expects a contiguous tensor"):
         y.sum().backward()
+
+
+def test_prenorm_residual_stream_and_its_gradient(module):
+    """With a residual and prenorm: the stored stream h = x + residual is an output, the
+    backward reads it instead of x, and with h's own gradient the plan's second backward
+    variant runs (rows of 1 per block here) and dh joins dx and dresidual."""
+    x = torch.randn(5, 40, requires_grad=True)
+    residual = torch.randn(5, 40, requires_grad=True)
+    weight = torch.randn(40, requires_grad=True)
+    stand_ins = StandIns(rms=True)
+    register(module, stand_ins, x, weight, None, True, residual=residual, prenorm=True)
+    y, h, rstd = norm(module, x, weight, None, 1e-6, 0.0, True, residual, prenorm=True)
+    torch.testing.assert_close(h, x.detach() + residual.detach())
+    assert h.requires_grad and not rstd.requires_grad
+    dy, dh = torch.randn(5, 40), torch.randn(5, 40)
+    torch.autograd.backward([y, h], [dy, dh])
+    hd = (x.detach() + residual.detach()).requires_grad_()
+    wd = weight.detach().clone().requires_grad_()
+    yd = torch.nn.functional.rms_norm(hd, (40,), wd, eps=1e-6)
+    torch.autograd.backward([yd, hd], [dy, dh])
+    torch.testing.assert_close(x.grad, hd.grad)
+    torch.testing.assert_close(residual.grad, hd.grad)
+    torch.testing.assert_close(weight.grad, wd.grad)
+    forward, backward, _ = stand_ins.calls
+    assert forward[:3] == ("forward", False, False)  # the residual read, h stored
+    # dh given, dx and dresidual written; the stream variant's grid: 5 row blocks of 1
+    assert backward[:3] == ("backward", False, False) and backward[4] == 5

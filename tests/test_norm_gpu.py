@@ -119,6 +119,56 @@ def test_public_api_on_the_cpp_path(monkeypatch, rms, n, dtype, grads):
         assert_close(b.grad, rdb, w_dtype, scale=grow, name="dbias")
 
 
+@pytest.mark.parametrize("n", [1000, 4096, 65536])
+@pytest.mark.parametrize("stream", ["bf16", "fp32 stream", "fp32 residual"])
+@pytest.mark.parametrize("prenorm,use_h", [(True, True), (True, False), (False, False)])
+@pytest.mark.parametrize("rms", [True, False])
+def test_residual_on_the_cpp_path(rms, prenorm, use_h, stream, n):
+    """The add + norm of a transformer block on the C++ fast path: bf16 x with a bf16 or
+    fp32 residual, the stream h = x + residual in bf16 or fp32 (residual_dtype), stored
+    and returned with prenorm (and stored for the backward without it), h's own gradient
+    added where h is used (the plan's second backward variant) and not where only y is;
+    every output and gradient against fp64 over NaN-filled blocks."""
+    m = 37
+    r_dtype = torch.float32 if stream == "fp32 residual" else torch.bfloat16
+    res_dtype = torch.float32 if stream == "fp32 stream" else None
+    x = fresh((m, n), torch.bfloat16, 2.0, 0.5).requires_grad_()
+    r = fresh((m, n), r_dtype).requires_grad_()
+    w = fresh(n, torch.bfloat16, 0.5, 1.0).requires_grad_()
+    b = None if rms else fresh(n, torch.bfloat16).requires_grad_()
+    norm = qk.rms_norm if rms else qk.layer_norm
+    kw = dict(residual=r, prenorm=prenorm, residual_dtype=res_dtype)
+    poison_allocator(x, x, x)
+    out = norm(x, w, **kw) if rms else norm(x, w, b, **kw)
+    y, h = out if prenorm else (out, None)
+    assert "NormFunction" in y.grad_fn.name(), y.grad_fn.name()
+    stream_dtype = res_dtype or r_dtype
+    ry, rh, _, _ = forward_ref(x.detach(), w.detach(), None if rms else b.detach(), r.detach(),
+                               1e-6 if rms else 1e-5, 0.0, rms, None, stream_dtype)
+    assert_close(y, ry, torch.bfloat16)
+    if prenorm:
+        assert h.dtype == stream_dtype
+        assert_close(h, rh, stream_dtype, name="h")
+    dy = fresh((m, n), torch.bfloat16)
+    dh = fresh((m, n), stream_dtype) if use_h else None
+    poison_allocator(x, r, x)
+    torch.autograd.backward([y, h] if use_h else [y], [dy, dh] if use_h else [dy])
+    leaves = [t.detach().double().requires_grad_() for t in (x, r, w)]
+    xd, rd, wd = leaves
+    hd = xd + rd
+    bd = None if rms else b.detach().double().requires_grad_()
+    yd = torch.nn.functional.rms_norm(hd, (n,), wd, eps=1e-6) if rms \
+        else torch.nn.functional.layer_norm(hd, (n,), wd, bd, eps=1e-5)
+    torch.autograd.backward([yd, hd] if use_h else [yd],
+                            [dy.double(), dh.double()] if use_h else [dy.double()])
+    low = max((torch.bfloat16, r_dtype, stream_dtype), key=lambda d: TOL_ORDER[d])
+    assert_close(x.grad, xd.grad, low, scale=4.0, name="dx")
+    assert_close(r.grad, rd.grad, low, scale=4.0, name="dresidual")
+    assert_close(w.grad, wd.grad, low, scale=4.0 * math.sqrt(m), name="dweight")
+    if not rms:
+        assert_close(b.grad, bd.grad, low, scale=4.0 * math.sqrt(m), name="dbias")
+
+
 def test_cpp_path_plans_by_alignment_and_gradients_and_serves_modules():
     """The C++ fast path keys its plans by what they were decided from: a misaligned x
     (an offset of one element: 2-byte vectors) and an aligned one, a bias-only gradient

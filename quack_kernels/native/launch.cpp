@@ -212,14 +212,14 @@ int64_t alignment(const at::Tensor& t) {
   return static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16);
 }
 
-// An upstream gradient as the plans' backward kernels read it: as ``output`` was written
-// (its dtype, contiguous, 16-byte aligned), copied only where it is not.
-at::Tensor as_written(const at::Tensor& grad, const at::Tensor& output) {
-  if (grad.scalar_type() == output.scalar_type() && grad.is_contiguous() &&
-      alignment(grad) == 0) {
+// An upstream gradient as the plans' backward kernels read it: in ``dtype`` with the
+// layout of ``like`` (contiguous, 16-byte aligned), copied only where it is not.
+at::Tensor as_written(const at::Tensor& grad, const at::Tensor& like, at::ScalarType dtype) {
+  if (grad.scalar_type() == dtype && grad.is_contiguous() && alignment(grad) == 0) {
     return grad;
   }
-  return at::empty_like(output, at::MemoryFormat::Contiguous).copy_(grad);
+  return at::empty_like(like, like.options().dtype(dtype), at::MemoryFormat::Contiguous)
+      .copy_(grad);
 }
 
 int64_t dtype_code(const at::Tensor& t) {
@@ -229,20 +229,34 @@ int64_t dtype_code(const at::Tensor& t) {
 int64_t device_code(const at::Tensor& t) { return t.is_cuda() ? t.get_device() : -1; }
 
 
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// config.loop_grid_rows
+int64_t loop_grid_rows(int64_t num_rows, int64_t rows_per_block, int64_t resident) {
+  return std::max<int64_t>(1, std::min(ceil_div(num_rows, rows_per_block), resident));
+}
+
 // ------------------------------------------------------------------------ norms
 // What a plan was decided from (ops/norm.py, _native_plan): the row length, dtypes,
-// alignments and device of x, weight and bias (-1: absent), and which gradients the
-// backward computes.
-using NormKey = std::array<int64_t, 12>;
+// alignments and device of x, weight, bias and residual (-1: absent), the residual
+// stream's dtype and whether it is stored, and which gradients the backward computes.
+using NormKey = std::array<int64_t, 17>;
+
+// A backward variant: with or without the stored stream's own gradient (prenorm).
+struct NormBackwardKernel {
+  TVMFFIObjectHandle kernel = nullptr;
+  int64_t rows_per_block = 1;
+  int64_t resident_row_blocks = 1;
+};
 
 struct NormPlan {
   TVMFFIObjectHandle forward = nullptr;
-  TVMFFIObjectHandle backward = nullptr;    // null without a gradient
-  TVMFFIObjectHandle column_sum = nullptr;  // null without dweight / dbias
-  bool rms = true;
-  bool need_dx = false, need_dweight = false, need_dbias = false;
-  int64_t rows_per_block = 1;
-  int64_t resident_row_blocks = 1;
+  NormBackwardKernel backward;               // kernel null without a gradient
+  NormBackwardKernel backward_with_stream;   // ... with the stream's gradient added
+  TVMFFIObjectHandle column_sum = nullptr;   // null without dweight / dbias
+  bool rms = true, has_residual = false, store = false;
+  at::ScalarType stream_dtype = at::kFloat;  // the stored stream h = x + residual
+  bool need_dx = false, need_dweight = false, need_dbias = false, need_dresidual = false;
   int64_t sum_width = 0;   // partial sums per row block: dweight | dbias side by side
   int64_t sum_padded = 0;  // where dbias starts from the end of a partial row
 };
@@ -258,146 +272,216 @@ bool vector_fits(const at::Tensor& t, const at::Tensor& x, int64_t n_cols) {
 }
 
 // The key of a call, or nothing where the fast path does not apply (the Python path then
-// handles, or rejects, the call).
+// handles, or rejects, the call). The stream is stored where it is returned (prenorm) or
+// the backward needs it.
 std::optional<NormKey> norm_key(const at::Tensor& x, const at::Tensor& weight,
-                                const at::Tensor& bias, bool rms) {
+                                const at::Tensor& bias, const at::Tensor& residual,
+                                std::optional<at::ScalarType> stream_dtype, bool rms,
+                                bool prenorm) {
   if (x.dim() < 1 || x.numel() == 0 || !x.is_contiguous()) return std::nullopt;
   int64_t n_cols = x.size(-1);
   if (!vector_fits(weight, x, n_cols) || !vector_fits(bias, x, n_cols)) return std::nullopt;
+  if (residual.defined() && (!residual.is_contiguous() || residual.sizes() != x.sizes() ||
+                             residual.device() != x.device())) {
+    return std::nullopt;
+  }
   bool grad = at::GradMode::is_enabled();
+  bool need_dx = grad && needs_grad(x), need_dweight = grad && needs_grad(weight),
+       need_dbias = grad && needs_grad(bias), need_dresidual = grad && needs_grad(residual);
+  bool store = residual.defined() &&
+               (prenorm || need_dx || need_dweight || need_dbias || need_dresidual);
   auto align = [](const at::Tensor& t) { return t.defined() ? alignment(t) : -1; };
-  return NormKey{rms, n_cols, dtype_code(x), dtype_code(weight), dtype_code(bias), align(x),
-                 align(weight), align(bias), device_code(x),
-                 grad && needs_grad(x), grad && needs_grad(weight), grad && needs_grad(bias)};
+  int64_t stream = residual.defined()
+      ? static_cast<int64_t>(stream_dtype.value_or(residual.scalar_type())) : -1;
+  return NormKey{rms, n_cols, dtype_code(x), dtype_code(weight), dtype_code(bias),
+                 dtype_code(residual), align(x), align(weight), align(bias), align(residual),
+                 device_code(x), stream, store, need_dx, need_dweight, need_dbias,
+                 need_dresidual};
 }
 
-// (y, [mean,] rstd) of the forward kernel.
+// (y, [h,] [mean,] rstd) of the forward kernel: h, the stream x + residual, where the
+// plan stores it.
 variable_list norm_forward(const NormPlan& plan, const at::Tensor& x, const at::Tensor& weight,
-                           const at::Tensor& bias, double eps, double weight_offset) {
+                           const at::Tensor& bias, const at::Tensor& residual, double eps,
+                           double weight_offset) {
   int64_t n_cols = x.size(-1);
   auto stats_shape = x.sizes().slice(0, x.dim() - 1);
   auto stats_options = x.options().dtype(at::kFloat);
   at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  at::Tensor h = plan.store ? at::empty(x.sizes(), x.options().dtype(plan.stream_dtype))
+                            : at::Tensor();
   at::Tensor rstd = at::empty(stats_shape, stats_options);
   at::Tensor mean = plan.rms ? at::Tensor() : at::empty(stats_shape, stats_options);
   Call(plan.forward)
-      .rows(x, n_cols).none().vector(weight).vector(bias).rows(y, n_cols).none()
-      .vector(mean).vector(rstd).real(eps).real(weight_offset)
+      .rows(x, n_cols).rows(residual, n_cols).vector(weight).vector(bias).rows(y, n_cols)
+      .rows(h, n_cols).vector(mean).vector(rstd).real(eps).real(weight_offset)
       .run(x.device());
-  return plan.rms ? variable_list{y, rstd} : variable_list{y, mean, rstd};
+  variable_list outputs{y};
+  if (plan.store) outputs.push_back(h);
+  if (!plan.rms) outputs.push_back(mean);
+  outputs.push_back(rstd);
+  return outputs;
 }
 
 struct NormFunction : public torch::autograd::Function<NormFunction> {
-  // (weight and bias optional: an undefined tensor would be taken for an input variable)
+  // (weight, bias and residual optional: an undefined tensor would be taken for an input
+  // variable)
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x,
                                const std::optional<at::Tensor>& optional_weight,
-                               const std::optional<at::Tensor>& optional_bias, double eps,
+                               const std::optional<at::Tensor>& optional_bias,
+                               const std::optional<at::Tensor>& optional_residual, double eps,
                                double weight_offset, int64_t plan_address) {
     const auto& plan = *reinterpret_cast<const NormPlan*>(plan_address);
     at::Tensor weight = optional_weight.value_or(at::Tensor());
     at::Tensor bias = optional_bias.value_or(at::Tensor());
-    variable_list outputs = norm_forward(plan, x, weight, bias, eps, weight_offset);
+    at::Tensor residual = optional_residual.value_or(at::Tensor());
+    variable_list outputs = norm_forward(plan, x, weight, bias, residual, eps, weight_offset);
     at::Tensor rstd = outputs.back();
-    at::Tensor mean = plan.rms ? at::Tensor() : outputs[1];
-    ctx->mark_non_differentiable(variable_list(outputs.begin() + 1, outputs.end()));
+    at::Tensor mean = plan.rms ? at::Tensor() : outputs[outputs.size() - 2];
+    ctx->mark_non_differentiable(plan.rms ? variable_list{rstd} : variable_list{mean, rstd});
     // no zeros made for the statistics' gradients, which are never used (a zeros_like
     // and its fill kernel per statistic and step: 30-50 us of host time on the H200's)
     ctx->set_materialize_grads(false);
-    ctx->save_for_backward({x, weight, mean, rstd});
+    // the backward reads the normalized stream: x itself, or the stored x + residual
+    ctx->save_for_backward({plan.store ? outputs[1] : x, weight, mean, rstd});
     ctx->saved_data["plan"] = plan_address;
     ctx->saved_data["weight_offset"] = weight_offset;
     ctx->saved_data["bias_dtype"] = dtype_code(bias);
+    ctx->saved_data["residual_dtype"] = dtype_code(residual);
+    ctx->saved_data["x_dtype"] = dtype_code(x);
     return outputs;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    if (!grads[0].defined()) return variable_list(6);  // (y unused: nothing flows back)
+    variable_list gradients(7);
     const auto& plan = *reinterpret_cast<const NormPlan*>(ctx->saved_data["plan"].toInt());
+    at::Tensor dy = grads[0];
+    at::Tensor dh = plan.store ? grads[1] : at::Tensor();  // prenorm's h, where used
+    if (!dy.defined() && !dh.defined()) return gradients;  // nothing flows back
     variable_list saved = ctx->get_saved_variables();
-    const at::Tensor &x = saved[0], &weight = saved[1], &mean = saved[2], &rstd = saved[3];
-    int64_t bias_dtype = ctx->saved_data["bias_dtype"].toInt();
-    bool need_dx = plan.need_dx, need_dweight = plan.need_dweight, need_dbias = plan.need_dbias;
-    at::Tensor dy = as_written(grads[0], x);  // y is written as x is laid out
-    int64_t n_cols = x.size(-1);
-    int64_t num_rows = x.numel() / n_cols;
-    // as config.loop_grid_rows
-    int64_t grid_rows = std::max<int64_t>(
-        1, std::min((num_rows + plan.rows_per_block - 1) / plan.rows_per_block,
-                    plan.resident_row_blocks));
-    at::Tensor dx = need_dx ? at::empty_like(x, at::MemoryFormat::Contiguous) : at::Tensor();
-    at::Tensor partial, dweight, dbias;
-    if (plan.column_sum != nullptr) {
-      partial = at::empty({grid_rows * plan.rows_per_block, plan.sum_width},
-                          x.options().dtype(at::kFloat));
+    const at::Tensor &h = saved[0], &weight = saved[1], &mean = saved[2], &rstd = saved[3];
+    auto x_dtype = static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt());
+    // the kernels read dy as y was written (x's dtype, h's layout) and dh as h was
+    dy = dy.defined() ? as_written(dy, h, x_dtype)
+                      : at::zeros_like(h, h.options().dtype(x_dtype));
+    if (dh.defined()) dh = as_written(dh, h, h.scalar_type());
+    const NormBackwardKernel& variant = dh.defined() ? plan.backward_with_stream
+                                                     : plan.backward;
+    int64_t n_cols = h.size(-1);
+    int64_t num_rows = h.numel() / n_cols;
+    int64_t grid_rows = loop_grid_rows(num_rows, variant.rows_per_block,
+                                       variant.resident_row_blocks);
+    at::Tensor dx, dresidual, partial, dweight, dbias;
+    if (plan.need_dx) dx = at::empty_like(h, h.options().dtype(x_dtype));
+    if (plan.need_dresidual) {
+      auto residual_dtype =
+          static_cast<at::ScalarType>(ctx->saved_data["residual_dtype"].toInt());
+      dresidual = at::empty_like(h, h.options().dtype(residual_dtype));
     }
-    Call call(plan.backward);
-    call.rows(x, n_cols).rows(dy, n_cols).vector(weight).vector(mean).vector(rstd).none()
-        .rows(dx, n_cols).none();
-    if (need_dweight) {
+    if (plan.column_sum != nullptr) {
+      partial = at::empty({grid_rows * variant.rows_per_block, plan.sum_width},
+                          h.options().dtype(at::kFloat));
+    }
+    Call call(variant.kernel);
+    call.rows(h, n_cols).rows(dy, n_cols).vector(weight).vector(mean).vector(rstd)
+        .rows(dh, n_cols).rows(dx, n_cols).rows(dresidual, n_cols);
+    if (plan.need_dweight) {
       call.strided_rows(partial, n_cols, plan.sum_width, 0);
       dweight = at::empty({n_cols}, weight.options());
     } else {
       call.none();
     }
-    if (need_dbias) {
+    if (plan.need_dbias) {
       call.strided_rows(partial, n_cols, plan.sum_width, plan.sum_width - plan.sum_padded);
-      dbias = at::empty({n_cols}, x.options().dtype(static_cast<at::ScalarType>(bias_dtype)));
+      auto bias_dtype = static_cast<at::ScalarType>(ctx->saved_data["bias_dtype"].toInt());
+      dbias = at::empty({n_cols}, h.options().dtype(bias_dtype));
     } else {
       call.none();
     }
-    call.real(ctx->saved_data["weight_offset"].toDouble()).integer(grid_rows).run(x.device());
+    call.real(ctx->saved_data["weight_offset"].toDouble()).integer(grid_rows).run(h.device());
     if (plan.column_sum != nullptr) {
       Call sums(plan.column_sum);
       sums.rows(partial, plan.sum_width);
-      if (need_dweight) sums.vector(dweight);
-      if (need_dbias) sums.vector(dbias);
-      if (!(need_dweight && need_dbias)) sums.none();
-      sums.run(x.device());
+      if (plan.need_dweight) sums.vector(dweight);
+      if (plan.need_dbias) sums.vector(dbias);
+      if (!(plan.need_dweight && plan.need_dbias)) sums.none();
+      sums.run(h.device());
     }
-    return {dx, dweight, dbias, at::Tensor(), at::Tensor(), at::Tensor()};
+    gradients[0] = dx;
+    gradients[1] = dweight;
+    gradients[2] = dbias;
+    gradients[3] = dresidual;
+    return gradients;
   }
 };
 
-// (y, [mean,] rstd), with an autograd node where a gradient is needed; None where no plan
-// holds for these inputs (register_norm_plan, then call again) or the fast path does not
-// apply.
+// (y, [h,] [mean,] rstd), with an autograd node where a gradient is needed; None where no
+// plan holds for these inputs (register_norm_plan, then call again) or the fast path does
+// not apply.
 std::optional<variable_list> norm(const at::Tensor& x, const std::optional<at::Tensor>& weight,
-                                  const std::optional<at::Tensor>& bias, double eps,
-                                  double weight_offset, bool rms) {
-  at::Tensor w = weight.value_or(at::Tensor()), b = bias.value_or(at::Tensor());
-  auto key = norm_key(x, w, b, rms);
+                                  const std::optional<at::Tensor>& bias,
+                                  const std::optional<at::Tensor>& residual,
+                                  std::optional<at::ScalarType> stream_dtype, double eps,
+                                  double weight_offset, bool rms, bool prenorm) {
+  at::Tensor w = weight.value_or(at::Tensor()), b = bias.value_or(at::Tensor()),
+             r = residual.value_or(at::Tensor());
+  auto key = norm_key(x, w, b, r, stream_dtype, rms, prenorm);
   if (!key) return std::nullopt;
   auto found = norm_plans().find(*key);
   if (found == norm_plans().end()) return std::nullopt;
   const NormPlan& plan = found->second;
-  if (plan.backward == nullptr) {
+  if (plan.backward.kernel == nullptr) {
     at::NoGradGuard no_grad;
-    return norm_forward(plan, x, w, b, eps, weight_offset);
+    return norm_forward(plan, x, w, b, r, eps, weight_offset);
   }
-  return NormFunction::apply(x, weight, bias, eps, weight_offset,
+  return NormFunction::apply(x, weight, bias, residual, eps, weight_offset,
                              reinterpret_cast<int64_t>(&plan));
 }
 
 // Whether these inputs can take the fast path at all (contiguous, per-column vectors of
-// the row's length on x's device, at least one row).
+// the row's length on x's device, a residual of x's shape, at least one row).
 bool norm_eligible(const at::Tensor& x, const std::optional<at::Tensor>& weight,
-                   const std::optional<at::Tensor>& bias) {
-  return norm_key(x, weight.value_or(at::Tensor()), bias.value_or(at::Tensor()), true)
+                   const std::optional<at::Tensor>& bias,
+                   const std::optional<at::Tensor>& residual) {
+  return norm_key(x, weight.value_or(at::Tensor()), bias.value_or(at::Tensor()),
+                  residual.value_or(at::Tensor()), std::nullopt, true, false)
       .has_value();
 }
 
+// ``backward`` and ``backward_with_stream``: (kernel handle, rows per block, resident row
+// blocks), zeros where absent; ``sums``: (column-sum handle, width, padded).
 void register_norm_plan(const at::Tensor& x, const std::optional<at::Tensor>& weight,
-                        const std::optional<at::Tensor>& bias, bool rms, int64_t forward,
-                        int64_t backward, int64_t column_sum, int64_t rows_per_block,
-                        int64_t resident_row_blocks, int64_t sum_width, int64_t sum_padded) {
-  auto key = norm_key(x, weight.value_or(at::Tensor()), bias.value_or(at::Tensor()), rms);
-  TORCH_CHECK(key.has_value(), "quack_kernels: these inputs take no native plan");
+                        const std::optional<at::Tensor>& bias,
+                        const std::optional<at::Tensor>& residual,
+                        std::optional<at::ScalarType> stream_dtype, bool rms, bool prenorm,
+                        int64_t forward, std::vector<int64_t> backward,
+                        std::vector<int64_t> backward_with_stream, std::vector<int64_t> sums) {
+  auto key = norm_key(x, weight.value_or(at::Tensor()), bias.value_or(at::Tensor()),
+                      residual.value_or(at::Tensor()), stream_dtype, rms, prenorm);
+  TORCH_CHECK(key.has_value() && backward.size() == 3 && backward_with_stream.size() == 3 &&
+                  sums.size() == 3,
+              "quack_kernels: these inputs take no native plan");
   if (norm_plans().count(*key)) return;
   const NormKey& k = *key;
-  norm_plans()[k] = NormPlan{kernel_from_handle(forward), kernel_from_handle(backward),
-                             kernel_from_handle(column_sum), rms, k[9] != 0, k[10] != 0,
-                             k[11] != 0, rows_per_block, resident_row_blocks, sum_width,
-                             sum_padded};
+  auto variant = [](const std::vector<int64_t>& v) {
+    return NormBackwardKernel{kernel_from_handle(v[0]), v[1], v[2]};
+  };
+  NormPlan plan;
+  plan.forward = kernel_from_handle(forward);
+  plan.backward = variant(backward);
+  plan.backward_with_stream = variant(backward_with_stream);
+  plan.column_sum = kernel_from_handle(sums[0]);
+  plan.sum_width = sums[1];
+  plan.sum_padded = sums[2];
+  plan.rms = rms;
+  plan.has_residual = k[5] >= 0;
+  plan.stream_dtype = plan.has_residual ? static_cast<at::ScalarType>(k[11]) : at::kFloat;
+  plan.store = k[12] != 0;
+  plan.need_dx = k[13] != 0;
+  plan.need_dweight = k[14] != 0;
+  plan.need_dbias = k[15] != 0;
+  plan.need_dresidual = k[16] != 0;
+  norm_plans()[k] = plan;
 }
 
 // ---------------------------------------------------------------------- softmax
@@ -440,7 +524,7 @@ struct SoftmaxFunction : public torch::autograd::Function<SoftmaxFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto& plan = *reinterpret_cast<const SoftmaxPlan*>(ctx->saved_data["plan"].toInt());
     at::Tensor y = ctx->get_saved_variables()[0];
-    at::Tensor dy = as_written(grads[0], y);
+    at::Tensor dy = as_written(grads[0], y, y.scalar_type());
     at::Tensor dx = at::empty_like(y, at::MemoryFormat::Contiguous);
     int64_t n_cols = y.size(-1);
     Call(plan.backward).rows(y, n_cols).rows(dy, n_cols).rows(dx, n_cols).run(y.device());
@@ -501,13 +585,6 @@ struct CrossEntropyPlan {
 std::map<CrossEntropyKey, CrossEntropyPlan>& cross_entropy_plans() {
   static std::map<CrossEntropyKey, CrossEntropyPlan> plans;
   return plans;
-}
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-// config.loop_grid_rows
-int64_t loop_grid_rows(int64_t num_rows, int64_t rows_per_block, int64_t resident) {
-  return std::max<int64_t>(1, std::min(ceil_div(num_rows, rows_per_block), resident));
 }
 
 // The zeroed int64 words the grid sums of launches on the current stream add into (each

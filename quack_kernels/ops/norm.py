@@ -658,55 +658,65 @@ def _norm_backward_eager(dy, h, weight, mean, rstd, dresidual_out, weight_offset
 
 
 # ------------------------------------------------------------------ the C++ fast path
-def _native_norm(x, weight, bias, eps, weight_offset, rms):
-    """(y, None, mean, rstd) of the C++ fast path (native/launch.cpp: the kernels and the
-    autograd node without Python), mean None for RMSNorm; None where it does not apply
-    (not built, non-contiguous inputs, no rows): the Python path runs."""
+def _native_norm(x, weight, bias, residual, eps, weight_offset, rms, residual_dtype, prenorm):
+    """(y, h, mean, rstd) of the C++ fast path (native/launch.cpp: the kernels and the
+    autograd node without Python), h None unless stored, mean None for RMSNorm; None
+    where it does not apply (not built, non-contiguous inputs, no rows): the Python
+    path runs."""
     native = native_module()
     if native is None:
         return None
-    outputs = native.norm(x, weight, bias, float(eps), float(weight_offset), rms)
+    args = (x, weight, bias, residual, residual_dtype, float(eps), float(weight_offset), rms,
+            prenorm)
+    outputs = native.norm(*args)
     if outputs is None:
-        if not _native_plan(native, x, weight, bias, rms):
+        if not _native_plan(native, *args):
             return None
-        outputs = native.norm(x, weight, bias, float(eps), float(weight_offset), rms)
-    if rms:
-        return outputs[0], None, None, outputs[1]
-    return outputs[0], None, outputs[1], outputs[2]
+        outputs = native.norm(*args)
+    # (y, [h,] [mean,] rstd): h where the stream is stored
+    stored = len(outputs) == (3 if rms else 4)
+    return (outputs[0], outputs[1] if stored else None, None if rms else outputs[-2],
+            outputs[-1])
 
 
-def _native_plan(native, x, weight, bias, rms) -> bool:
-    """Compile the kernels of these inputs (y in x's dtype, no residual) and register
-    them with the C++ fast path, under the key it derives from the same inputs (row
-    length, dtypes, alignments, device, the gradients asked for); False where the fast
-    path does not apply. Bad input raises here, as on the Python path."""
-    if not native.norm_eligible(x, weight, bias):
+def _native_plan(native, x, weight, bias, residual, residual_dtype, eps, weight_offset, rms,
+                 prenorm) -> bool:
+    """Compile the kernels of these inputs (y in x's dtype) and register them with the
+    C++ fast path, under the key it derives from the same inputs (row length, dtypes,
+    alignments, device, the stream's dtype and storage, the gradients asked for); False
+    where the fast path does not apply. Bad input raises here, as on the Python path."""
+    if not native.norm_eligible(x, weight, bias, residual):
         return False
-    _check_forward(x, weight, bias, None, None, None)
+    _check_forward(x, weight, bias, residual, None, residual_dtype)
     check_gpu(x)
     n_cols = x.shape[-1]
     weight_dtype = weight.dtype if weight is not None else None
     bias_dtype = bias.dtype if bias is not None else None
-    forward = _forward_fn(n_cols, rms, x.dtype, x.dtype, False, False, weight_dtype, bias_dtype,
-                          x.dtype, None, _pointer_vec_limit(x, weight, bias))
+    has_residual = residual is not None
+    stream_dtype = _stream_dtype(x, residual, residual_dtype) if has_residual else x.dtype
     grad = torch.is_grad_enabled()
-    need_dx = grad and x.requires_grad
-    need_dweight = grad and weight is not None and weight.requires_grad
-    need_dbias = grad and bias is not None and bias.requires_grad
-    backward = column_sum = None
-    rows_per_block = resident = sum_width = sum_padded = 0
-    if need_dx or need_dweight or need_dbias:
-        # dy as the C++ backward hands it over: x's dtype, contiguous and aligned
-        backward, cfg, resident, column_sum, sum_cfg = _backward_plan(
-            n_cols, rms, x.dtype, x.dtype, weight_dtype, None, x.dtype if need_dx else None,
-            None, need_dweight, bias_dtype if need_dbias else None,
-            _pointer_vec_limit(x, weight), x.device)
-        rows_per_block = cfg.rows_per_block
+    need = [grad and t is not None and t.requires_grad for t in (x, weight, bias, residual)]
+    store = has_residual and (prenorm or any(need))
+    forward = _forward_fn(n_cols, rms, x.dtype, stream_dtype, has_residual, store, weight_dtype,
+                          bias_dtype, x.dtype, residual.dtype if has_residual else None,
+                          _pointer_vec_limit(x, residual, weight, bias))
+    variants, sums = [[0, 0, 0], [0, 0, 0]], [0, 0, 0]
+    if any(need):
+        # h as the backward reads it (x itself, or the stored stream: fresh, aligned) and
+        # dy, dh as the C++ backward hands them over: contiguous, aligned
+        max_vec = _pointer_vec_limit(weight) if has_residual else _pointer_vec_limit(x, weight)
+        for i, dres_out_dtype in enumerate((None, stream_dtype if store else None)):
+            if i and not store:
+                break
+            backward, cfg, resident, column_sum, sum_cfg = _backward_plan(
+                n_cols, rms, stream_dtype, x.dtype, weight_dtype, dres_out_dtype,
+                x.dtype if need[0] else None, residual.dtype if need[3] else None, need[1],
+                bias_dtype if need[2] else None, max_vec, x.device)
+            variants[i] = [kernel_handle(backward), cfg.rows_per_block, resident]
         if sum_cfg is not None:
-            sum_width, sum_padded = sum_cfg.width, sum_cfg.padded
-    native.register_norm_plan(x, weight, bias, rms, kernel_handle(forward),
-                              kernel_handle(backward), kernel_handle(column_sum),
-                              rows_per_block, resident, sum_width, sum_padded)
+            sums = [kernel_handle(column_sum), sum_cfg.width, sum_cfg.padded]
+    native.register_norm_plan(x, weight, bias, residual, residual_dtype, rms, prenorm,
+                              kernel_handle(forward), *variants, sums)
     return True
 
 
@@ -791,8 +801,9 @@ def _norm(x, weight, bias, residual, eps, weight_offset, rms, prenorm, out_dtype
             residual_dtype, store)
     if not eager_cuda(x, weight, bias, residual):
         y, h, mean, rstd = norm_forward(*args)
-    elif residual is None and out_dtype in (None, x.dtype) \
-            and (native := _native_norm(x, weight, bias, eps, weight_offset, rms)) is not None:
+    elif out_dtype in (None, x.dtype) and (native := _native_norm(
+            x, weight, bias, residual, eps, weight_offset, rms, residual_dtype, prenorm)) \
+            is not None:
         y, h, mean, rstd = native
     elif needs_grad:
         y, h, mean, rstd = _EagerNorm.apply(*args)
