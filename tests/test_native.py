@@ -398,3 +398,23 @@ def test_prenorm_residual_stream_and_its_gradient(module):
     assert forward[:3] == ("forward", False, False)  # the residual read, h stored
     # dh given, dx and dresidual written; the stream variant's grid: 5 row blocks of 1
     assert backward[:3] == ("backward", False, False) and backward[4] == 5
+
+
+def test_residual_without_prenorm_has_a_plan_of_its_own(module):
+    """A residual without prenorm: the stream is stored for the backward (an output of
+    the node the Python layer drops), no variant with its gradient is compiled, and a
+    prenorm call of the same tensors needs a plan of its own."""
+    x = torch.randn(3, 41, requires_grad=True)
+    residual = torch.randn(3, 41)
+    stand_ins = StandIns(rms=True)
+    forward, backward, sums = stand_ins.handles()
+    module.register_norm_plan(x, None, None, residual, None, True, False, forward,
+                              [backward, 1, 3], NO_KERNEL, NO_KERNEL)
+    assert norm(module, x, None, None, 1e-6, 0.0, True, residual, prenorm=True) is None
+    y, h, _ = norm(module, x, None, None, 1e-6, 0.0, True, residual)
+    torch.testing.assert_close(h, x.detach() + residual)
+    y.sum().backward()
+    hd = (x.detach() + residual).requires_grad_()
+    torch.nn.functional.rms_norm(hd, (41,), eps=1e-6).sum().backward()
+    torch.testing.assert_close(x.grad, hd.grad)
+    assert stand_ins.calls[1][1] is True  # no stream gradient passed

@@ -199,6 +199,20 @@ def test_bad_inputs():
             qk.rms_norm(x, torch.empty(8, device="meta"))
 
 
+def test_dtype_options_checked_before_any_dispatch(monkeypatch):
+    """out_dtype and residual_dtype are checked by the public functions themselves: a
+    plan of the C++ fast path for x alone is keyed without residual_dtype, so a bad one
+    must be refused before any path is chosen (here no op is reached at all)."""
+    def dispatched(*args):
+        raise AssertionError("dispatched")
+
+    monkeypatch.setattr(ops, "norm_forward", dispatched)
+    x = rand(4, 8)
+    for kw in (dict(residual_dtype=torch.float64, prenorm=True), dict(out_dtype=torch.int32)):
+        with pytest.raises(TypeError, match="is not supported"):
+            qk.rms_norm(x, **kw)
+
+
 # ------------------------------------------------------------- sm_90a compilation
 VARIANTS = [
     # (n, x dtype, residual/weight dtype, rms)

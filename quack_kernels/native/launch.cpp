@@ -239,8 +239,9 @@ int64_t loop_grid_rows(int64_t num_rows, int64_t rows_per_block, int64_t residen
 // ------------------------------------------------------------------------ norms
 // What a plan was decided from (ops/norm.py, _native_plan): the row length, dtypes,
 // alignments and device of x, weight, bias and residual (-1: absent), the residual
-// stream's dtype and whether it is stored, and which gradients the backward computes.
-using NormKey = std::array<int64_t, 17>;
+// stream's dtype, whether it is stored and whether it is returned (prenorm: its own
+// gradient may come back), and which gradients the backward computes.
+using NormKey = std::array<int64_t, 18>;
 
 // A backward variant: with or without the stored stream's own gradient (prenorm).
 struct NormBackwardKernel {
@@ -252,10 +253,10 @@ struct NormBackwardKernel {
 struct NormPlan {
   TVMFFIObjectHandle forward = nullptr;
   NormBackwardKernel backward;               // kernel null without a gradient
-  NormBackwardKernel backward_with_stream;   // ... with the stream's gradient added
+  NormBackwardKernel backward_with_stream;   // ... with the stream's gradient (prenorm)
   TVMFFIObjectHandle column_sum = nullptr;   // null without dweight / dbias
   bool rms = true, has_residual = false, store = false;
-  at::ScalarType stream_dtype = at::kFloat;  // the stored stream h = x + residual
+  at::ScalarType h_dtype = at::kFloat;  // what the backward normalizes: x, or x + residual
   bool need_dx = false, need_dweight = false, need_dbias = false, need_dresidual = false;
   int64_t sum_width = 0;   // partial sums per row block: dweight | dbias side by side
   int64_t sum_padded = 0;  // where dbias starts from the end of a partial row
@@ -296,7 +297,7 @@ std::optional<NormKey> norm_key(const at::Tensor& x, const at::Tensor& weight,
   return NormKey{rms, n_cols, dtype_code(x), dtype_code(weight), dtype_code(bias),
                  dtype_code(residual), align(x), align(weight), align(bias), align(residual),
                  device_code(x), stream, store, need_dx, need_dweight, need_dbias,
-                 need_dresidual};
+                 need_dresidual, residual.defined() && prenorm};
 }
 
 // (y, [h,] [mean,] rstd) of the forward kernel: h, the stream x + residual, where the
@@ -308,7 +309,7 @@ variable_list norm_forward(const NormPlan& plan, const at::Tensor& x, const at::
   auto stats_shape = x.sizes().slice(0, x.dim() - 1);
   auto stats_options = x.options().dtype(at::kFloat);
   at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
-  at::Tensor h = plan.store ? at::empty(x.sizes(), x.options().dtype(plan.stream_dtype))
+  at::Tensor h = plan.store ? at::empty(x.sizes(), x.options().dtype(plan.h_dtype))
                             : at::Tensor();
   at::Tensor rstd = at::empty(stats_shape, stats_options);
   at::Tensor mean = plan.rms ? at::Tensor() : at::empty(stats_shape, stats_options);
@@ -364,9 +365,12 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
     // the kernels read dy as y was written (x's dtype, h's layout) and dh as h was
     dy = dy.defined() ? as_written(dy, h, x_dtype)
                       : at::zeros_like(h, h.options().dtype(x_dtype));
-    if (dh.defined()) dh = as_written(dh, h, h.scalar_type());
+    if (dh.defined()) dh = as_written(dh, h, plan.h_dtype);
     const NormBackwardKernel& variant = dh.defined() ? plan.backward_with_stream
                                                      : plan.backward;
+    // (h is returned, and its gradient can come back, only with prenorm)
+    TORCH_CHECK(variant.kernel != nullptr, "quack_kernels: a gradient of the residual "
+                "stream reached a norm called without prenorm");
     int64_t n_cols = h.size(-1);
     int64_t num_rows = h.numel() / n_cols;
     int64_t grid_rows = loop_grid_rows(num_rows, variant.rows_per_block,
@@ -475,7 +479,7 @@ void register_norm_plan(const at::Tensor& x, const std::optional<at::Tensor>& we
   plan.sum_padded = sums[2];
   plan.rms = rms;
   plan.has_residual = k[5] >= 0;
-  plan.stream_dtype = plan.has_residual ? static_cast<at::ScalarType>(k[11]) : at::kFloat;
+  plan.h_dtype = static_cast<at::ScalarType>(plan.has_residual ? k[11] : k[2]);
   plan.store = k[12] != 0;
   plan.need_dx = k[13] != 0;
   plan.need_dweight = k[14] != 0;

@@ -25,7 +25,8 @@ from torch import Tensor
 from ..kernels.column_sum import ColumnSum
 from ..kernels.norm import NormBackward, NormForward
 from ..native import module as native_module
-from ..primitives.compile_cache import compile_kernel, fake_rows, fake_vector, kernel_handle
+from ..primitives.compile_cache import (SUPPORTED_DTYPES, compile_kernel, fake_rows, fake_vector,
+                                        kernel_handle)
 from ..primitives.config import (
     ColumnSumConfig,
     SUM_THREADS_PER_ROW,
@@ -561,11 +562,15 @@ def _check_forward(x, weight, bias, residual, out_dtype, residual_dtype) -> None
             raise ValueError(
                 f"quack_kernels: residual must have the shape of x {tuple(x.shape)}; "
                 f"got {tuple(residual.shape)}")
+    _check_dtype_options(out_dtype, residual_dtype)
+    check_same_device(x=x, weight=weight, bias=bias, residual=residual)
+
+
+def _check_dtype_options(out_dtype, residual_dtype) -> None:
     for name, dtype in (("out_dtype", out_dtype), ("residual_dtype", residual_dtype)):
-        if dtype is not None and dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        if dtype is not None and dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"quack_kernels: {name}={dtype} is not supported; use "
                             "torch.float32, torch.float16 or torch.bfloat16")
-    check_same_device(x=x, weight=weight, bias=bias, residual=residual)
 
 
 def _check_backward(dy, h, weight, mean, rstd, dresidual_out, rms) -> None:
@@ -683,7 +688,8 @@ def _native_plan(native, x, weight, bias, residual, residual_dtype, eps, weight_
                  prenorm) -> bool:
     """Compile the kernels of these inputs (y in x's dtype) and register them with the
     C++ fast path, under the key it derives from the same inputs (row length, dtypes,
-    alignments, device, the stream's dtype and storage, the gradients asked for); False
+    alignments, device, the stream's dtype, storage and return, the gradients asked
+    for); False
     where the fast path does not apply. Bad input raises here, as on the Python path."""
     if not native.norm_eligible(x, weight, bias, residual):
         return False
@@ -705,8 +711,9 @@ def _native_plan(native, x, weight, bias, residual, residual_dtype, eps, weight_
         # h as the backward reads it (x itself, or the stored stream: fresh, aligned) and
         # dy, dh as the C++ backward hands them over: contiguous, aligned
         max_vec = _pointer_vec_limit(weight) if has_residual else _pointer_vec_limit(x, weight)
-        for i, dres_out_dtype in enumerate((None, stream_dtype if store else None)):
-            if i and not store:
+        # the variant with the stream's own gradient: only where the stream is returned
+        for i, dres_out_dtype in enumerate((None, stream_dtype)):
+            if i and not (has_residual and prenorm):
                 break
             backward, cfg, resident, column_sum, sum_cfg = _backward_plan(
                 n_cols, rms, stream_dtype, x.dtype, weight_dtype, dres_out_dtype,
@@ -793,6 +800,8 @@ def _norm(x, weight, bias, residual, eps, weight_offset, rms, prenorm, out_dtype
           return_stats):
     if not isinstance(x, Tensor):
         raise TypeError(f"quack_kernels: expected a torch.Tensor, got {type(x).__name__}")
+    # (before any plan is looked up: a plan's key has no residual_dtype without a residual)
+    _check_dtype_options(out_dtype, residual_dtype)
     residual_dtype = _stream_dtype(x, residual, residual_dtype)
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, weight, bias, residual))
