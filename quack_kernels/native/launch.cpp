@@ -2,9 +2,10 @@
 // Python layer compiles and hands over) launched without Python, and autograd nodes whose
 // backward runs in the autograd engine's thread without the GIL. A Python autograd node
 // and its launch code cost more host time than torch's whole training step of a small
-// norm (benchmarks/NOTES.md, "Host time"); every decision (configs, grids, kernels)
-// stays in Python, which registers a plan here once per key (rms_norm / layer_norm:
-// ops/norm.py, softmax / log_softmax: ops/softmax.py, each in _native_plan).
+// norm (benchmarks/NOTES.md, twenty-fourth session); every decision (configs, grids,
+// kernels) stays in Python, which registers a plan here once per key (rms_norm /
+// layer_norm: ops/norm.py, softmax / log_softmax: ops/softmax.py, the cross-entropy
+// training step: ops/cross_entropy.py, each in _native_plan).
 
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
@@ -227,7 +228,6 @@ int64_t dtype_code(const at::Tensor& t) {
 }
 
 int64_t device_code(const at::Tensor& t) { return t.is_cuda() ? t.get_device() : -1; }
-
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
