@@ -6,9 +6,12 @@ QUACK_KERNELS_NATIVE=0, ``module()`` is None and every op takes its Python path.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import warnings
 from pathlib import Path
+
+_log = logging.getLogger("quack_kernels")
 
 
 @functools.lru_cache(maxsize=None)
@@ -29,6 +32,8 @@ def build():
     from torch.utils import cpp_extension
 
     lib_dir = str(Path(tvm_ffi.libinfo.find_libtvm_ffi()).parent)
+    _log.info("quack_kernels: loading the C++ fast path (built once, about 30 s, then "
+              "cached by torch's extension builder)")
     return cpp_extension.load(
         name="quack_kernels_native",
         sources=[str(Path(__file__).with_name("launch.cpp"))],
