@@ -255,7 +255,7 @@ struct NormPlan {
   NormBackwardKernel backward;               // kernel null without a gradient
   NormBackwardKernel backward_with_stream;   // ... with the stream's gradient (prenorm)
   TVMFFIObjectHandle column_sum = nullptr;   // null without dweight / dbias
-  bool rms = true, has_residual = false, store = false;
+  bool rms = true, store = false;
   at::ScalarType h_dtype = at::kFloat;  // what the backward normalizes: x, or x + residual
   bool need_dx = false, need_dweight = false, need_dbias = false, need_dresidual = false;
   int64_t sum_width = 0;   // partial sums per row block: dweight | dbias side by side
@@ -478,8 +478,8 @@ void register_norm_plan(const at::Tensor& x, const std::optional<at::Tensor>& we
   plan.sum_width = sums[1];
   plan.sum_padded = sums[2];
   plan.rms = rms;
-  plan.has_residual = k[5] >= 0;
-  plan.h_dtype = static_cast<at::ScalarType>(plan.has_residual ? k[11] : k[2]);
+  bool has_residual = k[5] >= 0;
+  plan.h_dtype = static_cast<at::ScalarType>(has_residual ? k[11] : k[2]);
   plan.store = k[12] != 0;
   plan.need_dx = k[13] != 0;
   plan.need_dweight = k[14] != 0;
@@ -632,7 +632,7 @@ struct CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFunct
     int64_t held_index = 0;
     if (plan.denominator != nullptr) {  // a mean: (D, 1 / D)
       at::Tensor scales = at::empty({2}, fp32);
-      int64_t ctas = std::max<int64_t>(
+      int64_t ctas = std::max<int64_t>(  // as config.mean_denominator_ctas
           1, std::min(ceil_div(num_rows, plan.targets_per_cta), plan.max_ctas));
       Call(plan.denominator)
           .vector(target).vector(scales).vector(scales)

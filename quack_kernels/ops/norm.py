@@ -689,8 +689,8 @@ def _native_plan(native, x, weight, bias, residual, residual_dtype, eps, weight_
     """Compile the kernels of these inputs (y in x's dtype) and register them with the
     C++ fast path, under the key it derives from the same inputs (row length, dtypes,
     alignments, device, the stream's dtype, storage and return, the gradients asked
-    for); False
-    where the fast path does not apply. Bad input raises here, as on the Python path."""
+    for); False where the fast path does not apply. Bad input raises here, as on the
+    Python path."""
     if not native.norm_eligible(x, weight, bias, residual):
         return False
     _check_forward(x, weight, bias, residual, None, residual_dtype)
@@ -712,9 +712,8 @@ def _native_plan(native, x, weight, bias, residual, residual_dtype, eps, weight_
         # dy, dh as the C++ backward hands them over: contiguous, aligned
         max_vec = _pointer_vec_limit(weight) if has_residual else _pointer_vec_limit(x, weight)
         # the variant with the stream's own gradient: only where the stream is returned
-        for i, dres_out_dtype in enumerate((None, stream_dtype)):
-            if i and not (has_residual and prenorm):
-                break
+        dres_out_dtypes = (None, stream_dtype) if has_residual and prenorm else (None,)
+        for i, dres_out_dtype in enumerate(dres_out_dtypes):
             backward, cfg, resident, column_sum, sum_cfg = _backward_plan(
                 n_cols, rms, stream_dtype, x.dtype, weight_dtype, dres_out_dtype,
                 x.dtype if need[0] else None, residual.dtype if need[3] else None, need[1],
