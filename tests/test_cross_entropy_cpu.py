@@ -351,6 +351,43 @@ def test_forward_configs():
     assert ops.forward_config(65535, bf16, False, False).staging != "global"
 
 
+def test_plain_gradient_loops_on_more_ctas_per_sm():
+    """The plain per-row gradient (z-loss at most) of one-chunk rows is sized for
+    PLAIN_GRAD_LOOP_REGISTERS: six CTAs of 128 threads per SM at 1024 and 4096 bf16 (and
+    1024 fp32) columns where the other options, and the loss reduced in the kernel, keep
+    five (softcap: the wide bound)."""
+    from quack_kernels.kernels.cross_entropy import CrossEntropyForward
+
+    for n, dtype in ((1024, torch.bfloat16), (4096, torch.bfloat16), (1024, torch.float32)):
+        plain, flags = ops.variant(n, dtype, weighted=False, smoothing=False, zloss=True,
+                                   softcap=0.0, write_grad=True)
+        kernel = ops.forward_kernel_object(plain, dtype, **flags)
+        assert kernel.loops and plain.num_chunks == 1 and plain.threads_per_block == 128
+        assert kernel.loop_registers == CrossEntropyForward.PLAIN_GRAD_LOOP_REGISTERS
+        assert kernel.ctas_per_sm() == 6, (n, dtype)
+        for options in (dict(weighted=True, smoothing=False, softcap=0.0),
+                        dict(weighted=False, smoothing=True, softcap=0.0),
+                        dict(weighted=False, smoothing=False, softcap=30.0),
+                        dict(weighted=False, smoothing=False, softcap=0.0, reduce="mean"),
+                        dict(weighted=False, smoothing=False, softcap=0.0, reduce="sum")):
+            cfg, flags = ops.variant(n, dtype, zloss=False, write_grad=True, **options)
+            other = ops.forward_kernel_object(cfg, dtype, **flags)
+            assert other.loop_registers > kernel.loop_registers, (n, dtype, options)
+            assert other.ctas_per_sm() < kernel.ctas_per_sm(), (n, dtype, options)
+    # fp16 and ragged 16-bit rows keep their bound (they spilled at 80)
+    for n, dtype in ((1024, torch.float16), (1000, torch.bfloat16)):
+        cfg, flags = ops.variant(n, dtype, weighted=False, smoothing=False, zloss=False,
+                                 softcap=0.0, write_grad=True)
+        assert ops.forward_kernel_object(cfg, dtype, **flags).loop_registers \
+            == CrossEntropyForward.loop_registers, (n, dtype)
+    # rows of more than one chunk keep their bound
+    cfg, flags = ops.variant(16384, torch.bfloat16, weighted=False, smoothing=False,
+                             zloss=False, softcap=0.0, write_grad=True)
+    assert cfg.num_chunks > 1
+    assert ops.forward_kernel_object(cfg, torch.bfloat16, **flags).loop_registers \
+        == CrossEntropyForward.loop_registers
+
+
 @pytest.mark.parametrize("n, dtype, cluster", [
     (65536, torch.bfloat16, 1), (151936, torch.bfloat16, 1), (262144, torch.bfloat16, 2),
     (151936, torch.float32, 2), (262144, torch.float32, 4), (524288, torch.float16, 4)])
@@ -455,6 +492,12 @@ SPILL_CASES = [
                              (True, False, True, 30.0, False, "mean"),
                              (False, False, False, 0.0, True, "sum"),
                              (False, True, True, 30.0, True, "mean"))
+] + [
+    # the plain per-row gradient on its 80 registers (six CTAs per SM), and beside it
+    (n, dtype, dict(weighted=False, smoothing=False, zloss=z, softcap=0.0, write_grad=True,
+                    reduce="none"))
+    for n in (1000, 1024, 4096) for dtype in (torch.float32, torch.bfloat16, torch.float16)
+    for z in (False, True)
 ]
 
 

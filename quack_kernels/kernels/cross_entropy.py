@@ -116,6 +116,16 @@ class CrossEntropyForward(RowKernel):
     # with softcap, or fp16 with label smoothing alone (its sum of z read apart: rows of
     # 256 columns spilled 40 bytes at 96; bf16 and fp32 did not)
     WIDE_GRAD_LOOP_REGISTERS = 104
+    # The plain per-row gradient (z-loss at most, no reduction over the rows) of rows one
+    # chunk holds: six CTAs of 128 threads per SM instead of five (three of 256 instead
+    # of two). H200, kernel alone (results/kernel_ab_loop_registers_H200_20261202.txt):
+    # bf16 131072x1024 82.0% -> 85.6% of the copy ceiling, 32768x4096 86.6% -> 89.2%,
+    # fp32 32768x4096 85.0% -> 88.7%, fp32 131072x1024 91.3% -> 90.3%; seven CTAs (72)
+    # lost at 4096 columns. Not fp16 (its loss scale) nor ragged 16-bit rows (their
+    # mask): they spilled 8-48 bytes at 80 (sm_90a report, 256-1024 columns). Not the
+    # in-kernel sum or mean either: held to 80 it spilled until its epilogue was reworked,
+    # and the reworked training step replayed slower (bf16 131072x1024 161 -> 165 us).
+    PLAIN_GRAD_LOOP_REGISTERS = 80
     GRID_SUM_VALUES = 2  # a reduction's sums over the grid: losses and row weights
 
     def __init__(self, cfg: RowConfig, dtype, *, weighted: bool, smoothing: bool,
@@ -148,6 +158,10 @@ class CrossEntropyForward(RowKernel):
             and cfg.staging != "global"
         if write_grad and (softcap or (self.smoothing_aside and dtype == Float16)):
             self.loop_registers = self.WIDE_GRAD_LOOP_REGISTERS
+        elif write_grad and reduce == "none" and not (weighted or smoothing) \
+                and cfg.num_chunks == 1 and dtype != Float16 \
+                and not (dtype.width == 16 and cfg.needs_col_predicate):
+            self.loop_registers = self.PLAIN_GRAD_LOOP_REGISTERS
         # (with class weights 64 spilled 16 bytes, unbounded they take the running max's
         # 80; with the in-kernel reduction's epilogue 64 spilled 16 bytes at 65536 16-bit
         # columns)
