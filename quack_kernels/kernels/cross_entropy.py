@@ -121,8 +121,8 @@ class CrossEntropyForward(RowKernel):
     # of two). H200, kernel alone (results/kernel_ab_loop_registers_H200_20261202.txt):
     # bf16 131072x1024 82.0% -> 85.6% of the copy ceiling, 32768x4096 86.6% -> 89.2%,
     # fp32 32768x4096 85.0% -> 88.7%, fp32 131072x1024 91.3% -> 90.3%; seven CTAs (72)
-    # lost at 4096 columns. Not fp16 (its loss scale) nor ragged 16-bit rows (their
-    # mask): they spilled 8-48 bytes at 80 (sm_90a report, 256-1024 columns). Not the
+    # lost at 4096 columns. Not fp16 (its loss scale) nor ragged rows (their mask): they
+    # spilled 8-48 bytes at 80 (sm_90a, 256-1024 columns, fp32 1000 too). Not the
     # in-kernel sum or mean either: held to 80 it spilled until its epilogue was reworked,
     # and the reworked training step replayed slower (bf16 131072x1024 161 -> 165 us).
     PLAIN_GRAD_LOOP_REGISTERS = 80
@@ -159,8 +159,7 @@ class CrossEntropyForward(RowKernel):
         if write_grad and (softcap or (self.smoothing_aside and dtype == Float16)):
             self.loop_registers = self.WIDE_GRAD_LOOP_REGISTERS
         elif write_grad and reduce == "none" and not (weighted or smoothing) \
-                and cfg.num_chunks == 1 and dtype != Float16 \
-                and not (dtype.width == 16 and cfg.needs_col_predicate):
+                and cfg.num_chunks == 1 and dtype != Float16 and not cfg.needs_col_predicate:
             self.loop_registers = self.PLAIN_GRAD_LOOP_REGISTERS
         # (with class weights 64 spilled 16 bytes, unbounded they take the running max's
         # 80; with the in-kernel reduction's epilogue 64 spilled 16 bytes at 65536 16-bit
