@@ -352,40 +352,40 @@ def test_forward_configs():
 
 
 def test_plain_gradient_loops_on_more_ctas_per_sm():
-    """The plain per-row gradient (z-loss at most) of one-chunk rows is sized for
-    PLAIN_GRAD_LOOP_REGISTERS: six CTAs of 128 threads per SM at 1024 and 4096 bf16 (and
-    1024 fp32) columns where the other options, and the loss reduced in the kernel, keep
-    five (softcap: the wide bound)."""
+    """The plain per-row gradient (z-loss at most) of one-chunk rows of whole 16-byte
+    vectors is sized for PLAIN_GRAD_LOOP_REGISTERS where it is bf16 or the default bound
+    leaves two CTAs per SM: six CTAs of 128 threads per SM at 1024 and 4096 bf16 columns,
+    three of 256 at 4096 fp32; fp32 1024 (five by default), fp16, ragged or misaligned
+    rows, the other options and the loss reduced in the kernel keep the default bound
+    (softcap: the wide one)."""
     from quack_kernels.kernels.cross_entropy import CrossEntropyForward
 
-    for n, dtype in ((1024, torch.bfloat16), (4096, torch.bfloat16), (1024, torch.float32)):
-        plain, flags = ops.variant(n, dtype, weighted=False, smoothing=False, zloss=True,
-                                   softcap=0.0, write_grad=True)
-        kernel = ops.forward_kernel_object(plain, dtype, **flags)
-        assert kernel.loops and plain.num_chunks == 1 and plain.threads_per_block == 128
-        assert kernel.loop_registers == CrossEntropyForward.PLAIN_GRAD_LOOP_REGISTERS
-        assert kernel.ctas_per_sm() == 6, (n, dtype)
-        for options in (dict(weighted=True, smoothing=False, softcap=0.0),
-                        dict(weighted=False, smoothing=True, softcap=0.0),
-                        dict(weighted=False, smoothing=False, softcap=30.0),
-                        dict(weighted=False, smoothing=False, softcap=0.0, reduce="mean"),
-                        dict(weighted=False, smoothing=False, softcap=0.0, reduce="sum")):
-            cfg, flags = ops.variant(n, dtype, zloss=False, write_grad=True, **options)
-            other = ops.forward_kernel_object(cfg, dtype, **flags)
-            assert other.loop_registers > kernel.loop_registers, (n, dtype, options)
-            assert other.ctas_per_sm() < kernel.ctas_per_sm(), (n, dtype, options)
-    # fp16 and ragged rows keep their bound (they spilled at 80)
-    for n, dtype in ((1024, torch.float16), (1000, torch.bfloat16), (1000, torch.float32)):
-        cfg, flags = ops.variant(n, dtype, weighted=False, smoothing=False, zloss=False,
-                                 softcap=0.0, write_grad=True)
-        assert ops.forward_kernel_object(cfg, dtype, **flags).loop_registers \
-            == CrossEntropyForward.loop_registers, (n, dtype)
-    # rows of more than one chunk keep their bound
-    cfg, flags = ops.variant(16384, torch.bfloat16, weighted=False, smoothing=False,
-                             zloss=False, softcap=0.0, write_grad=True)
-    assert cfg.num_chunks > 1
-    assert ops.forward_kernel_object(cfg, torch.bfloat16, **flags).loop_registers \
-        == CrossEntropyForward.loop_registers
+    def kernel(n, dtype, max_vec=None, **options):
+        flags = dict(weighted=False, smoothing=False, zloss=False, softcap=0.0,
+                     write_grad=True) | options
+        cfg = ops.forward_config(n, dtype, False, True, max_vec=max_vec,
+                                 softcap=flags["softcap"] != 0.0)
+        return cfg, ops.forward_kernel_object(cfg, dtype, **ops.kernel_flags(cfg, **flags))
+
+    plain_bound = CrossEntropyForward.PLAIN_GRAD_LOOP_REGISTERS
+    for n, dtype, ctas in ((1024, torch.bfloat16, 6), (4096, torch.bfloat16, 6),
+                           (4096, torch.float32, 3)):
+        for zloss in (False, True):
+            cfg, plain = kernel(n, dtype, zloss=zloss)
+            assert plain.loops and cfg.num_chunks == 1
+            assert plain.loop_registers == plain_bound and plain.ctas_per_sm() == ctas, \
+                (n, dtype, zloss)
+        for options in (dict(weighted=True), dict(smoothing=True), dict(softcap=30.0),
+                        dict(reduce="mean"), dict(reduce="sum")):
+            _, other = kernel(n, dtype, **options)
+            assert other.loop_registers > plain_bound, (n, dtype, options)
+            assert other.ctas_per_sm() < ctas, (n, dtype, options)
+    default = CrossEntropyForward.loop_registers
+    for n, dtype, max_vec in ((1024, torch.float32, None), (1024, torch.float16, None),
+                              (1000, torch.bfloat16, None), (1000, torch.float32, None),
+                              (4096, torch.bfloat16, 4), (16384, torch.bfloat16, None)):
+        cfg, other = kernel(n, dtype, max_vec)
+        assert other.loop_registers == default, (n, dtype, max_vec)
 
 
 @pytest.mark.parametrize("n, dtype, cluster", [

@@ -227,6 +227,9 @@ VARIANTS = [
     # 512-thread backward shares with their sums in registers (config.sums_in_registers)
     (131072, torch.float32, torch.float32, False),
     (200000, torch.bfloat16, torch.bfloat16, True),
+    # fp32 backward over 16-CTA clusters of 128 threads (FULL_CLUSTER_LOOP_REGISTERS)
+    (12288, torch.float32, torch.float32, True),
+    (16384, torch.float32, torch.float32, False),
 ]
 
 
@@ -358,19 +361,25 @@ def test_backward_shares_by_dtype_and_sums():
     assert frozen.vec * frozen.vecs_per_thread > 8
     assert ops._backward_kernel_object(frozen, True, bf16, bf16, False, False).loop_registers \
         == config.LOOP_REGS_PER_THREAD
-    # rows over a full cluster of 128-thread CTAs: eight of them per SM (fp32 16384),
-    # not rows on smaller clusters or wider CTAs
+    # fp32 rows with sums over a full cluster of 128-thread CTAs: eight of them per SM
+    # (16384 columns), not rows on smaller clusters or wider CTAs, mixed dtypes or
+    # frozen weights
     fp32 = torch.float32
     for rms in (True, False):
-        full = ops.backward_config(16384, fp32, fp32, (fp32,), fp32, 1 if rms else 2)
+        sums = 1 if rms else 2
+        full = ops.backward_config(16384, fp32, fp32, (fp32,), fp32, sums)
         assert full.cluster_size == config.MAX_CLUSTER_SIZE and full.threads_per_block == 128
         kernel = ops._backward_kernel_object(full, rms, fp32, fp32, True, not rms, fp32)
         assert kernel.loop_registers == kernel.FULL_CLUSTER_LOOP_REGISTERS
         assert kernel.ctas_per_sm() == config.MAX_LOOP_CTAS_PER_SM
         for n, dtype in ((4096, fp32), (1024, fp32), (16384, bf16), (32768, fp32)):
-            cfg = ops.backward_config(n, dtype, dtype, (dtype,), dtype, 1 if rms else 2)
+            cfg = ops.backward_config(n, dtype, dtype, (dtype,), dtype, sums)
             other = ops._backward_kernel_object(cfg, rms, dtype, dtype, True, not rms, dtype)
             assert other.loop_registers != kernel.FULL_CLUSTER_LOOP_REGISTERS, (n, dtype, rms)
+        frozen = ops._backward_kernel_object(full, rms, fp32, fp32, False, False, fp32)
+        mixed = ops._backward_kernel_object(full, rms, fp32, bf16, True, not rms, fp32)
+        for other in (frozen, mixed):
+            assert other.loop_registers != kernel.FULL_CLUSTER_LOOP_REGISTERS, rms
 
 
 def default_backward(n, rms, dtype, weight_dtype=None):

@@ -233,12 +233,13 @@ class NormBackward(RowKernel):
     # LayerNorm's rows of up to 1024 columns still did. Without sums the same threads
     # fit 80.
     WIDE_LOOP_REGISTERS = 104
-    # Rows over a full cluster of 128-thread CTAs (fp32 16384 columns): eight CTAs per SM
-    # instead of six, at the 56-64 registers these kernels take anyway. H200, kernel
-    # alone (results/kernel_ab_loop_registers_H200_20261202.txt): RMSNorm fp32 8192x16384
-    # 92.2% -> 97.6% of the copy ceiling, LayerNorm 87.1% -> 90.2%; with 4 CTAs per row
-    # (fp32 4096) or none (1024) within -1.7..+1.2 points, and bf16 LayerNorm on 8-CTA
-    # clusters of 256 threads lost 6.
+    # fp32 rows (h and dy) with per-column sums over a full cluster of 128-thread CTAs
+    # (16384 columns, 12288 too): eight CTAs per SM instead of six, at the 56-64
+    # registers these kernels take anyway. H200, kernel alone (results/kernel_ab_loop_
+    # registers_H200_20261202.txt): RMSNorm fp32 8192x16384 92.2% -> 97.6% of the copy
+    # ceiling, LayerNorm 87.1% -> 90.2%; with 4 CTAs per row (fp32 4096) or none (1024)
+    # within -1.7..+1.2 points, and bf16 LayerNorm on 8-CTA clusters of 256 threads lost
+    # 6. Mixed dtypes and frozen weights on such clusters were not measured.
     FULL_CLUSTER_LOOP_REGISTERS = 64
 
     def __init__(self, cfg: RowConfig, rms: bool, h_dtype, dy_dtype, need_dweight: bool,
@@ -252,7 +253,8 @@ class NormBackward(RowKernel):
         self.accumulators = int(need_dweight) + int(need_dbias)
         if self.accumulators and h_dtype.width == 16 and cfg.vec * cfg.vecs_per_thread > 8:
             self.loop_registers = self.WIDE_LOOP_REGISTERS
-        elif cfg.cluster_size == MAX_CLUSTER_SIZE and cfg.threads_per_block == 128:
+        elif cfg.cluster_size == MAX_CLUSTER_SIZE and cfg.threads_per_block == 128 \
+                and h_dtype.width == dy_dtype.width == 32 and self.accumulators:
             self.loop_registers = self.FULL_CLUSTER_LOOP_REGISTERS
         # The weight is read for every row block: staged once in shared memory where
         # config.stage_columns_once says so (not with vectors under 4 bytes, which
