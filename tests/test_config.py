@@ -174,6 +174,30 @@ def test_norm_forward_loads_columns_early_where_measured():
     assert not early(1100000, True, torch.bfloat16)
 
 
+def test_norm_forward_late_columns_where_measured():
+    """config.norm_forward_columns_before_reduction: fp32 rows kept in registers with
+    their residual; config.late_columns_together: output-pass columns of at most
+    LATE_COLUMNS_TOGETHER_VALUES per thread and chunk."""
+    from quack_kernels.ops.norm import forward_config
+
+    def share(n, rms, dtype, residual):
+        cfg = forward_config(n, rms, dtype, dtype, residual, dtype, dtype, None if rms else dtype)
+        staged = 1 + residual
+        return cfg, config.norm_forward_columns_before_reduction(staged, staged * dtype.itemsize, cfg)
+
+    for rms in (True, False):
+        cfg, before = share(262144, rms, torch.float32, True)
+        assert cfg.staging == "registers" and before
+        cfg, before = share(262144, rms, torch.bfloat16, True)
+        assert cfg.staging == "registers" and not before
+        assert not config.late_columns_together(cfg)  # 64 values a thread
+        assert not share(262144, rms, torch.float32, False)[1]  # x alone
+        assert not share(65536, rms, torch.float32, True)[1]  # staged pair under 1 MiB
+    # LayerNorm of x alone in shared memory: 16-bit chunks together, fp32 ones not
+    assert config.late_columns_together(share(262144, False, torch.bfloat16, False)[0])
+    assert not config.late_columns_together(share(262144, False, torch.float32, False)[0])
+
+
 def test_rejects_empty_rows():
     with pytest.raises(ValueError):
         row_config(0, 2)

@@ -224,6 +224,8 @@ VARIANTS = [
     (131073, torch.float32, torch.float32, False),
     (262144, torch.float32, torch.float32, True),
     (262144, torch.bfloat16, torch.bfloat16, False),
+    # fp32 LayerNorm kept in registers with its residual: columns before the exchange
+    (262144, torch.float32, torch.float32, False),
     # 512-thread backward shares with their sums in registers (config.sums_in_registers)
     (131072, torch.float32, torch.float32, False),
     (200000, torch.bfloat16, torch.bfloat16, True),
@@ -260,6 +262,11 @@ def test_sm90a_variants_compile_without_spills(tmp_path):
     assert len(rows) == len(VARIANTS) * 4
     for name, n, dtype, cfg, kernel, res in rows:
         assert spills(res) == 0, f"register spills in {name} n={n} {dtype}: {res}"
+        if name == "fwd" and cfg.staging == "registers" and kernel.has_residual \
+                and not kernel.holds_columns:
+            # two CTAs of 256 threads per SM (the weight and bias loaded together in
+            # the output pass took 185 at bf16 262144: config.late_columns_together)
+            assert res["regs"] <= 128, f"{name} n={n} {dtype}: {res}"
         if name == "bwd":
             assert_looping_launch_fits(kernel, name, n, dtype, cfg, res)
 

@@ -335,12 +335,15 @@ def test_mixed_dtypes_residual_prenorm(x_dtype, r_dtype, w_dtype, res_dtype, out
         assert b.grad is None
 
 
-@pytest.mark.parametrize("n,dtype", [(65536, torch.bfloat16), (40000, torch.float32)])
+@pytest.mark.parametrize("n,dtype", [(65536, torch.bfloat16), (40000, torch.float32),
+                                     (262144, torch.bfloat16), (262144, torch.float32)])
 @pytest.mark.parametrize("rms", [True, False])
 def test_residual_rows_over_a_cluster(n, dtype, rms):
     """Rows split over a cluster with a residual; all but the bf16 LayerNorm (a share in
     shared memory) load their weight (and bias) at the start
-    (config.norm_forward_early_columns)."""
+    (config.norm_forward_early_columns); rows of 262144 keep h in registers and load
+    them in the output pass (bf16) or before the cluster exchange (fp32,
+    config.norm_forward_columns_before_reduction)."""
     m = 9
     x, r = fresh((m, n), dtype), fresh((m, n), dtype)
     w = fresh(n, dtype, 0.5, 1.0)

@@ -35,6 +35,8 @@ from cutlass.memory import SmemAllocator
 from ..primitives import reduce as red
 from ..primitives import tiling
 from ..primitives.config import (MAX_CLUSTER_SIZE, RowConfig, loop_ctas_per_sm,
+                                 late_columns_together,
+                                 norm_forward_columns_before_reduction,
                                  norm_forward_early_columns, prefetch_row_stats,
                                  stage_columns_once)
 from ..primitives.rows import ReductionSlot, RowKernel, RowTiles
@@ -81,6 +83,9 @@ class NormForward(RowKernel):
         self.values_per_reduction = 3 if self.moments else 1
         self.early_columns = norm_forward_early_columns(
             rms, len(self.staged_dtypes), self.staged_bytes_per_col, cfg)
+        self.columns_before_reduction = norm_forward_columns_before_reduction(
+            len(self.staged_dtypes), self.staged_bytes_per_col, cfg)
+        self.late_columns_together = late_columns_together(cfg)
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mR, mW, mB, mY: cute.Tensor, mResOut, mMean,
@@ -111,6 +116,12 @@ class NormForward(RowKernel):
         """(weight, bias) values of ``chunk`` (None for an absent one)."""
         return tuple(None if mV is None else tiles.load(tiles.broadcast_rows(mV), chunk, guard_rows=False)
                      for mV in (mW, mB))
+
+    @property
+    def holds_columns(self) -> bool:
+        """Whether the weight and bias are in registers before the output pass: loaded
+        with the row (early_columns) or before its cluster exchange."""
+        return self.early_columns or self.columns_before_reduction
 
     def _values_in_row(self, tiles: RowTiles):
         """How many of this thread's values lie inside the row."""
@@ -174,6 +185,8 @@ class NormForward(RowKernel):
                                      else red.thread_reduce(h, cute.ReductionOp.ADD, 0.0))
             if cutlass.const_expr(cfg.staging == "registers"):
                 kept.append(h)
+        if cutlass.const_expr(self.columns_before_reduction):
+            early = [self._columns(tiles, mW, mB, c) for c in range(cfg.num_chunks)]
         mean = Float32(0.0)
         if cutlass.const_expr(self.rms):
             (total,) = slots[0].allreduce((partial,), red.sum_combine, ZERO)
@@ -200,15 +213,22 @@ class NormForward(RowKernel):
 
         for c in cutlass.range_constexpr(cfg.num_chunks):
             h = kept[c] if cutlass.const_expr(cfg.staging == "registers") else self._stream(tiles, c)
-            weight, bias = early[c] if cutlass.const_expr(self.early_columns) \
-                else self._columns(tiles, mW, mB, c)
+            weight, bias = None, None
+            if cutlass.const_expr(self.holds_columns):
+                weight, bias = early[c]
+            elif cutlass.const_expr(self.late_columns_together):
+                weight, bias = self._columns(tiles, mW, mB, c)
             # (an explicit FMA for the bias saved one instruction per value, but held
             # the weight and bias of a registers share live: fp32 128256 80 -> 127
             # registers)
             y = (h - mean) * rstd
             if cutlass.const_expr(mW is not None):
+                if cutlass.const_expr(weight is None):
+                    weight = self._columns(tiles, mW, None, c)[0]
                 y = y * (weight + weight_offset)
             if cutlass.const_expr(mB is not None):
+                if cutlass.const_expr(bias is None):
+                    bias = self._columns(tiles, None, mB, c)[1]
                 y = y + bias
             tiles.store(mY, c, y)
 

@@ -569,6 +569,33 @@ def norm_forward_early_columns(rms: bool, staged_tensors: int, bytes_per_col: in
         and not keeps_residual_in_registers(staged_tensors, cfg.n_cols, bytes_per_col)
 
 
+# A share kept in registers with its residual (keeps_residual_in_registers) of fp32 rows
+# already holds its CTA to one per SM (179-215 registers), so the weight and bias can be
+# loaded once the row's values are in, before the cluster exchange of its sums, at no
+# cost in CTAs: their latency passes behind the exchange. H200, kernel alone, 512x262144
+# (results/kernel_ab_norm_forward_columns_H200_20261202.txt): LayerNorm 71.4% -> 82.5% of
+# the copy ceiling, RMSNorm 85.1% -> 86.6%. 16-bit rows lost (120-127 -> 183-217
+# registers, two CTAs per SM -> one: LayerNorm bf16 80.5% -> 69.7%, RMSNorm 91.4% ->
+# 80.9%); mixed dtypes were not measured.
+def norm_forward_columns_before_reduction(staged_tensors: int, bytes_per_col: int,
+                                          cfg: RowConfig) -> bool:
+    return cfg.staging == "registers" and bytes_per_col == 2 * 4 \
+        and keeps_residual_in_registers(staged_tensors, cfg.n_cols, bytes_per_col)
+
+
+# Columns loaded in the output pass (neither early nor before the exchange): a chunk's
+# weight and bias together where each takes at most LATE_COLUMNS_TOGETHER_VALUES
+# registers per thread, else one after the other. Loaded together, a 64-value registers
+# share of LayerNorm bf16 with a residual took 185 registers instead of 127, one CTA per
+# SM instead of two (512x262144: 60.7% of the copy ceiling against 80.5%); fp32
+# 512x262144 shares of x alone (32 values a chunk) ran at 66.5% against 70.5% (same file).
+LATE_COLUMNS_TOGETHER_VALUES = 16
+
+
+def late_columns_together(cfg: RowConfig) -> bool:
+    return cfg.vec * cfg.vecs_per_thread <= LATE_COLUMNS_TOGETHER_VALUES
+
+
 # Norm backward of 16-bit rows (h and dy staged; dweight / dbias sums kept per column,
 # each counted as one more fp32 tensor of the share): CTA row bytes and vectors per
 # thread of each staged tensor, from H200 sweeps over the grid (N = 1K..256K at
