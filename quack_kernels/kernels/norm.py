@@ -147,7 +147,7 @@ class NormForward(RowKernel):
         tiles.issue_loads()
         # (config.norm_forward_early_columns: the share's weight and bias in flight with
         # its row, instead of loaded per chunk in the output pass)
-        early = [self._columns(tiles, mW, mB, c) for c in range(cfg.num_chunks)] \
+        held_columns = [self._columns(tiles, mW, mB, c) for c in range(cfg.num_chunks)] \
             if cutlass.const_expr(self.early_columns) else []
         if cutlass.const_expr(cfg.cluster_size > 1):
             cute.arch.cluster_wait()
@@ -185,8 +185,9 @@ class NormForward(RowKernel):
                                      else red.thread_reduce(h, cute.ReductionOp.ADD, 0.0))
             if cutlass.const_expr(cfg.staging == "registers"):
                 kept.append(h)
+        # (config.norm_forward_columns_before_reduction: their latency behind the exchange)
         if cutlass.const_expr(self.columns_before_reduction):
-            early = [self._columns(tiles, mW, mB, c) for c in range(cfg.num_chunks)]
+            held_columns = [self._columns(tiles, mW, mB, c) for c in range(cfg.num_chunks)]
         mean = Float32(0.0)
         if cutlass.const_expr(self.rms):
             (total,) = slots[0].allreduce((partial,), red.sum_combine, ZERO)
@@ -215,7 +216,7 @@ class NormForward(RowKernel):
             h = kept[c] if cutlass.const_expr(cfg.staging == "registers") else self._stream(tiles, c)
             weight, bias = None, None
             if cutlass.const_expr(self.holds_columns):
-                weight, bias = early[c]
+                weight, bias = held_columns[c]
             elif cutlass.const_expr(self.late_columns_together):
                 weight, bias = self._columns(tiles, mW, mB, c)
             # (an explicit FMA for the bias saved one instruction per value, but held
