@@ -162,7 +162,9 @@ def test_norm_forward_loads_columns_early_where_measured():
         return config.norm_forward_early_columns(rms, staged, staged * dtype.itemsize, cfg)
 
     assert early(262144, True, torch.float32) and early(65536, True, torch.bfloat16)
-    assert early(65536, False, torch.float32)  # a LayerNorm share kept in registers
+    # a LayerNorm share kept in registers (of x alone such shares are staged instead:
+    # config.staged_layer_norm_share)
+    assert early(65536, False, torch.float32, residual=True)
     assert not early(65536, False, torch.bfloat16)  # ... staged in shared memory
     assert early(4096, True, torch.float32)  # one CTA holds the row: RMSNorm only
     assert not early(4096, False, torch.float32) and not early(1024, False, torch.bfloat16)
@@ -196,6 +198,30 @@ def test_norm_forward_late_columns_where_measured():
     # LayerNorm of x alone in shared memory: 16-bit chunks together, fp32 ones not
     assert config.late_columns_together(share(262144, False, torch.bfloat16, False)[0])
     assert not config.late_columns_together(share(262144, False, torch.float32, False)[0])
+
+
+def test_layer_norm_registers_shares_over_a_cluster_are_staged():
+    """config.staged_layer_norm_share: LayerNorm of x alone over a cluster of 8+ CTAs
+    takes LAYER_NORM_STAGED_VALUES per thread in shared memory where it would be a
+    registers share of whole vectors; smaller clusters, narrower vectors and RMSNorm
+    keep theirs."""
+    from quack_kernels.ops.norm import forward_config
+
+    def share(n, rms=False, dtype=torch.float32, max_vec=None):
+        return forward_config(n, rms, dtype, dtype, False, dtype, dtype,
+                              None if rms else dtype, max_vec)
+
+    for n in (65536, 131072):
+        cfg = share(n)
+        assert cfg.staging == "smem" and cfg.cluster_size >= config.LAYER_NORM_STAGED_MIN_CLUSTER
+        assert cfg.vec * cfg.vecs_per_thread == config.LAYER_NORM_STAGED_VALUES
+        assert share(n, rms=True).staging == "registers"
+    for n in (16384, 32768):  # clusters of 2 and 4 CTAs lost with the staged share
+        cfg = share(n)
+        assert cfg.staging == "registers" and 1 < cfg.cluster_size < 8
+    assert share(8192).staging == "registers" and share(8192).cluster_size == 1
+    assert share(65536, max_vec=2).staging == "registers"  # misaligned: not measured
+    assert share(8193).staging == "registers"  # one-value vectors
 
 
 def test_rejects_empty_rows():

@@ -335,6 +335,26 @@ def test_mixed_dtypes_residual_prenorm(x_dtype, r_dtype, w_dtype, res_dtype, out
         assert b.grad is None
 
 
+@pytest.mark.parametrize("n", [50000, 65536, 131072])
+def test_layer_norm_of_fp32_rows_staged_over_a_cluster(n):
+    """fp32 LayerNorm of x alone whose share would be kept in registers is staged in
+    chunks in shared memory (config.staged_layer_norm_share): one reduction, the columns
+    loaded in the output pass."""
+    cfg = ops.forward_config(n, False, torch.float32, torch.float32, False, torch.float32,
+                             torch.float32, torch.float32)
+    assert cfg.cluster_size > 1 and cfg.staging == "smem" and cfg.num_chunks > 1
+    m = 9
+    x = fresh((m, n), torch.float32, 2.0, 0.5)
+    w, b = fresh(n, torch.float32, 0.5, 1.0), fresh(n, torch.float32, 0.5)
+    stats = torch.empty(m, dtype=torch.float32, device="cuda")
+    poison_allocator(x, stats, stats)  # y, mean, rstd start as NaN
+    y, _, mean, rstd = ops.norm_forward(x, w, b, None, 1e-5, 0.0, False, None, None, False)
+    ry, _, rmean, rrstd = forward_ref(x, w, b, None, 1e-5, 0.0, False)
+    assert_close(y, ry, torch.float32)
+    assert_close(mean, rmean, torch.float32, name="mean")
+    assert_close(rstd, rrstd, torch.float32, name="rstd")
+
+
 @pytest.mark.parametrize("n,dtype", [(65536, torch.bfloat16), (40000, torch.float32),
                                      (262144, torch.bfloat16), (262144, torch.float32)])
 @pytest.mark.parametrize("rms", [True, False])

@@ -53,8 +53,9 @@ from cutlass.memory import SmemAllocator
 
 from ..primitives import reduce as red
 from ..primitives import tiling
-from ..primitives.config import (ACCESS_BYTES, KEPT_CAPPED_REGISTERS, STREAM_UNROLL,
-                                 RowConfig, loop_ctas_per_sm, loops_over_row_blocks)
+from ..primitives.config import (KEPT_CAPPED_REGISTERS, STREAM_UNROLL,
+                                 RowConfig, loop_ctas_per_sm, loops_over_row_blocks,
+                                 whole_vectors)
 from ..primitives.rows import ReductionSlot, RowKernel, RowTiles, broadcast_rows
 
 
@@ -204,8 +205,7 @@ class CrossEntropyForward(RowKernel):
             not softcap and not smoothing and (cfg.staging != "global" or self.streams))
         self.scratch_buffers = 2 if self.loops else 1  # alternate per row block
         plain = write_grad and reduce == "none" and not (weighted or smoothing or softcap)
-        whole_vectors = cfg.vec * dtype.width // 8 == ACCESS_BYTES
-        if plain and whole_vectors and not cfg.needs_col_predicate and cfg.num_chunks == 1 \
+        if plain and whole_vectors(cfg, dtype.width // 8) and not cfg.needs_col_predicate and cfg.num_chunks == 1 \
                 and dtype != Float16 and (dtype.width == 16 or loop_ctas_per_sm(
                     cfg, self.smem_bytes(), self.loop_registers) <= 2):
             self.loop_registers = self.PLAIN_GRAD_LOOP_REGISTERS

@@ -37,6 +37,7 @@ from ..primitives.config import (
     norm_forward_share,
     row_blocks_in_flight,
     row_config,
+    staged_layer_norm_share,
     sums_in_registers,
     widened_16bit_share,
     with_prefetch,
@@ -76,7 +77,8 @@ def forward_config(n_cols: int, rms: bool, x_dtype, residual_dtype, has_residual
     """Vector width from the widest tensor touched per column (a 16-byte access of it);
     staged: x, and the residual (of ``residual_in_dtype``, default the stream's
     ``residual_dtype``) when given; CTA shares from config.norm_forward_share, RMSNorm's
-    of x alone widened by config.widened_16bit_share."""
+    of x alone widened by config.widened_16bit_share, LayerNorm's of x alone staged by
+    config.staged_layer_norm_share."""
     residual_in_dtype = residual_in_dtype or residual_dtype
     staged = [x_dtype, residual_in_dtype] if has_residual else [x_dtype]
     widest = max(_bytes(*staged, residual_dtype if has_residual else None, out_dtype,
@@ -89,6 +91,8 @@ def forward_config(n_cols: int, rms: bool, x_dtype, residual_dtype, has_residual
                               cta_row_bytes=cta_row_bytes, wide_clusters=wide_clusters)
     if rms and not has_residual:
         return widened_16bit_share(share, bytes_per_col, widest)
+    if not has_residual:
+        return staged_layer_norm_share(share, widest)
     return share(values_per_thread=values_per_thread)
 
 

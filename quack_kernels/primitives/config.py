@@ -199,6 +199,12 @@ def cluster_size_for(row_bytes: int, cta_row_bytes: int, looping: bool = False,
     return cluster
 
 
+def whole_vectors(cfg: RowConfig, elem_bytes: int) -> bool:
+    """Whether each access of ``elem_bytes`` elements is a whole ACCESS_BYTES vector
+    (not narrowed by the row length or a misaligned tensor)."""
+    return cfg.vec * elem_bytes == ACCESS_BYTES
+
+
 def copies_async(cfg: RowConfig, elem_bytes: int) -> bool:
     """Whether vectors of ``elem_bytes``-byte elements go global -> shared with
     cp.async, which moves 4, 8 or 16 bytes (and zero-fills a predicated-off vector); a
@@ -270,7 +276,7 @@ def with_held_chunk(cfg: RowConfig, bytes_per_col: int, full_clusters_too: bool)
         # (as measured: whole 16-byte vectors, within the chunks a staged share may have)
         held = dataclasses.replace(cfg, staging="smem", register_chunks=1)
         fits = chunk_bytes <= HELD_CHUNK_BYTES_PER_THREAD \
-            and cfg.vec * bytes_per_col == ACCESS_BYTES \
+            and whole_vectors(cfg, bytes_per_col) \
             and held.smem_chunks <= MAX_CHUNKS_PER_SHARE \
             and held.staging_smem_bytes(bytes_per_col) <= STAGING_SMEM_BYTES
         return held if fits else cfg
@@ -532,6 +538,34 @@ def norm_forward_share(rms: bool, staged_tensors: int, n_cols: int,
     if keeps_residual_in_registers(staged_tensors, n_cols, bytes_per_col):
         return CTA_ROW_BYTES, True, RESIDUAL_REGISTER_VALUES
     return CTA_ROW_BYTES, False, None
+
+
+# LayerNorm of x alone over a cluster of LAYER_NORM_STAGED_MIN_CLUSTER CTAs or more,
+# where its share would be kept in registers (fp32 rows of 50K-131K columns: one chunk
+# of 32 values per thread, with the weight and bias loaded with it, 117 registers and two
+# CTAs of 256 threads per SM), takes LAYER_NORM_STAGED_VALUES per thread instead: four
+# chunks staged in shared memory, one reduction (NormForward.moments) and the columns
+# loaded in the output pass. H200, kernel alone (benchmarks/sweep_norm_forward.py, 32-KiB
+# shares; results/norm_forward_layer_values_sweep_H200_20261202.txt), % of the copy
+# ceiling at 32 (registers) / 16 / 8 values per thread: fp32 2048x65536 (8 CTAs) 82.2 /
+# 90.4 / 91.6, 1024x131072 (16) 71.7 / 81.4 / 82.6; smaller clusters lost with 8 values
+# (8192x16384, 2 CTAs: 94.5 / 94.1 / 88.1; 4096x32768, 4 CTAs: 88.3 / 92.1 / 85.8, where
+# 16 values would gain: not taken, not run through the GPU tests). Narrower vectors
+# (ragged or misaligned rows) were not measured.
+LAYER_NORM_STAGED_VALUES = 8
+LAYER_NORM_STAGED_MIN_CLUSTER = 8
+
+
+def staged_layer_norm_share(share: Callable[..., RowConfig], access_elem_bytes: int) -> RowConfig:
+    """``share()`` (row_config with the caller's arguments: LayerNorm of x alone, accessed
+    ``cfg.vec`` elements of ``access_elem_bytes`` at a time), staged in chunks of
+    LAYER_NORM_STAGED_VALUES per thread where it would be a registers share over a
+    cluster of at least LAYER_NORM_STAGED_MIN_CLUSTER CTAs."""
+    cfg = share()
+    if cfg.staging != "registers" or cfg.cluster_size < LAYER_NORM_STAGED_MIN_CLUSTER \
+            or not whole_vectors(cfg, access_elem_bytes):
+        return cfg
+    return share(values_per_thread=LAYER_NORM_STAGED_VALUES)
 
 
 # The norm forward of rows split over a cluster loads its whole share of the weight (and
@@ -874,7 +908,7 @@ def _streamed_loss_row_config(n_cols: int, elem: int, max_vec: int | None) -> Ro
     streamed_row_config's values per thread."""
     cfg = streamed_row_config(n_cols, elem, CE_STREAM_CTA_ROW_BYTES, max_vec,
                               values_per_thread=CE_STREAM_CHUNK_BYTES // elem)
-    if cfg.vec * elem == ACCESS_BYTES:
+    if whole_vectors(cfg, elem):
         return cfg
     return streamed_row_config(n_cols, elem, CE_STREAM_CTA_ROW_BYTES, max_vec)
 
@@ -978,7 +1012,7 @@ def cross_entropy_row_config(n_cols: int, elem: int, stage_weight: bool, write_g
     if elem < 4:
         roomy = _ce_row_config(n_cols, elem, max_vec=max_vec, values_per_thread=32)
         whole_chunks_read = not write_grad and roomy.staging == "smem" \
-            and roomy.vec * elem == ACCESS_BYTES and not roomy.needs_col_predicate
+            and whole_vectors(roomy, elem) and not roomy.needs_col_predicate
         if roomy.staging == "registers" or loops_over_row_blocks(roomy, write_grad) \
                 or whole_chunks_read:
             cfg = roomy
