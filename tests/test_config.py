@@ -190,6 +190,9 @@ def test_norm_forward_late_columns_where_measured():
     for rms in (True, False):
         cfg, before = share(262144, rms, torch.float32, True)
         assert cfg.staging == "registers" and before
+        # shorter fp32 shares hold fewer values and would lose a CTA per SM
+        assert not share(131073, rms, torch.float32, True)[1]
+        assert not share(196608, rms, torch.float32, True)[1]
         cfg, before = share(262144, rms, torch.bfloat16, True)
         assert cfg.staging == "registers" and not before
         assert not config.late_columns_together(cfg)  # 64 values a thread
@@ -221,7 +224,7 @@ def test_layer_norm_registers_shares_over_a_cluster_are_staged():
         assert cfg.staging == "registers" and 1 < cfg.cluster_size < 8
     assert share(8192).staging == "registers" and share(8192).cluster_size == 1
     assert share(65536, max_vec=2).staging == "registers"  # misaligned: not measured
-    assert share(8193).staging == "registers"  # one-value vectors
+    assert share(65537).staging == "registers"  # one-value vectors on 16 CTAs
 
 
 def test_rejects_empty_rows():

@@ -205,8 +205,8 @@ class CrossEntropyForward(RowKernel):
             not softcap and not smoothing and (cfg.staging != "global" or self.streams))
         self.scratch_buffers = 2 if self.loops else 1  # alternate per row block
         plain = write_grad and reduce == "none" and not (weighted or smoothing or softcap)
-        if plain and whole_vectors(cfg, dtype.width // 8) and not cfg.needs_col_predicate and cfg.num_chunks == 1 \
-                and dtype != Float16 and (dtype.width == 16 or loop_ctas_per_sm(
+        if plain and whole_vectors(cfg, dtype.width // 8) and not cfg.needs_col_predicate \
+                and cfg.num_chunks == 1 and dtype != Float16 and (dtype.width == 16 or loop_ctas_per_sm(
                     cfg, self.smem_bytes(), self.loop_registers) <= 2):
             self.loop_registers = self.PLAIN_GRAD_LOOP_REGISTERS
 

@@ -541,17 +541,19 @@ def norm_forward_share(rms: bool, staged_tensors: int, n_cols: int,
 
 
 # LayerNorm of x alone over a cluster of LAYER_NORM_STAGED_MIN_CLUSTER CTAs or more,
-# where its share would be kept in registers (fp32 rows of 50K-131K columns: one chunk
-# of 32 values per thread, with the weight and bias loaded with it, 117 registers and two
-# CTAs of 256 threads per SM), takes LAYER_NORM_STAGED_VALUES per thread instead: four
-# chunks staged in shared memory, one reduction (NormForward.moments) and the columns
-# loaded in the output pass. H200, kernel alone (benchmarks/sweep_norm_forward.py, 32-KiB
-# shares; results/norm_forward_layer_values_sweep_H200_20261202.txt), % of the copy
-# ceiling at 32 (registers) / 16 / 8 values per thread: fp32 2048x65536 (8 CTAs) 82.2 /
-# 90.4 / 91.6, 1024x131072 (16) 71.7 / 81.4 / 82.6; smaller clusters lost with 8 values
-# (8192x16384, 2 CTAs: 94.5 / 94.1 / 88.1; 4096x32768, 4 CTAs: 88.3 / 92.1 / 85.8, where
-# 16 values would gain: not taken, not run through the GPU tests). Narrower vectors
-# (ragged or misaligned rows) were not measured.
+# where its share would be kept in registers (fp32 rows of 32K-131K columns: one chunk
+# of 20-32 values per thread, with the weight and bias loaded with it; 117 registers and
+# two CTAs of 256 threads per SM at 65536), takes LAYER_NORM_STAGED_VALUES per thread
+# instead: three or four chunks staged in shared memory, one reduction
+# (NormForward.moments) and the columns loaded in the output pass. H200, kernel alone
+# (benchmarks/sweep_norm_forward.py, 32-KiB shares; results/norm_forward_layer_values_
+# sweep_H200_20261202.txt), % of the copy ceiling at 32 (registers) / 16 / 8 values per
+# thread: fp32 2048x65536 (8 CTAs) 82.2 / 90.4 / 91.6, 1024x131072 (16) 71.7 / 81.4 /
+# 82.6 (both four chunks; the three-chunk shares of 32K-49K and 64K-98K columns were not
+# measured); smaller clusters lost with 8 values (8192x16384, 2 CTAs: 94.5 / 94.1 /
+# 88.1; 4096x32768, 4 CTAs: 88.3 / 92.1 / 85.8, where 16 values would gain: not taken,
+# not run through the GPU tests). Narrower vectors (ragged or misaligned rows) were not
+# measured.
 LAYER_NORM_STAGED_VALUES = 8
 LAYER_NORM_STAGED_MIN_CLUSTER = 8
 
@@ -574,8 +576,8 @@ def staged_layer_norm_share(share: Callable[..., RowConfig], access_elem_bytes: 
 # previous chunk's stores: they may alias). H200, kernels alone, each cell twice
 # (results/norm_forward_early_columns_H200_20261130.txt): RMSNorm fp32 512x262144 79.3%
 # -> 89.1% of the copy ceiling, fp32 2048x65536 90.1% -> 95.3%, bf16 512x262144 88.4% ->
-# 90.2%, bf16 2048x65536 93.3% -> 93.9%; LayerNorm fp32 2048x65536 (a registers share)
-# 72.3% -> 82.4%. LayerNorm shares staged in shared memory lost (bf16 512x262144 75.8% ->
+# 90.2%, bf16 2048x65536 93.3% -> 93.9%; LayerNorm fp32 2048x65536 (a registers share
+# then; staged since, see staged_layer_norm_share) 72.3% -> 82.4%. LayerNorm shares staged in shared memory lost (bf16 512x262144 75.8% ->
 # 58.7%, 2048x65536 82.2% -> 78.0%, fp32 512x262144 67.0% -> 48.7%: twice the columns
 # held through the row). With a residual (results/norm_forward_early_columns_residual_
 # H200_20261130.txt): RMSNorm bf16 2048x65536 94.0% -> 96.4%, fp32 95.7% -> 96.3%,
@@ -603,26 +605,30 @@ def norm_forward_early_columns(rms: bool, staged_tensors: int, bytes_per_col: in
         and not keeps_residual_in_registers(staged_tensors, cfg.n_cols, bytes_per_col)
 
 
-# A share kept in registers with its residual (keeps_residual_in_registers) of fp32 rows
+# A full share kept in registers with its residual (keeps_residual_in_registers: half of
+# RESIDUAL_REGISTER_VALUES of each tensor per thread, fp32 rows of 262144 columns)
 # already holds its CTA to one per SM (179-215 registers), so the weight and bias can be
 # loaded once the row's values are in, before the cluster exchange of its sums, at no
 # cost in CTAs: their latency passes behind the exchange. H200, kernel alone, 512x262144
 # (results/kernel_ab_norm_forward_columns_H200_20261202.txt): LayerNorm 71.4% -> 82.5% of
 # the copy ceiling, RMSNorm 85.1% -> 86.6%. 16-bit rows lost (120-127 -> 183-217
 # registers, two CTAs per SM -> one: LayerNorm bf16 80.5% -> 69.7%, RMSNorm 91.4% ->
-# 80.9%); mixed dtypes were not measured.
+# 80.9%), and so would shorter fp32 shares (sm_90a, LayerNorm of 131073-196608 columns:
+# 84-128 -> 133-167 registers); mixed dtypes were not measured.
 def norm_forward_columns_before_reduction(staged_tensors: int, bytes_per_col: int,
                                           cfg: RowConfig) -> bool:
     return cfg.staging == "registers" and bytes_per_col == 2 * 4 \
+        and cfg.vec * cfg.vecs_per_thread == RESIDUAL_REGISTER_VALUES // 2 \
         and keeps_residual_in_registers(staged_tensors, cfg.n_cols, bytes_per_col)
 
 
 # Columns loaded in the output pass (neither early nor before the exchange): a chunk's
-# weight and bias together where each takes at most LATE_COLUMNS_TOGETHER_VALUES
-# registers per thread, else one after the other. Loaded together, a 64-value registers
+# weight and bias together where each holds at most LATE_COLUMNS_TOGETHER_VALUES values
+# per thread and chunk, else one after the other. Loaded together, a 64-value registers
 # share of LayerNorm bf16 with a residual took 185 registers instead of 127, one CTA per
 # SM instead of two (512x262144: 60.7% of the copy ceiling against 80.5%); fp32
-# 512x262144 shares of x alone (32 values a chunk) ran at 66.5% against 70.5% (same file).
+# 512x262144 shares of x alone (32 values a chunk) ran at 67.9% against 71.1%
+# (results/kernel_ab_norm_forward_columns_H200_20261202.txt).
 LATE_COLUMNS_TOGETHER_VALUES = 16
 
 
