@@ -112,10 +112,14 @@ class NormForward(RowKernel):
             total = total + red.thread_sum_of_squares(d)
         return total
 
-    def _columns(self, tiles: RowTiles, mW, mB, chunk: int):
-        """(weight, bias) values of ``chunk`` (None for an absent one)."""
-        return tuple(None if mV is None else tiles.load(tiles.broadcast_rows(mV), chunk, guard_rows=False)
-                     for mV in (mW, mB))
+    def _column(self, tiles: RowTiles, mV, chunk: int):
+        """Values of the per-column vector ``mV`` in ``chunk`` (None for an absent one)."""
+        return None if mV is None else tiles.load(tiles.broadcast_rows(mV), chunk, guard_rows=False)
+
+    def _share_columns(self, tiles: RowTiles, mW, mB) -> list:
+        """(weight, bias) of every chunk of this CTA's share, loaded now."""
+        return [(self._column(tiles, mW, c), self._column(tiles, mB, c))
+                for c in range(self.cfg.num_chunks)]
 
     @property
     def holds_columns(self) -> bool:
@@ -127,7 +131,7 @@ class NormForward(RowKernel):
         """How many of this thread's values lie inside the row."""
         cfg = self.cfg
         if not cfg.needs_col_predicate:
-            return Int32(cfg.vec * cfg.vecs_per_thread * cfg.num_chunks)
+            return Int32(cfg.thread_values_per_chunk * cfg.num_chunks)
         count = Int32(0)  # whole vectors are in or out: cfg.vec values per in-row flag
         for c in range(cfg.num_chunks):
             preds = tiles.preds[c]
@@ -147,7 +151,7 @@ class NormForward(RowKernel):
         tiles.issue_loads()
         # (config.norm_forward_early_columns: the share's weight and bias in flight with
         # its row, instead of loaded per chunk in the output pass)
-        held_columns = [self._columns(tiles, mW, mB, c) for c in range(cfg.num_chunks)] \
+        held_columns = self._share_columns(tiles, mW, mB) \
             if cutlass.const_expr(self.early_columns) else []
         if cutlass.const_expr(cfg.cluster_size > 1):
             cute.arch.cluster_wait()
@@ -187,7 +191,7 @@ class NormForward(RowKernel):
                 kept.append(h)
         # (config.norm_forward_columns_before_reduction: their latency behind the exchange)
         if cutlass.const_expr(self.columns_before_reduction):
-            held_columns = [self._columns(tiles, mW, mB, c) for c in range(cfg.num_chunks)]
+            held_columns = self._share_columns(tiles, mW, mB)
         mean = Float32(0.0)
         if cutlass.const_expr(self.rms):
             (total,) = slots[0].allreduce((partial,), red.sum_combine, ZERO)
@@ -218,18 +222,18 @@ class NormForward(RowKernel):
             if cutlass.const_expr(self.holds_columns):
                 weight, bias = held_columns[c]
             elif cutlass.const_expr(self.late_columns_together):
-                weight, bias = self._columns(tiles, mW, mB, c)
+                weight, bias = self._column(tiles, mW, c), self._column(tiles, mB, c)
             # (an explicit FMA for the bias saved one instruction per value, but held
             # the weight and bias of a registers share live: fp32 128256 80 -> 127
             # registers)
             y = (h - mean) * rstd
             if cutlass.const_expr(mW is not None):
                 if cutlass.const_expr(weight is None):
-                    weight = self._columns(tiles, mW, None, c)[0]
+                    weight = self._column(tiles, mW, c)
                 y = y * (weight + weight_offset)
             if cutlass.const_expr(mB is not None):
                 if cutlass.const_expr(bias is None):
-                    bias = self._columns(tiles, None, mB, c)[1]
+                    bias = self._column(tiles, mB, c)
                 y = y + bias
             tiles.store(mY, c, y)
 
@@ -272,7 +276,7 @@ class NormBackward(RowKernel):
         self.need_dweight = need_dweight
         self.need_dbias = need_dbias
         self.accumulators = int(need_dweight) + int(need_dbias)
-        if self.accumulators and h_dtype.width == 16 and cfg.vec * cfg.vecs_per_thread > 8:
+        if self.accumulators and h_dtype.width == 16 and cfg.thread_values_per_chunk > 8:
             self.loop_registers = self.WIDE_LOOP_REGISTERS
         elif cfg.cluster_size == MAX_CLUSTER_SIZE and cfg.threads_per_block == 128 \
                 and h_dtype.width == dy_dtype.width == 32 and self.accumulators:

@@ -135,8 +135,13 @@ class RowConfig:
         return max(1, self.threads_per_row // 32)
 
     @property
+    def thread_values_per_chunk(self) -> int:
+        """Values one thread holds of each staged tensor per chunk."""
+        return self.vec * self.vecs_per_thread
+
+    @property
     def cols_per_chunk(self) -> int:
-        return self.vec * self.threads_per_row * self.vecs_per_thread
+        return self.thread_values_per_chunk * self.threads_per_row
 
     @property
     def cols_per_cta(self) -> int:
@@ -269,7 +274,7 @@ def with_held_chunk(cfg: RowConfig, bytes_per_col: int, full_clusters_too: bool)
     TWO_CTA_STAGING_BYTES): the fewest that bring the rest within TWO_CTA_STAGING_BYTES,
     or one for a share otherwise re-read; ``full_clusters_too``: also for two CTAs per SM
     on clusters of MAX_CLUSTER_SIZE CTAs (the backward; the forward lost there)."""
-    chunk_bytes = cfg.vec * cfg.vecs_per_thread * bytes_per_col  # per thread
+    chunk_bytes = cfg.thread_values_per_chunk * bytes_per_col  # per thread
     if cfg.staging == "registers" or cfg.stages > 1:
         return cfg
     if cfg.staging == "global":
@@ -618,7 +623,7 @@ def norm_forward_early_columns(rms: bool, staged_tensors: int, bytes_per_col: in
 def norm_forward_columns_before_reduction(staged_tensors: int, bytes_per_col: int,
                                           cfg: RowConfig) -> bool:
     return cfg.staging == "registers" and bytes_per_col == 2 * 4 \
-        and cfg.vec * cfg.vecs_per_thread == RESIDUAL_REGISTER_VALUES // 2 \
+        and cfg.thread_values_per_chunk == RESIDUAL_REGISTER_VALUES // 2 \
         and keeps_residual_in_registers(staged_tensors, cfg.n_cols, bytes_per_col)
 
 
@@ -633,7 +638,7 @@ LATE_COLUMNS_TOGETHER_VALUES = 16
 
 
 def late_columns_together(cfg: RowConfig) -> bool:
-    return cfg.vec * cfg.vecs_per_thread <= LATE_COLUMNS_TOGETHER_VALUES
+    return cfg.thread_values_per_chunk <= LATE_COLUMNS_TOGETHER_VALUES
 
 
 # Norm backward of 16-bit rows (h and dy staged; dweight / dbias sums kept per column,
@@ -686,7 +691,7 @@ def sums_in_registers(cfg: RowConfig) -> bool:
     one-value vectors, whose predicate per value spilled LayerNorm 65537 bf16)."""
     return cfg.num_chunks == 1 or (
         cfg.threads_per_row >= SUM_THREADS_PER_ROW and cfg.vec > 1
-        and cfg.vec * cfg.vecs_per_thread * cfg.num_chunks <= REGISTER_SUM_VALUES)
+        and cfg.thread_values_per_chunk * cfg.num_chunks <= REGISTER_SUM_VALUES)
 
 
 # A per-column vector read for every row block (a norm backward's weight) is staged once
