@@ -204,24 +204,23 @@ def test_norm_forward_late_columns_where_measured():
 
 
 def test_layer_norm_registers_shares_over_a_cluster_are_staged():
-    """config.staged_layer_norm_share: LayerNorm of x alone over a cluster of 8+ CTAs
-    takes LAYER_NORM_STAGED_VALUES per thread in shared memory where it would be a
-    registers share of whole vectors; smaller clusters, narrower vectors and RMSNorm
-    keep theirs."""
+    """config.staged_layer_norm_share: LayerNorm of x alone over a cluster of 4+ CTAs
+    takes LAYER_NORM_STAGED_VALUES per thread for its cluster size, in shared memory,
+    where it would be a registers share of whole vectors; 2-CTA clusters, narrower
+    vectors and RMSNorm keep theirs."""
     from quack_kernels.ops.norm import forward_config
 
     def share(n, rms=False, dtype=torch.float32, max_vec=None):
         return forward_config(n, rms, dtype, dtype, False, dtype, dtype,
                               None if rms else dtype, max_vec)
 
-    for n in (65536, 131072):
+    for n, cluster, values in ((32768, 4, 16), (65536, 8, 8), (131072, 16, 8)):
         cfg = share(n)
-        assert cfg.staging == "smem" and cfg.cluster_size >= config.LAYER_NORM_STAGED_MIN_CLUSTER
-        assert cfg.vec * cfg.vecs_per_thread == config.LAYER_NORM_STAGED_VALUES
+        assert cfg.staging == "smem" and cfg.cluster_size == cluster
+        assert cfg.vec * cfg.vecs_per_thread == values
         assert share(n, rms=True).staging == "registers"
-    for n in (16384, 32768):  # clusters of 2 and 4 CTAs lost with the staged share
-        cfg = share(n)
-        assert cfg.staging == "registers" and 1 < cfg.cluster_size < 8
+    cfg = share(16384)  # 2-CTA clusters lost with the staged share
+    assert cfg.staging == "registers" and cfg.cluster_size == 2
     assert share(8192).staging == "registers" and share(8192).cluster_size == 1
     assert share(65536, max_vec=2).staging == "registers"  # misaligned: not measured
     assert share(65537).staging == "registers"  # one-value vectors on 16 CTAs

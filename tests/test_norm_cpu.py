@@ -226,6 +226,8 @@ VARIANTS = [
     (262144, torch.bfloat16, torch.bfloat16, False),
     # fp32 LayerNorm kept in registers with its residual: columns before the exchange
     (262144, torch.float32, torch.float32, False),
+    # fp32 LayerNorm of x alone staged at 16 values over a 4-CTA cluster
+    (32768, torch.float32, torch.float32, False),
     # 512-thread backward shares with their sums in registers (config.sums_in_registers)
     (131072, torch.float32, torch.float32, False),
     (200000, torch.bfloat16, torch.bfloat16, True),

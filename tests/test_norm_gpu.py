@@ -335,7 +335,7 @@ def test_mixed_dtypes_residual_prenorm(x_dtype, r_dtype, w_dtype, res_dtype, out
         assert b.grad is None
 
 
-@pytest.mark.parametrize("n", [50000, 65536, 131072])
+@pytest.mark.parametrize("n", [32768, 50000, 65536, 131072])
 def test_layer_norm_of_fp32_rows_staged_over_a_cluster(n):
     """fp32 LayerNorm of x alone whose share would be kept in registers is staged in
     chunks in shared memory (config.staged_layer_norm_share): one reduction, the columns

@@ -545,34 +545,34 @@ def norm_forward_share(rms: bool, staged_tensors: int, n_cols: int,
     return CTA_ROW_BYTES, False, None
 
 
-# LayerNorm of x alone over a cluster of LAYER_NORM_STAGED_MIN_CLUSTER CTAs or more,
-# where its share would be kept in registers (fp32 rows of 32K-131K columns: one chunk
-# of 20-32 values per thread, with the weight and bias loaded with it; 117 registers and
-# two CTAs of 256 threads per SM at 65536), takes LAYER_NORM_STAGED_VALUES per thread
-# instead: three or four chunks staged in shared memory, one reduction
-# (NormForward.moments) and the columns loaded in the output pass. H200, kernel alone
-# (benchmarks/sweep_norm_forward.py, 32-KiB shares; results/norm_forward_layer_values_
-# sweep_H200_20261202.txt), % of the copy ceiling at 32 (registers) / 16 / 8 values per
-# thread: fp32 2048x65536 (8 CTAs) 82.2 / 90.4 / 91.6, 1024x131072 (16) 71.7 / 81.4 /
-# 82.6 (both four chunks; the three-chunk shares of 32K-49K and 64K-98K columns were not
-# measured); smaller clusters lost with 8 values (8192x16384, 2 CTAs: 94.5 / 94.1 /
-# 88.1; 4096x32768, 4 CTAs: 88.3 / 92.1 / 85.8, where 16 values would gain: not taken,
-# not run through the GPU tests). Narrower vectors (ragged or misaligned rows) were not
-# measured.
-LAYER_NORM_STAGED_VALUES = 8
-LAYER_NORM_STAGED_MIN_CLUSTER = 8
+# LayerNorm of x alone over a cluster of 4 CTAs or more, where its share would be kept
+# in registers (fp32 rows of 32K-131K columns: one chunk of 20-32 values per thread,
+# with the weight and bias loaded with it; 117 registers and two CTAs of 256 threads per
+# SM at 65536), takes fewer values per thread instead: chunks staged in shared memory,
+# one reduction (NormForward.moments) and the columns loaded in the output pass. H200,
+# kernel alone (benchmarks/sweep_norm_forward.py, 32-KiB shares; results/norm_forward_
+# layer_values_sweep_H200_20261202.txt), % of the copy ceiling at 32 (registers) / 16 /
+# 8 values per thread: fp32 4096x32768 (4 CTAs) 88.3 / 92.1 / 85.8, 2048x65536 (8)
+# 82.2 / 90.4 / 91.6, 1024x131072 (16) 71.7 / 81.4 / 82.6; 2-CTA clusters lost
+# (8192x16384: 94.5 / 94.1 / 88.1). A/B in one GPU session (results/kernel_ab_layer_
+# norm_four_cta_H200_20261202.txt): 4096x32768 88.2% -> 92.7%. Narrower vectors (ragged
+# or misaligned rows) were not measured.
+# (smallest cluster, values per thread), largest cluster first
+LAYER_NORM_STAGED_VALUES = ((8, 8), (4, 16))
 
 
 def staged_layer_norm_share(share: Callable[..., RowConfig], access_elem_bytes: int) -> RowConfig:
     """``share()`` (row_config with the caller's arguments: LayerNorm of x alone, accessed
     ``cfg.vec`` elements of ``access_elem_bytes`` at a time), staged in chunks of
-    LAYER_NORM_STAGED_VALUES per thread where it would be a registers share over a
-    cluster of at least LAYER_NORM_STAGED_MIN_CLUSTER CTAs."""
+    LAYER_NORM_STAGED_VALUES per thread for its cluster size where it would be a
+    registers share."""
     cfg = share()
-    if cfg.staging != "registers" or cfg.cluster_size < LAYER_NORM_STAGED_MIN_CLUSTER \
-            or not whole_vectors(cfg, access_elem_bytes):
+    if cfg.staging != "registers" or not whole_vectors(cfg, access_elem_bytes):
         return cfg
-    return share(values_per_thread=LAYER_NORM_STAGED_VALUES)
+    for min_cluster, values in LAYER_NORM_STAGED_VALUES:
+        if cfg.cluster_size >= min_cluster:
+            return share(values_per_thread=values)
+    return cfg
 
 
 # The norm forward of rows split over a cluster loads its whole share of the weight (and
