@@ -95,6 +95,7 @@ MIN_VECS_PER_THREAD = 4
 # row blocks, whose shares were tuned with 4 (the norm backward: within 0.5 points either
 # way at fp32 in the same A/B).
 FP32_ROW_MIN_VECS_PER_THREAD = 2
+FP32_ROW_THREADS_PER_ROW = 512  # (A/B)
 # Shared memory we allow the staged row to take, leaving room for reduction scratch.
 STAGING_SMEM_BYTES = 200 * 1024
 # A reduction that needs each value once (a loss without its gradient) streams a long
@@ -320,8 +321,9 @@ def row_config(n_cols: int, elem_bytes: int, staged_tensors: int = 1,
         raise ValueError(f"row length must be >= 1, got {n_cols}")
     if bytes_per_col is None:
         bytes_per_col = staged_tensors * elem_bytes
+    fp32_row = min_vecs_per_thread is None and staged_tensors == 1 \
+        and bytes_per_col == elem_bytes == 4 and not looping
     if min_vecs_per_thread is None:
-        fp32_row = staged_tensors == 1 and bytes_per_col == elem_bytes == 4 and not looping
         min_vecs_per_thread = FP32_ROW_MIN_VECS_PER_THREAD if fp32_row else MIN_VECS_PER_THREAD
     vec = vector_width(n_cols, elem_bytes, max_vec)
     tuned_values = values_per_thread is None
@@ -337,6 +339,8 @@ def row_config(n_cols: int, elem_bytes: int, staged_tensors: int = 1,
                               min_threads_per_block=min_threads_per_block,
                               min_vecs_per_thread=min_vecs_per_thread)
     threads = MAX_THREADS_PER_ROW if max_threads_per_row is None else max_threads_per_row
+    if fp32_row and cluster == 1 and max_threads_per_row is None:
+        threads = FP32_ROW_THREADS_PER_ROW  # (A/B)
     cfg = split(max_vecs_per_thread, threads)
     if looping:  # the looping kernels' shares were tuned as they are
         return cfg
