@@ -150,6 +150,22 @@ def test_short_fp32_rows_take_threads_before_vectors():
     assert config.elementwise_row_config(1024, 4).threads_per_row == 64
 
 
+def test_fp32_rows_of_4096_columns_take_512_threads():
+    """FP32_ROW_THREADS_PER_ROW threads for an fp32 row alone on one CTA that they hold in
+    exactly FP32_ROW_MIN_VECS_PER_THREAD vectors each; idle vectors (2560 columns), more
+    vectors (8192), a cluster, a looping kernel or two staged tensors keep 256."""
+    wide = row_config(4096, 4)
+    assert (wide.threads_per_row, wide.vecs_per_thread, wide.cluster_size) == (512, 2, 1)
+    assert wide.staging == "registers" and wide.rows_per_block == 1
+    for n in (2560, 4000, 8192):
+        assert row_config(n, 4, cta_row_bytes=32 * 1024).threads_per_row == 256, n
+    assert row_config(8192, 4).cluster_size == 2
+    assert row_config(4096, 4, looping=True).threads_per_row == 256
+    assert row_config(4096, 4, staged_tensors=2, cta_row_bytes=32 * 1024).threads_per_row == 256
+    assert row_config(4096, 4, max_threads_per_row=256).threads_per_row == 256
+    assert row_config(4096, 2).threads_per_row == 256  # 16-bit rows
+
+
 def test_norm_forward_loads_columns_early_where_measured():
     """config.norm_forward_early_columns: RMSNorm, or LayerNorm's registers shares over
     a cluster; not h kept in registers with its residual, nor shares too wide to hold

@@ -95,7 +95,16 @@ MIN_VECS_PER_THREAD = 4
 # row blocks, whose shares were tuned with 4 (the norm backward: within 0.5 points either
 # way at fp32 in the same A/B).
 FP32_ROW_MIN_VECS_PER_THREAD = 2
-FP32_ROW_THREADS_PER_ROW = 512  # (A/B)
+# Such a row on one CTA takes FP32_ROW_THREADS_PER_ROW threads where they hold it in
+# exactly FP32_ROW_MIN_VECS_PER_THREAD vectors each (4096 columns): half the registers
+# per thread, twice the warps per SM (torch.compile's Triton kernel runs 512 threads at
+# 24 registers there, 100% occupancy against our 62.5%: ncu). H200, kernels alone
+# (results/kernel_ab_fp32_row_threads_H200_20261202.txt), 256 -> 512 threads, % of the
+# copy ceiling: 32768x4096 softmax 95.3 -> 96.2, RMSNorm 95.1 -> 96.5, LayerNorm 95.3 ->
+# 97.8; 4096x4096 84.4 -> 85.1, 82.2 -> 84.4, 80.2 -> 83.0. Where the 512 threads would
+# leave vectors idle or hold more it lost: 65536x2560 (5/8 of them busy) 97.1 -> 91.4
+# (softmax), 97.9 -> 87.0 (LayerNorm); LayerNorm 16384x8192 (4 vectors) 94.3 -> 92.1.
+FP32_ROW_THREADS_PER_ROW = 512
 # Shared memory we allow the staged row to take, leaving room for reduction scratch.
 STAGING_SMEM_BYTES = 200 * 1024
 # A reduction that needs each value once (a loss without its gradient) streams a long
@@ -339,9 +348,12 @@ def row_config(n_cols: int, elem_bytes: int, staged_tensors: int = 1,
                               min_threads_per_block=min_threads_per_block,
                               min_vecs_per_thread=min_vecs_per_thread)
     threads = MAX_THREADS_PER_ROW if max_threads_per_row is None else max_threads_per_row
-    if fp32_row and cluster == 1 and max_threads_per_row is None:
-        threads = FP32_ROW_THREADS_PER_ROW  # (A/B)
     cfg = split(max_vecs_per_thread, threads)
+    if fp32_row and cluster == 1 and max_threads_per_row is None:
+        wide = split(max_vecs_per_thread, FP32_ROW_THREADS_PER_ROW)
+        if wide.vecs_per_thread == min_vecs_per_thread \
+                and wide.threads_per_row * wide.vecs_per_thread == vectors_per_cta:
+            return wide
     if looping:  # the looping kernels' shares were tuned as they are
         return cfg
     if max_threads_per_row is None and cfg.staging == "global":
