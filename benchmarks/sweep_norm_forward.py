@@ -30,9 +30,9 @@ def parse_args(argv):
     p.add_argument("--vpt", type=ints, default=[16, 32, 64], help="values per thread")
     p.add_argument("--kib", type=ints, default=[16, 32, 64, 128], help="row KiB per CTA")
     p.add_argument("--tpr", type=ints, default=[256], help="max threads per row")
-    p.add_argument("--staging", default="auto", choices=("auto", "global"),
-                   help="global: re-read the row from global memory (mostly L2) in the output "
-                        "pass instead of staging it on chip")
+    p.add_argument("--staging", default="auto",
+                   help="comma list of auto, global (global: re-read the row from global "
+                        "memory, mostly L2, in the output pass instead of staging it on chip)")
     p.add_argument("--late-columns", action="store_true",
                    help="load the weight and bias per chunk in the output pass everywhere "
                         "(config.norm_forward_early_columns off)")
@@ -68,9 +68,11 @@ def main(argv=None):
             rstd = torch.empty(m, device="cuda")
             mean = None if rms else torch.empty(m, device="cuda")
             bias = None if rms else torch.randn(n, device="cuda", dtype=dtype)
-        for vpt, kib, tpr, cfg in variants(n, eb, staged, args):
-            if args.staging == "global" and cfg.num_chunks > 1:
-                cfg = dataclasses.replace(cfg, staging="global", register_chunks=0)
+        for (vpt, kib, tpr, share), staging in itertools.product(
+                variants(n, eb, staged, args), args.staging.split(",")):
+            cfg = share
+            if staging == "global":
+                cfg = dataclasses.replace(share, staging="global", register_chunks=0)
             label = (f"{args.norm:5s} {name:5s} {mn:>12s} res={residual} vpt={vpt:3d} "
                      f"kib={kib:3d} tpr={tpr:4d} "
                      f"cl={cfg.cluster_size:2d} thr={cfg.threads_per_row:4d} "
