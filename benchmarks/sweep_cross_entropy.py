@@ -22,20 +22,11 @@ from quack_kernels.ops.common import resident_row_blocks
 from quack_kernels.primitives.config import (CE_MIN_VECS_PER_THREAD, loop_grid_rows,
                                              loops_over_row_blocks, row_config)
 
-from sweep_softmax import ints, parsed_shapes, printed_copy_ceiling
+from sweep_softmax import ints, parsed_shapes, printed_copy_ceiling, words
 
 DEFAULT_SHAPES = ",".join(f"{d}:{m}x{n}" for d in ("bf16", "fp32")
                           for m, n in ((32768, 4096), (8192, 16384), (4096, 128256), (8192, 151936)))
 FLAGS = dict(weighted=False, smoothing=False, zloss=False, softcap=False)
-
-
-def words(allowed):
-    def parse(text):
-        chosen = text.split(",")
-        if not set(chosen) <= set(allowed):
-            raise argparse.ArgumentTypeError(f"choose from {','.join(allowed)}, got {text}")
-        return chosen
-    return parse
 
 
 def parse_args(argv):

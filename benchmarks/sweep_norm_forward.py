@@ -15,7 +15,7 @@ import sys
 import torch
 
 from sweep_softmax import (DTYPES, add_register_chunks_option, add_wide_cluster_option,
-                           apply_wide_cluster_option, ints, variants)
+                           apply_wide_cluster_option, ints, variants, words)
 
 from quack_kernels.kernels import norm as kernels
 from quack_kernels.ops import norm as ops
@@ -33,9 +33,10 @@ def parse_args(argv):
     p.add_argument("--rpb", type=ints, default=[0],
                    help="rows per block (0: the config's; 2 on cluster rows: two rows per CTA "
                         "share one cluster exchange and, through L1, their weight and bias)")
-    p.add_argument("--staging", default="auto",
+    p.add_argument("--staging", type=words(("auto", "global")), default=["auto"],
                    help="comma list of auto, global (global: re-read the row from global "
-                        "memory, mostly L2, in the output pass instead of staging it on chip)")
+                        "memory, mostly L2, in the output pass instead of staging it on chip "
+                        "or keeping a one-chunk share in registers)")
     p.add_argument("--late-columns", action="store_true",
                    help="load the weight and bias per chunk in the output pass everywhere "
                         "(config.norm_forward_early_columns off)")
@@ -73,7 +74,7 @@ def main(argv=None):
             bias = None if rms else torch.randn(n, device="cuda", dtype=dtype)
             y_ref = ops.norm_reference(x, weight, bias, res, 1e-6, 0.0, rms, None, None)[0]
         for (vpt, kib, tpr, share), staging, rpb in itertools.product(
-                variants(n, eb, staged, args), args.staging.split(","), args.rpb):
+                variants(n, eb, staged, args), args.staging, args.rpb):
             cfg = dataclasses.replace(share, rows_per_block=rpb or share.rows_per_block)
             if staging == "global":
                 cfg = dataclasses.replace(cfg, staging="global", register_chunks=0)

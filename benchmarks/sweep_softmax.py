@@ -30,6 +30,16 @@ def ints(text):
     return [int(v) for v in text.split(",")]
 
 
+def words(allowed):
+    """argparse type: a comma list of words from ``allowed``."""
+    def parse(text):
+        chosen = text.split(",")
+        if not set(chosen) <= set(allowed):
+            raise argparse.ArgumentTypeError(f"choose from {','.join(allowed)}, got {text}")
+        return chosen
+    return parse
+
+
 def parsed_shapes(text):
     """(dtype name, "MxN", M, N, dtype) of each "dtype:MxN" of a comma list."""
     for shape in text.split(","):

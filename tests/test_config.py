@@ -152,14 +152,20 @@ def test_short_fp32_rows_take_threads_before_vectors():
 
 def test_fp32_rows_of_4096_columns_take_512_threads():
     """FP32_ROW_THREADS_PER_ROW threads for an fp32 row alone on one CTA that they hold in
-    exactly FP32_ROW_MIN_VECS_PER_THREAD vectors each; idle vectors (2560 columns), more
-    vectors (8192), a cluster, a looping kernel or two staged tensors keep 256."""
+    exactly FP32_ROW_MIN_VECS_PER_THREAD whole 16-byte vectors each; idle vectors (2560
+    columns), more vectors (8192), a cluster, narrower vectors, explicit limits, a looping
+    kernel or two staged tensors keep 256."""
     wide = row_config(4096, 4)
     assert (wide.threads_per_row, wide.vecs_per_thread, wide.cluster_size) == (512, 2, 1)
     assert wide.staging == "registers" and wide.rows_per_block == 1
     for n in (2560, 4000, 8192):
         assert row_config(n, 4, cta_row_bytes=32 * 1024).threads_per_row == 256, n
-    assert row_config(8192, 4).cluster_size == 2
+    two_ctas = row_config(8192, 4)  # 1024 vectors a CTA, but over a cluster
+    assert (two_ctas.cluster_size, two_ctas.threads_per_row) == (2, 256)
+    # narrower vectors (misaligned rows), and callers choosing their own limits
+    assert row_config(2048, 4, max_vec=2).threads_per_row == 256
+    assert row_config(4096, 4, min_vecs_per_thread=2).threads_per_row == 256
+    assert row_config(4096, 4, values_per_thread=8).threads_per_row == 256
     assert row_config(4096, 4, looping=True).threads_per_row == 256
     assert row_config(4096, 4, staged_tensors=2, cta_row_bytes=32 * 1024).threads_per_row == 256
     assert row_config(4096, 4, max_threads_per_row=256).threads_per_row == 256

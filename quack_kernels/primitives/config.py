@@ -95,8 +95,9 @@ MIN_VECS_PER_THREAD = 4
 # row blocks, whose shares were tuned with 4 (the norm backward: within 0.5 points either
 # way at fp32 in the same A/B).
 FP32_ROW_MIN_VECS_PER_THREAD = 2
-# Such a row on one CTA takes FP32_ROW_THREADS_PER_ROW threads where they hold it in
-# exactly FP32_ROW_MIN_VECS_PER_THREAD vectors each (4096 columns): half the registers
+# Such a row on one CTA, read in whole 16-byte vectors at the default values per thread,
+# takes FP32_ROW_THREADS_PER_ROW threads where they hold it in exactly
+# FP32_ROW_MIN_VECS_PER_THREAD vectors each (4096 columns): half the registers
 # per thread, twice the warps per SM (torch.compile's Triton kernel runs 512 threads at
 # 24 registers there, 100% occupancy against our 62.5%: ncu). H200, kernels alone
 # (results/kernel_ab_fp32_row_threads_H200_20261202.txt), 256 -> 512 threads, % of the
@@ -321,7 +322,8 @@ def row_config(n_cols: int, elem_bytes: int, staged_tensors: int = 1,
     blocks; ``narrow_share_bytes`` and ``wide_clusters``: see cluster_size_for.
     The keyword limits default to the tuned constants above (``max_threads_per_row``:
     MAX_THREADS_PER_ROW, or GLOBAL_STAGED_THREADS_PER_ROW for rows that end up re-read
-    from global memory; ``values_per_thread``: VALUES_PER_THREAD, more for shares of
+    from global memory, or FP32_ROW_THREADS_PER_ROW for the one-CTA fp32 rows it names;
+    ``values_per_thread``: VALUES_PER_THREAD, more for shares of
     more than MAX_CHUNKS_PER_SHARE chunks; ``min_vecs_per_thread``:
     MIN_VECS_PER_THREAD, or FP32_ROW_MIN_VECS_PER_THREAD for one fp32 tensor staged alone
     at its own width, not looping); tests and sweeps override them to force other
@@ -349,11 +351,12 @@ def row_config(n_cols: int, elem_bytes: int, staged_tensors: int = 1,
                               min_vecs_per_thread=min_vecs_per_thread)
     threads = MAX_THREADS_PER_ROW if max_threads_per_row is None else max_threads_per_row
     cfg = split(max_vecs_per_thread, threads)
-    if fp32_row and cluster == 1 and max_threads_per_row is None:
-        wide = split(max_vecs_per_thread, FP32_ROW_THREADS_PER_ROW)
-        if wide.vecs_per_thread == min_vecs_per_thread \
-                and wide.threads_per_row * wide.vecs_per_thread == vectors_per_cta:
-            return wide
+    if fp32_row and tuned_values and cluster == 1 and max_threads_per_row is None \
+            and vec * elem_bytes == ACCESS_BYTES:
+        fp32_row_share = split(max_vecs_per_thread, FP32_ROW_THREADS_PER_ROW)
+        if fp32_row_share.vecs_per_thread == min_vecs_per_thread and \
+                fp32_row_share.threads_per_row * fp32_row_share.vecs_per_thread == vectors_per_cta:
+            return fp32_row_share
     if looping:  # the looping kernels' shares were tuned as they are
         return cfg
     if max_threads_per_row is None and cfg.staging == "global":
@@ -562,7 +565,7 @@ def norm_forward_share(rms: bool, staged_tensors: int, n_cols: int,
 
 
 # LayerNorm of x alone over a cluster of 4 CTAs or more, where its share would be kept
-# in registers (fp32 rows of 32K-131K columns: one chunk of 20-32 values per thread,
+# in registers (fp32 rows of 16K-131K columns: one chunk of 20-32 values per thread,
 # with the weight and bias loaded with it; 117 registers and two CTAs of 256 threads per
 # SM at 65536), takes fewer values per thread instead: chunks staged in shared memory,
 # one reduction (NormForward.moments) and the columns loaded in the output pass. H200,
@@ -571,8 +574,10 @@ def norm_forward_share(rms: bool, staged_tensors: int, n_cols: int,
 # 8 values per thread: fp32 4096x32768 (4 CTAs) 88.3 / 92.1 / 85.8, 2048x65536 (8)
 # 82.2 / 90.4 / 91.6, 1024x131072 (16) 71.7 / 81.4 / 82.6; 2-CTA clusters lost
 # (8192x16384: 94.5 / 94.1 / 88.1). A/B in one GPU session (results/kernel_ab_layer_
-# norm_four_cta_H200_20261202.txt): 4096x32768 88.2% -> 92.7%. Narrower vectors (ragged
-# or misaligned rows) were not measured.
+# norm_four_cta_H200_20261202.txt): 4096x32768 88.2% -> 92.7%. Only those three row
+# lengths were measured: shares of three chunks (8 and 16 CTAs: 32K-49K, 64K-98K columns)
+# or with a partly empty last chunk (4 CTAs: 16K-32K columns short of 32768) were not,
+# nor narrower vectors (ragged or misaligned rows).
 # (smallest cluster, values per thread), largest cluster first
 LAYER_NORM_STAGED_VALUES = ((8, 8), (4, 16))
 
