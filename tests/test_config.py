@@ -155,9 +155,10 @@ def test_fp32_rows_of_4096_columns_take_512_threads():
     exactly FP32_ROW_MIN_VECS_PER_THREAD whole 16-byte vectors each; idle vectors (2560
     columns), more vectors (8192), a cluster, narrower vectors, explicit limits, a looping
     kernel or two staged tensors keep 256."""
-    wide = row_config(4096, 4)
-    assert (wide.threads_per_row, wide.vecs_per_thread, wide.cluster_size) == (512, 2, 1)
-    assert wide.staging == "registers" and wide.rows_per_block == 1
+    fp32_row_share = row_config(4096, 4)
+    assert (fp32_row_share.threads_per_row, fp32_row_share.vecs_per_thread,
+            fp32_row_share.cluster_size) == (512, 2, 1)
+    assert fp32_row_share.staging == "registers" and fp32_row_share.rows_per_block == 1
     for n in (2560, 4000, 8192):
         assert row_config(n, 4, cta_row_bytes=32 * 1024).threads_per_row == 256, n
     two_ctas = row_config(8192, 4)  # 1024 vectors a CTA, but over a cluster
@@ -239,7 +240,7 @@ def test_layer_norm_registers_shares_over_a_cluster_are_staged():
     for n, cluster, values in ((32768, 4, 16), (65536, 8, 8), (131072, 16, 8)):
         cfg = share(n)
         assert cfg.staging == "smem" and cfg.cluster_size == cluster
-        assert cfg.vec * cfg.vecs_per_thread == values
+        assert cfg.thread_values_per_chunk == values
         assert share(n, rms=True).staging == "registers"
     cfg = share(16384)  # 2-CTA clusters lost with the staged share
     assert cfg.staging == "registers" and cfg.cluster_size == 2

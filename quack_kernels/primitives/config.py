@@ -352,7 +352,7 @@ def row_config(n_cols: int, elem_bytes: int, staged_tensors: int = 1,
     threads = MAX_THREADS_PER_ROW if max_threads_per_row is None else max_threads_per_row
     cfg = split(max_vecs_per_thread, threads)
     if fp32_row and tuned_values and cluster == 1 and max_threads_per_row is None \
-            and vec * elem_bytes == ACCESS_BYTES:
+            and whole_vectors(cfg, elem_bytes):
         fp32_row_share = split(max_vecs_per_thread, FP32_ROW_THREADS_PER_ROW)
         if fp32_row_share.vecs_per_thread == min_vecs_per_thread and \
                 fp32_row_share.threads_per_row * fp32_row_share.vecs_per_thread == vectors_per_cta:
@@ -603,9 +603,9 @@ def staged_layer_norm_share(share: Callable[..., RowConfig], access_elem_bytes: 
 # (results/norm_forward_early_columns_H200_20261130.txt): RMSNorm fp32 512x262144 79.3%
 # -> 89.1% of the copy ceiling, fp32 2048x65536 90.1% -> 95.3%, bf16 512x262144 88.4% ->
 # 90.2%, bf16 2048x65536 93.3% -> 93.9%; LayerNorm fp32 2048x65536 (a registers share
-# then; staged since, see staged_layer_norm_share) 72.3% -> 82.4%. LayerNorm shares staged in shared memory lost (bf16 512x262144 75.8% ->
-# 58.7%, 2048x65536 82.2% -> 78.0%, fp32 512x262144 67.0% -> 48.7%: twice the columns
-# held through the row). With a residual (results/norm_forward_early_columns_residual_
+# then; staged since, see staged_layer_norm_share) 72.3% -> 82.4%. LayerNorm shares
+# staged in shared memory lost (bf16 512x262144 75.8% -> 58.7%, 2048x65536 82.2% ->
+# 78.0%, fp32 512x262144 67.0% -> 48.7%: twice the columns held through the row). With a residual (results/norm_forward_early_columns_residual_
 # H200_20261130.txt): RMSNorm bf16 2048x65536 94.0% -> 96.4%, fp32 95.7% -> 96.3%,
 # LayerNorm fp32 2048x65536 91.7% -> 93.9%, LayerNorm bf16 (shared memory) 84.8% ->
 # 75.5%; rows kept in registers with their residual (keeps_residual_in_registers) lost
