@@ -244,9 +244,32 @@ def test_layer_norm_registers_shares_over_a_cluster_are_staged():
         assert share(n, rms=True).staging == "registers"
     cfg = share(16384)  # 2-CTA clusters lost with the staged share
     assert cfg.staging == "registers" and cfg.cluster_size == 2
-    assert share(8192).staging == "registers" and share(8192).cluster_size == 1
     assert share(65536, max_vec=2).staging == "registers"  # misaligned: not measured
     assert share(65537).staging == "registers"  # one-value vectors on 16 CTAs
+
+
+def test_layer_norm_one_cta_shares_of_many_values_take_two_ctas():
+    """config.staged_layer_norm_share: a one-CTA registers share of LayerNorm of x alone
+    holding more than LAYER_NORM_ONE_CTA_MAX_VALUES per thread (fp32 rows of 6K-8K
+    columns) is split over two CTAs of 16-KiB shares, as RMSNorm's; 24 values, narrower
+    vectors and 16-bit rows keep one CTA."""
+    from quack_kernels.ops.norm import forward_config
+
+    def share(n, rms=False, dtype=torch.float32, max_vec=None):
+        return forward_config(n, rms, dtype, dtype, False, dtype, dtype,
+                              None if rms else dtype, max_vec)
+
+    for n in (7000, 8192):  # 28 and 32 values on one CTA
+        cfg = share(n)
+        assert cfg.cluster_size == 2 and cfg.staging == "registers"
+        assert cfg.thread_values_per_chunk <= config.LAYER_NORM_ONE_CTA_MAX_VALUES
+        one_cta = row_config(n, 4, cta_row_bytes=config.LAYER_NORM_CTA_ROW_BYTES)
+        assert one_cta.cluster_size == 1
+        assert one_cta.thread_values_per_chunk > config.LAYER_NORM_ONE_CTA_MAX_VALUES
+        assert share(n, rms=True) == cfg  # RMSNorm's 16-KiB share
+    assert share(6144).cluster_size == 1  # 24 values: one CTA won
+    assert share(8192, max_vec=2).cluster_size == 1  # misaligned: not measured
+    assert share(8192, dtype=torch.bfloat16).cluster_size == 1
 
 
 def test_rejects_empty_rows():

@@ -340,9 +340,27 @@ def test_layer_norm_of_fp32_rows_staged_over_a_cluster(n):
     """fp32 LayerNorm of x alone whose share would be kept in registers is staged in
     chunks in shared memory (config.staged_layer_norm_share): one reduction, the columns
     loaded in the output pass."""
-    cfg = ops.forward_config(n, False, torch.float32, torch.float32, False, torch.float32,
-                             torch.float32, torch.float32)
+    cfg = _fp32_layer_norm_config(n)
     assert cfg.cluster_size > 1 and cfg.staging == "smem" and cfg.num_chunks > 1
+    _check_fp32_layer_norm_forward(n)
+
+
+@pytest.mark.parametrize("n", [7000, 8192])
+def test_layer_norm_of_fp32_rows_of_7k_to_8k_columns_on_two_ctas(n):
+    """fp32 LayerNorm of x alone that one CTA would hold at more than
+    LAYER_NORM_ONE_CTA_MAX_VALUES per thread runs on a 2-CTA cluster
+    (config.staged_layer_norm_share); 7000 leaves the last vectors of a share idle."""
+    cfg = _fp32_layer_norm_config(n)
+    assert cfg.cluster_size == 2 and cfg.staging == "registers"
+    _check_fp32_layer_norm_forward(n)
+
+
+def _fp32_layer_norm_config(n):
+    return ops.forward_config(n, False, torch.float32, torch.float32, False, torch.float32,
+                              torch.float32, torch.float32)
+
+
+def _check_fp32_layer_norm_forward(n):
     m = 9
     x = fresh((m, n), torch.float32, 2.0, 0.5)
     w, b = fresh(n, torch.float32, 0.5, 1.0), fresh(n, torch.float32, 0.5)

@@ -580,19 +580,30 @@ def norm_forward_share(rms: bool, staged_tensors: int, n_cols: int,
 # nor narrower vectors (ragged or misaligned rows).
 # (smallest cluster, values per thread), largest cluster first
 LAYER_NORM_STAGED_VALUES = ((8, 8), (4, 16))
+# ... and where one CTA would hold the row in registers at more values per thread than
+# this (fp32 rows of 6K-8K columns: 32 values at 8192, about 117 registers, two CTAs
+# per SM), it takes two CTAs of 16-KiB shares instead (CTA_ROW_BYTES, as RMSNorm does).
+# H200, kernel alone, % of the copy ceiling, one CTA (32 values) -> two (16): fp32
+# 1024x8192 60.9% -> 71.3%, 4096x8192 84.6% -> 89.3%, 16384x8192 94.9% -> 96.3%; at
+# 24 values one CTA won (32768x6144: 96.4% -> 94.5%)
+# (results/norm_forward_layer_small_rows_sweep_H200_20261202.txt).
+LAYER_NORM_ONE_CTA_MAX_VALUES = 24
 
 
 def staged_layer_norm_share(share: Callable[..., RowConfig], access_elem_bytes: int) -> RowConfig:
     """``share()`` (row_config with the caller's arguments: LayerNorm of x alone, accessed
-    ``cfg.vec`` elements of ``access_elem_bytes`` at a time), staged in chunks of
-    LAYER_NORM_STAGED_VALUES per thread for its cluster size where it would be a
-    registers share."""
+    ``cfg.vec`` elements of ``access_elem_bytes`` at a time) where it would be a registers
+    share: staged in chunks of LAYER_NORM_STAGED_VALUES per thread for its cluster size,
+    or a one-CTA share of more than LAYER_NORM_ONE_CTA_MAX_VALUES per thread split over
+    two CTAs."""
     cfg = share()
     if cfg.staging != "registers" or not whole_vectors(cfg, access_elem_bytes):
         return cfg
     for min_cluster, values in LAYER_NORM_STAGED_VALUES:
         if cfg.cluster_size >= min_cluster:
             return share(values_per_thread=values)
+    if cfg.cluster_size == 1 and cfg.thread_values_per_chunk > LAYER_NORM_ONE_CTA_MAX_VALUES:
+        return share(cta_row_bytes=CTA_ROW_BYTES)
     return cfg
 
 
