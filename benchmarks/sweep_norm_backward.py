@@ -16,7 +16,7 @@ import sys
 import torch
 import triton
 
-from sweep_softmax import DTYPES, ints
+from sweep_softmax import DTYPES, add_l2_prefetch_option, ints
 
 from quack_kernels.bench import measure_copy_ceiling_gbps as copy_ceiling_gbps
 from quack_kernels.ops import norm as ops
@@ -34,7 +34,7 @@ def _shapes(text):
         yield DTYPES[dtype], int(m), int(n)
 
 
-def sweep_shape(dtype, m, n, rms, kibs, vecs_options, tprs, rpbs, ceiling):
+def sweep_shape(dtype, m, n, rms, kibs, vecs_options, tprs, rpbs, prefetches, ceiling):
     h, dy = (torch.randn(m, n, device="cuda", dtype=dtype) for _ in range(2))
     weight = torch.randn(n, device="cuda", dtype=dtype)
     rstd = torch.rand(m, device="cuda") + 0.5
@@ -50,8 +50,10 @@ def sweep_shape(dtype, m, n, rms, kibs, vecs_options, tprs, rpbs, ceiling):
                                       cta_row_bytes=kib * 1024,
                                       values_per_thread=vecs * vec * (2 + accumulators),
                                       max_threads_per_row=tpr)
-        for stages in (1, 2):
-            cfg = dataclasses.replace(default, stages=stages,
+        for stages, ahead in ((s, a) for s in (1, 2) for a in prefetches):
+            if ahead and stages == 2:
+                continue  # (two buffers prefetch into shared memory instead)
+            cfg = dataclasses.replace(default, stages=stages, l2_prefetch=ahead,
                                       rows_per_block=rpb or default.rows_per_block)
             kernel = ops._backward_kernel_object(cfg, rms, dtype, dtype, True, not rms, dtype)
             if kernel.smem_bytes() > SMEM_BYTES_PER_CTA:
@@ -75,7 +77,7 @@ def sweep_shape(dtype, m, n, rms, kibs, vecs_options, tprs, rpbs, ceiling):
             default_mark = "*" if cfg == ops.backward_config(n, dtype, dtype, (dtype,), dtype,
                                                              accumulators) else " "
             print(f"{'rms' if rms else 'layer':5s} {str(dtype)[6:]:9s} {m}x{n} kib={kib:3d} "
-                  f"stages={stages} cl={cfg.cluster_size:2d} ch={cfg.num_chunks} "
+                  f"stages={stages} pf={ahead} cl={cfg.cluster_size:2d} ch={cfg.num_chunks} "
                   f"vpt={cfg.vec * cfg.vecs_per_thread:2d} thr={cfg.threads_per_block:4d} "
                   f"{cfg.staging:9s} sums={'regs' if kernel.sums_in_registers else 'smem'} "
                   f"ctas/SM={kernel.ctas_per_sm()} {ms * 1e3:8.1f}us "
@@ -107,13 +109,14 @@ def main(argv):
                    help="rows per block (0: the config's; 2 on cluster rows: two rows per "
                         "CTA share one cluster exchange)")
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help="dtype:MxN,...")
+    add_l2_prefetch_option(p)
     args = p.parse_args(argv)
     ceiling = copy_ceiling_gbps()
     print(f"copy ceiling {ceiling:.0f} GB/s; * marks the default config")
     for dtype, m, n in _shapes(args.shapes):
         for norm in args.norm.split(","):
             sweep_shape(dtype, m, n, norm == "rms", args.kib, args.vecs, args.tpr, args.rpb,
-                        ceiling)
+                        args.l2_prefetch, ceiling)
             torch.cuda.empty_cache()
 
 

@@ -14,8 +14,9 @@ import sys
 
 import torch
 
-from sweep_softmax import (DTYPES, add_register_chunks_option, add_wide_cluster_option,
-                           apply_wide_cluster_option, ints, variants, words)
+from sweep_softmax import (DTYPES, add_l2_prefetch_option, add_register_chunks_option,
+                           add_wide_cluster_option, apply_wide_cluster_option, ints, variants,
+                           words)
 
 from quack_kernels.kernels import norm as kernels
 from quack_kernels.ops import norm as ops
@@ -43,6 +44,7 @@ def parse_args(argv):
     p.add_argument("--dry-run", action="store_true", help="compile the variants, time nothing")
     add_wide_cluster_option(p)
     add_register_chunks_option(p)
+    add_l2_prefetch_option(p)
     return p.parse_args(argv)
 
 
@@ -84,7 +86,7 @@ def main(argv=None):
                      f"kib={kib:3d} tpr={tpr:4d} "
                      f"cl={cfg.cluster_size:2d} thr={cfg.threads_per_row:4d} "
                      f"vecs={cfg.vecs_per_thread:2d} ch={cfg.num_chunks:2d} {cfg.staging:9s} "
-                     f"held={cfg.register_chunks} rpb={cfg.rows_per_block}")
+                     f"held={cfg.register_chunks} rpb={cfg.rows_per_block} pf={cfg.l2_prefetch}")
             try:
                 fn = ops.compile_forward(cfg, rms, dtype, dtype, bool(residual), bool(residual),
                                          dtype, None if rms else dtype, dtype)

@@ -74,6 +74,7 @@ def parse_args(argv):
                         "instead of --vpt/--kib/--tpr; --register-chunks still applies")
     add_wide_cluster_option(p)
     add_register_chunks_option(p)
+    add_l2_prefetch_option(p)
     return p.parse_args(argv)
 
 
@@ -82,6 +83,13 @@ def add_register_chunks_option(parser):
                         help="chunks of the share held in registers (RowConfig.register_"
                              "chunks; a share re-read from global memory is staged for k > "
                              "0); default: the op's own choice")
+
+
+def add_l2_prefetch_option(parser):
+    parser.add_argument("--l2-prefetch", type=ints, default=[0],
+                        help="row blocks ahead whose rows each CTA asks L2 for (RowConfig."
+                             "l2_prefetch; looping kernels: any k > 0 means the next "
+                             "iteration's block); 0: none")
 
 
 def add_wide_cluster_option(parser):
@@ -128,10 +136,13 @@ def variants(n, elem_bytes, staged, args, own_choice=lambda cfg: cfg):
             cfg = dataclasses.replace(cfg, staging="global")  # the share before it was held
         elif too_big and not op_config:
             continue
-        if cfg in seen:
-            continue
-        seen.add(cfg)
-        yield vpt, kib, tpr, cfg
+        for ahead in getattr(args, "l2_prefetch", [0]):
+            if ahead and not config.whole_vectors(cfg, elem_bytes):
+                continue  # (bulk prefetches need whole 16-byte vectors)
+            variant = dataclasses.replace(cfg, l2_prefetch=ahead)
+            if variant not in seen:
+                seen.add(variant)
+                yield vpt, kib, tpr, variant
 
 
 def main(argv=None):
@@ -169,7 +180,7 @@ def main(argv=None):
                 print(f"{name:5s} {mn:>12s} {direction} vpt={vpt:3d} kib={kib:3d} tpr={tpr:4d} "
                       f"cl={cfg.cluster_size:2d} thr={cfg.threads_per_row:4d} "
                       f"vecs={cfg.vecs_per_thread:2d} ch={cfg.num_chunks} {cfg.staging:9s} "
-                      f"held={cfg.register_chunks} "
+                      f"held={cfg.register_chunks} pf={cfg.l2_prefetch} "
                       f"{ms * 1e3:8.1f}us {pct:5.1f}%", flush=True)
         del x, dy, y, dx
         torch.cuda.empty_cache()

@@ -1,5 +1,6 @@
 """RMSNorm / LayerNorm CUDA kernels against fp64 references (run on an H200)."""
 
+import dataclasses
 import math
 
 import pytest
@@ -288,6 +289,28 @@ def test_many_row_blocks_per_cta(m, n):
         y, h, mean, rstd = ops.norm_forward(x, w, b, None, 1e-5, 0.0, rms, None, None, False)
         check_backward(fresh((m, n), torch.bfloat16), x, w, None if rms else mean, rstd, 0.0, rms,
                        need_db=True)
+
+
+@pytest.mark.parametrize("n, dtype", [(262144, torch.float32), (65536, torch.bfloat16)])
+@pytest.mark.parametrize("rms", [True, False])
+def test_rows_prefetched_to_l2(n, dtype, rms, monkeypatch):
+    """Forward (with a residual) and looping backward whose CTAs ask L2 for the rows of
+    a later row block (RowConfig.l2_prefetch: the forward 3 blocks ahead, the backward
+    its next iteration, both past M at the end), against the fp64 reference."""
+    with_prefetch = lambda config_fn: lambda *a, **k: dataclasses.replace(  # noqa: E731
+        config_fn(*a, **k), l2_prefetch=3, stages=1)
+    monkeypatch.setattr(ops, "forward_config", with_prefetch(ops.forward_config))
+    monkeypatch.setattr(ops, "backward_config", with_prefetch(ops.backward_config))
+    m = 40
+    x, r = fresh((m, n), dtype), fresh((m, n), dtype)
+    w, b = fresh(n, dtype, 0.5, 1.0), None if rms else fresh(n, dtype, 0.5)
+    poison_allocator(x, r)  # y and h start as NaN
+    y, h, mean, rstd = ops.norm_forward(x, w, b, r, 1e-5, 0.0, rms, None, None, True)
+    ry, rh, _, _ = forward_ref(x, w, b, r, 1e-5, 0.0, rms)
+    assert_close(h, rh, dtype, name="h")
+    assert_close(y, ry, dtype)
+    check_backward(fresh((m, n), dtype), h, w, None if rms else mean, rstd, 0.0, rms,
+                   need_db=not rms)
 
 
 @pytest.mark.parametrize("x_dtype,r_dtype,w_dtype,res_dtype,out_dtype", [

@@ -248,3 +248,22 @@ def test_more_than_2_31_elements():
     y = ops.softmax_forward(x, True)
     dx = ops.softmax_backward(y, x, True)
     check_backward(dx[m - 3:], y[m - 3:], x[m - 3:], True)
+
+
+@pytest.mark.parametrize("n, dtype", [(262144, torch.bfloat16), (1 << 20, torch.float32),
+                                      (4096, torch.float32)])
+@pytest.mark.parametrize("ahead", [1, 3])
+def test_rows_prefetched_to_l2(n, dtype, ahead):
+    """Shares that ask L2 for the rows ``ahead`` row blocks on (RowConfig.l2_prefetch),
+    the last blocks past M (the prefetch must skip them), on poisoned outputs; the
+    backward re-reading dy from global memory (1M fp32) prefetches it too."""
+    x, dy = fresh((7, n), dtype), fresh((7, n), dtype)
+    for log in (False, True):
+        fwd_cfg = dataclasses.replace(ops.forward_config(n, dtype), l2_prefetch=ahead)
+        y = torch.full_like(x, float("nan"))
+        ops.compile_forward(fwd_cfg, dtype, log)(x, y)
+        assert_close(y, reference(x, log), dtype)
+        bwd_cfg = dataclasses.replace(ops.backward_config(n, dtype), l2_prefetch=ahead)
+        dx = torch.full_like(x, float("nan"))
+        ops.compile_backward(bwd_cfg, dtype, log)(y, dy, dx)
+        check_backward(dx, y, dy, log)

@@ -192,6 +192,7 @@ class NormForward(RowKernel):
         # (config.norm_forward_columns_before_reduction: their latency behind the exchange)
         if cutlass.const_expr(self.columns_before_reduction):
             held_columns = self._share_columns(tiles, mW, mB)
+        tiles.prefetch_ahead()
         mean = Float32(0.0)
         if cutlass.const_expr(self.rms):
             (total,) = slots[0].allreduce((partial,), red.sum_combine, ZERO)
@@ -379,6 +380,7 @@ class NormBackward(RowKernel):
                 g_sum = g_sum + red.thread_reduce(g, cute.ReductionOp.ADD, 0.0)
             if cutlass.const_expr(cfg.staging == "registers"):
                 kept.append((xhat, g))
+        tiles.prefetch_ahead(grid_rows)
         if cutlass.const_expr(self.rms):
             (dot,) = slot.allreduce((dot,), red.sum_combine, ZERO, iteration=iteration)
         else:

@@ -67,6 +67,7 @@ class SoftmaxForward(RowKernel):
                 kept.append(e if not self.log else x)
                 # -inf when every value is: its scale below is then 0 (never inf * 0)
                 kept_max = chunk_max
+        tiles.prefetch_ahead()
         row_max, row_sum = slot.allreduce(stats, combine, (Float32(-math.inf), Float32(0.0)))
 
         for c in cutlass.range_constexpr(cfg.num_chunks):
@@ -125,6 +126,7 @@ class SoftmaxBackward(RowKernel):
             partial = partial + red.thread_reduce(term, cute.ReductionOp.ADD, 0.0)
             if cutlass.const_expr(cfg.staging == "registers"):
                 kept.append((y, dy))
+        tiles.prefetch_ahead(also=() if self.stages_dy else (mdY,))
         (dot,) = slot.allreduce((partial,), red.sum_combine, (Float32(0.0),))
 
         loaded_dy = self._prefetch_dy(tiles, mdY, 0, {})

@@ -131,6 +131,10 @@ class RowConfig:
     staging: str  # "registers" | "smem" | "global"
     stages: int = 1  # staging buffers; 2: prefetch the next row block (looping kernels)
     register_chunks: int = 0  # of an "smem" share: its last chunks held in registers
+    # Row blocks ahead whose staged rows a CTA asks L2 for while it works on its own
+    # (RowTiles.prefetch_to_l2); a looping kernel, when nonzero, asks for its next
+    # iteration's block. 0: none.
+    l2_prefetch: int = 0
 
     @property
     def smem_chunks(self) -> int:

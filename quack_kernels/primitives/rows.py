@@ -22,6 +22,7 @@ import copy
 
 import cutlass
 import cutlass.cute as cute
+from cutlass.experimental.primitives.nvvm_wrapper import cp_async_bulk_prefetch
 from cutlass import Boolean, Float32, Int32, Int64
 
 from . import reduce as red
@@ -307,6 +308,35 @@ class RowTiles:
                         self.held[i, c] = self.load(
                             self.staged[i], c, fill=0.0 if self.pad is None else self.pad,
                             raw=True)
+
+    def prefetch_ahead(self, grid_rows=None, also=()):
+        """Where cfg.l2_prefetch is set: prefetch_to_l2 of the block that many ahead, or,
+        in a looping kernel (``grid_rows`` given), of this CTA's next iteration (with one
+        staging buffer; two prefetch into shared memory already). ``also``: tensors
+        read from global memory beside the staged ones."""
+        cfg = self.cfg
+        if cutlass.const_expr(cfg.l2_prefetch and (grid_rows is None or cfg.stages == 1)):
+            ahead = cfg.l2_prefetch if grid_rows is None else grid_rows
+            self.prefetch_to_l2(ahead, [*self.staged, *also])
+
+    @cute.jit
+    def prefetch_to_l2(self, blocks_ahead, tensors: cutlass.Constexpr):
+        """Ask L2 for this CTA's columns of the staged rows of the row block
+        ``blocks_ahead`` after this one (a later CTA's, or this CTA's next iteration):
+        one bulk prefetch per row and tensor, by the row's first thread; nothing past the
+        last row. The bytes arrive while this block is reduced and stored, so that the
+        later block's own loads find them in L2. Whole 16-byte vectors only (a bulk
+        prefetch starts and ends on 16 bytes)."""
+        cfg = self.cfg
+        first_col = self.cta_rank * cfg.cols_per_cta
+        row = (self.block_row + blocks_ahead) * cfg.rows_per_block \
+            + self.tidx // cfg.threads_per_row
+        cols = cutlass.min(cfg.cols_per_cta, cfg.n_cols - first_col)
+        if (self.tidx % cfg.threads_per_row == 0) & (row < self.num_rows) & (cols > 0):
+            for mX in tensors:
+                assert cfg.vec * mX.element_type.width == 128, "whole 16-byte vectors only"
+                ptr = mX.iterator + cute.crd2idx((row, first_col), mX.layout)
+                cp_async_bulk_prefetch(ptr, cols * (mX.element_type.width // 8))
 
     def stage_columns(self, smem, mV: cute.Tensor) -> cute.Tensor:
         """This CTA's columns of the per-column vector ``mV`` (N,), every chunk, copied
