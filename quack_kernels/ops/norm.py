@@ -40,6 +40,7 @@ from ..primitives.config import (
     staged_layer_norm_share,
     sums_in_registers,
     widened_16bit_share,
+    with_l2_prefetch,
     with_prefetch,
 )
 from .common import (
@@ -133,8 +134,8 @@ def backward_config(n_cols: int, h_dtype, dy_dtype, out_dtypes: tuple, weight_dt
         if sums_in_registers(wider) and wider.staging != "global":
             wider = with_prefetch(wider, kernel_for)
             if row_blocks_in_flight(wider, kernel_for) > row_blocks_in_flight(prefetched, kernel_for):
-                return wider
-    return prefetched
+                return with_l2_prefetch(wider)
+    return with_l2_prefetch(prefetched)
 
 
 def forward_kernel(cfg: RowConfig, rms: bool, x_dtype, residual_dtype, has_residual: bool,

@@ -794,6 +794,22 @@ def with_prefetch(cfg: RowConfig, kernel_for) -> RowConfig:
     return cfg
 
 
+# A looping norm backward left with one staging buffer (with_prefetch took no second)
+# asks L2 for its next row block's rows once its own have landed (RowConfig.l2_prefetch,
+# RowTiles.prefetch_ahead): they arrive while it reduces and stores, and its next loads
+# hit L2. H200, kernel alone (benchmarks/sweep_norm_backward.py --l2-prefetch 0,1,
+# results/norm_backward_l2_prefetch_sweep_H200_20261202.txt): RMSNorm fp32 512x262144
+# 73.3% -> 78.7% of the copy ceiling. Not for rows re-read from global memory: their
+# second pass reads from L2 what the prefetch evicts (LayerNorm fp32 512x262144 47.9% ->
+# 45.5%). One-block kernels asking for a later CTA's rows were mixed (softmax bf16
+# 128x1048576 +0.6 points, fp32 -9; LayerNorm forward bf16 512x262144 +2-3, fp32 -2 to
+# -14): rows in flight and prefetched outgrow L2.
+def with_l2_prefetch(cfg: RowConfig) -> RowConfig:
+    if cfg.stages == 1 and cfg.staging != "global":
+        return dataclasses.replace(cfg, l2_prefetch=1)
+    return cfg
+
+
 def row_blocks_in_flight(cfg: RowConfig, kernel_for) -> int:
     """Row blocks a looping kernel keeps in flight per SM: resident CTAs x stages
     (``kernel_for`` as in with_prefetch)."""
