@@ -277,6 +277,7 @@ def measure(variants, dump_dir: str, cuobjdump: str):
         sass = disassembly(cubin, cuobjdump)
         res["warp_syncs"] = warp_syncs(sass)
         res["uninitialized"] = len(uninitialized_reads(sass))
+        res["bulk_prefetches"] = sass.count("UBLKPF")  # (RowConfig.l2_prefetch)
         yield name, n, dtype, cfg, kernel, res
 
 

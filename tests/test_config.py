@@ -250,8 +250,8 @@ def test_layer_norm_registers_shares_over_a_cluster_are_staged():
 
 def test_layer_norm_one_cta_shares_of_many_values_take_two_ctas():
     """config.staged_layer_norm_share: a one-CTA registers share of LayerNorm of x alone
-    holding more than LAYER_NORM_ONE_CTA_MAX_VALUES per thread (fp32 rows of 6K-8K
-    columns) is split over two CTAs of 16-KiB shares, as RMSNorm's; 24 values, narrower
+    holding more than LAYER_NORM_ONE_CTA_MAX_VALUES per thread (fp32 rows of 7K-8K
+    columns) is split over two CTAs of 16-KiB shares, as RMSNorm's; 28 values, narrower
     vectors and 16-bit rows keep one CTA."""
     from quack_kernels.ops.norm import forward_config
 
@@ -259,7 +259,7 @@ def test_layer_norm_one_cta_shares_of_many_values_take_two_ctas():
         return forward_config(n, rms, dtype, dtype, False, dtype, dtype,
                               None if rms else dtype, max_vec)
 
-    for n in (7000, 8192):  # 28 and 32 values on one CTA
+    for n in (8000, 8192):  # 32 values on one CTA (8000: the last vectors idle)
         cfg = share(n)
         assert cfg.cluster_size == 2 and cfg.staging == "registers"
         assert cfg.thread_values_per_chunk <= config.LAYER_NORM_ONE_CTA_MAX_VALUES
@@ -267,7 +267,7 @@ def test_layer_norm_one_cta_shares_of_many_values_take_two_ctas():
         assert one_cta.cluster_size == 1
         assert one_cta.thread_values_per_chunk > config.LAYER_NORM_ONE_CTA_MAX_VALUES
         assert share(n, rms=True) == cfg  # RMSNorm's 16-KiB share
-    assert share(6144).cluster_size == 1  # 24 values: one CTA won
+    assert share(7168).cluster_size == 1  # 28 values: one CTA won
     assert share(8192, max_vec=2).cluster_size == 1  # misaligned: not measured
     assert share(8192, dtype=torch.bfloat16).cluster_size == 1
 
@@ -490,3 +490,26 @@ def test_wide_16bit_shares_only_where_they_halve_the_chunks(n):
     widened = rms.vec * rms.vecs_per_thread == config.WIDE_SHARE_VALUES
     assert widened == (n <= 262144)
     assert widened or rms == default
+
+
+def test_norm_backward_with_one_buffer_prefetches_its_next_block_to_l2():
+    """config.with_l2_prefetch: a looping norm backward left with one staging buffer
+    asks L2 for its next row block, except rows re-read from global memory, shares with
+    a second buffer, and vectors under 16 bytes of any staged tensor."""
+    from quack_kernels.ops.norm import backward_config
+
+    def share(n, h=torch.float32, dy=None, accumulators=1):
+        return backward_config(n, h, dy or h, (h,), h, accumulators)
+
+    for n, h, accumulators in ((131072, torch.float32, 1), (98304, torch.float32, 2),
+                               (131072, torch.bfloat16, 2), (196608, torch.bfloat16, 1)):
+        cfg = share(n, h, accumulators=accumulators)
+        assert cfg.stages == 1 and cfg.staging != "global" and cfg.l2_prefetch == 1
+    cfg = share(262144, accumulators=2)
+    assert cfg.staging == "global" and cfg.l2_prefetch == 0
+    cfg = share(65536, torch.bfloat16)
+    assert cfg.stages == 2 and cfg.l2_prefetch == 0
+    cfg = share(131073)  # one-value vectors
+    assert cfg.stages == 1 and cfg.staging != "global" and cfg.l2_prefetch == 0
+    cfg = share(131072, torch.bfloat16, torch.float32)  # 8-byte vectors of bf16 h
+    assert cfg.stages == 1 and cfg.staging != "global" and cfg.l2_prefetch == 0

@@ -368,11 +368,11 @@ def test_layer_norm_of_fp32_rows_staged_over_a_cluster(n):
     _check_fp32_layer_norm_forward(n)
 
 
-@pytest.mark.parametrize("n", [7000, 8192])
-def test_layer_norm_of_fp32_rows_of_7k_to_8k_columns_on_two_ctas(n):
+@pytest.mark.parametrize("n", [8000, 8192])
+def test_layer_norm_of_fp32_rows_of_8k_columns_on_two_ctas(n):
     """fp32 LayerNorm of x alone that one CTA would hold at more than
     LAYER_NORM_ONE_CTA_MAX_VALUES per thread runs on a 2-CTA cluster
-    (config.staged_layer_norm_share); 7000 leaves the last vectors of a share idle."""
+    (config.staged_layer_norm_share); 8000 leaves the last vectors of a share idle."""
     cfg = _fp32_layer_norm_config(n)
     assert cfg.cluster_size == 2 and cfg.staging == "registers"
     _check_fp32_layer_norm_forward(n)

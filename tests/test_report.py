@@ -374,3 +374,26 @@ def test_uninitialized_reads_find_the_miscompile():
     with open(os.path.join(ROOT, "tests", "data", "cuda13_thread_index_miscompile.sass")) as f:
         reads = uninitialized_reads(f.read())
     assert [(r.split()[0], r.split()[-1]) for r in reads] == [("0050", "(R8)"), ("02b0", "(R8)")]
+
+
+def test_l2_prefetch_compiles_to_bulk_prefetches(tmp_path):
+    """RowConfig.l2_prefetch puts one bulk L2 prefetch (UBLKPF) per staged tensor in the
+    norm backward's sm_90a code (its default at fp32 131072, config.with_l2_prefetch);
+    without it there is none."""
+    import dataclasses
+
+    from quack_kernels.ops import norm
+    from quack_kernels.report import measure
+
+    if find_cuobjdump() is None:
+        pytest.skip("cuobjdump not installed")
+    f32 = torch.float32
+    cfg = norm.backward_config(131072, f32, f32, (f32,), f32, 1)
+    assert cfg.l2_prefetch
+    variants = [(f"l2_prefetch={ahead}", 131072, f32, c,
+                 lambda c=c: norm.backward_kernel(c, True, f32, f32, f32, False, None, f32,
+                                                  None, True, False))
+                for ahead, c in ((1, cfg), (0, dataclasses.replace(cfg, l2_prefetch=0)))]
+    counts = [res["bulk_prefetches"] for *_, res in measure(variants, str(tmp_path),
+                                                            find_cuobjdump())]
+    assert counts == [2, 0]

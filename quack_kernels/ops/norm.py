@@ -110,7 +110,8 @@ def backward_config(n_cols: int, h_dtype, dy_dtype, out_dtypes: tuple, weight_dt
     SUM_THREADS_PER_ROW for shares whose sums would otherwise leave registers); sweeps
     override them."""
     widest = max(_bytes(h_dtype, dy_dtype, weight_dtype, *out_dtypes))
-    staged = max(_bytes(h_dtype, dy_dtype))
+    staged_bytes = _bytes(h_dtype, dy_dtype)
+    staged = max(staged_bytes)
     tuned_bytes, vectors = norm_backward_share(staged, accumulators, n_cols)
     if cta_row_bytes is None:
         cta_row_bytes = tuned_bytes
@@ -134,8 +135,8 @@ def backward_config(n_cols: int, h_dtype, dy_dtype, out_dtypes: tuple, weight_dt
         if sums_in_registers(wider) and wider.staging != "global":
             wider = with_prefetch(wider, kernel_for)
             if row_blocks_in_flight(wider, kernel_for) > row_blocks_in_flight(prefetched, kernel_for):
-                return with_l2_prefetch(wider)
-    return with_l2_prefetch(prefetched)
+                return with_l2_prefetch(wider, *staged_bytes)
+    return with_l2_prefetch(prefetched, *staged_bytes)
 
 
 def forward_kernel(cfg: RowConfig, rms: bool, x_dtype, residual_dtype, has_residual: bool,

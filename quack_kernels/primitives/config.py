@@ -585,13 +585,14 @@ def norm_forward_share(rms: bool, staged_tensors: int, n_cols: int,
 # (smallest cluster, values per thread), largest cluster first
 LAYER_NORM_STAGED_VALUES = ((8, 8), (4, 16))
 # ... and where one CTA would hold the row in registers at more values per thread than
-# this (fp32 rows of 6K-8K columns: 32 values at 8192, about 117 registers, two CTAs
+# this (fp32 rows of 7K-8K columns: 32 values at 8192, about 117 registers, two CTAs
 # per SM), it takes two CTAs of 16-KiB shares instead (CTA_ROW_BYTES, as RMSNorm does).
 # H200, kernel alone, % of the copy ceiling, one CTA (32 values) -> two (16): fp32
-# 1024x8192 60.9% -> 71.3%, 4096x8192 84.6% -> 89.3%, 16384x8192 94.9% -> 96.3%; at
-# 24 values one CTA won (32768x6144: 96.4% -> 94.5%)
+# 1024x8192 60.9% -> 71.3%, 4096x8192 84.6% -> 89.3%, 16384x8192 94.9% -> 96.3%,
+# 4096x8000 85.7% -> 86.9%; at 28 and 24 values one CTA won (16384x7168: 94.4% ->
+# 90.4%, 32768x6144: 96.4% -> 94.5%)
 # (results/norm_forward_layer_small_rows_sweep_H200_20261202.txt).
-LAYER_NORM_ONE_CTA_MAX_VALUES = 24
+LAYER_NORM_ONE_CTA_MAX_VALUES = 28
 
 
 def staged_layer_norm_share(share: Callable[..., RowConfig], access_elem_bytes: int) -> RowConfig:
@@ -797,15 +798,19 @@ def with_prefetch(cfg: RowConfig, kernel_for) -> RowConfig:
 # A looping norm backward left with one staging buffer (with_prefetch took no second)
 # asks L2 for its next row block's rows once its own have landed (RowConfig.l2_prefetch,
 # RowTiles.prefetch_ahead): they arrive while it reduces and stores, and its next loads
-# hit L2. H200, kernel alone (benchmarks/sweep_norm_backward.py --l2-prefetch 0,1,
-# results/norm_backward_l2_prefetch_sweep_H200_20261202.txt): RMSNorm fp32 512x262144
-# 73.3% -> 78.7% of the copy ceiling. Not for rows re-read from global memory: their
-# second pass reads from L2 what the prefetch evicts (LayerNorm fp32 512x262144 47.9% ->
-# 45.5%). One-block kernels asking for a later CTA's rows were mixed (softmax bf16
+# hit L2. H200, kernels alone, A B B A (results/kernel_ab_l2_prefetch_H200_20261202.txt),
+# % of the copy ceiling: RMSNorm fp32 512x262144 72.8 -> 77.6, 1024x131072 66.1 -> 77.6,
+# 1024x98304 67.2 -> 76.4, bf16 512x196608 48.7 -> 59.2; LayerNorm fp32 1024x98304 59.2
+# -> 71.9, bf16 1024x131072 41.2 -> 46.0. Not for rows re-read from global memory: their
+# second pass reads from L2 what the prefetch evicts (sweep: LayerNorm fp32 512x262144
+# 47.9 -> 45.5). One-block kernels asking for a later CTA's rows were mixed (softmax bf16
 # 128x1048576 +0.6 points, fp32 -9; LayerNorm forward bf16 512x262144 +2-3, fp32 -2 to
 # -14): rows in flight and prefetched outgrow L2.
-def with_l2_prefetch(cfg: RowConfig) -> RowConfig:
-    if cfg.stages == 1 and cfg.staging != "global":
+# (Whole ACCESS_BYTES vectors of every staged tensor only: a bulk prefetch starts and ends
+# on 16 bytes.)
+def with_l2_prefetch(cfg: RowConfig, *staged_elem_bytes: int) -> RowConfig:
+    whole = all(whole_vectors(cfg, elem_bytes) for elem_bytes in staged_elem_bytes)
+    if whole and cfg.stages == 1 and cfg.staging != "global":
         return dataclasses.replace(cfg, l2_prefetch=1)
     return cfg
 
