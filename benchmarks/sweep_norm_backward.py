@@ -51,8 +51,9 @@ def sweep_shape(dtype, m, n, rms, kibs, vecs_options, tprs, rpbs, prefetches, ce
                                       values_per_thread=vecs * vec * (2 + accumulators),
                                       max_threads_per_row=tpr)
         for stages, ahead in ((s, a) for s in (1, 2) for a in prefetches):
-            if ahead and stages == 2:
-                continue  # (two buffers prefetch into shared memory instead)
+            if ahead and (stages == 2 or default.vec != vec):
+                continue  # (two buffers prefetch into shared memory instead; a bulk
+                # prefetch needs whole 16-byte vectors)
             cfg = dataclasses.replace(default, stages=stages, l2_prefetch=ahead,
                                       rows_per_block=rpb or default.rows_per_block)
             kernel = ops._backward_kernel_object(cfg, rms, dtype, dtype, True, not rms, dtype)

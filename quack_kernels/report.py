@@ -257,7 +257,8 @@ def uninitialized_reads(sass: str) -> list[str]:
 
 def measure(variants, dump_dir: str, cuobjdump: str):
     """Compile each (name, n, dtype, cfg, build) variant and read its resources; yields
-    (name, n, dtype, cfg, kernel object, resource dict)."""
+    (name, n, dtype, cfg, kernel object, resource dict: cuobjdump's, and from the SASS
+    warp_syncs, uninitialized and bulk_prefetches, the last not printed)."""
     from .primitives.compile_cache import compile_kernel, target_arch
 
     for name, n, dtype, cfg, build in variants:

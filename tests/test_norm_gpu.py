@@ -291,16 +291,18 @@ def test_many_row_blocks_per_cta(m, n):
                        need_db=True)
 
 
-@pytest.mark.parametrize("n, dtype", [(262144, torch.float32), (65536, torch.bfloat16)])
+@pytest.mark.parametrize("n, dtype", [(262144, torch.float32), (65536, torch.bfloat16),
+                                      (65528, torch.bfloat16)])
 @pytest.mark.parametrize("rms", [True, False])
 def test_rows_prefetched_to_l2(n, dtype, rms, monkeypatch):
     """Forward (with a residual) and looping backward whose CTAs ask L2 for the rows of
     a later row block (RowConfig.l2_prefetch: the forward 3 blocks ahead, the backward
-    its next iteration, both past M at the end), against the fp64 reference."""
-    with_prefetch = lambda config_fn: lambda *a, **k: dataclasses.replace(  # noqa: E731
+    its next iteration, both past M at the end; 65528: the cluster's last CTA holds
+    less than a share), against the fp64 reference."""
+    with_l2 = lambda config_fn: lambda *a, **k: dataclasses.replace(  # noqa: E731
         config_fn(*a, **k), l2_prefetch=3, stages=1)
-    monkeypatch.setattr(ops, "forward_config", with_prefetch(ops.forward_config))
-    monkeypatch.setattr(ops, "backward_config", with_prefetch(ops.backward_config))
+    monkeypatch.setattr(ops, "forward_config", with_l2(ops.forward_config))
+    monkeypatch.setattr(ops, "backward_config", with_l2(ops.backward_config))
     m = 40
     x, r = fresh((m, n), dtype), fresh((m, n), dtype)
     w, b = fresh(n, dtype, 0.5, 1.0), None if rms else fresh(n, dtype, 0.5)

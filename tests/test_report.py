@@ -397,3 +397,17 @@ def test_l2_prefetch_compiles_to_bulk_prefetches(tmp_path):
     counts = [res["bulk_prefetches"] for *_, res in measure(variants, str(tmp_path),
                                                             find_cuobjdump())]
     assert counts == [2, 0]
+
+
+def test_l2_prefetch_refuses_vectors_under_16_bytes():
+    """A bulk prefetch starts and ends on 16 bytes: a share of narrower vectors (1001
+    fp32 columns: one value each) is refused when it compiles, never run misaligned."""
+    import dataclasses
+
+    from quack_kernels.ops import softmax
+    from quack_kernels.primitives.compile_cache import compile_kernel
+
+    f32 = torch.float32
+    cfg = dataclasses.replace(softmax.forward_config(1001, f32), l2_prefetch=1)
+    with pytest.raises(ValueError, match="whole 16-byte vectors"):
+        compile_kernel(*softmax.forward_kernel(cfg, f32, False))

@@ -251,12 +251,19 @@ def test_more_than_2_31_elements():
 
 
 @pytest.mark.parametrize("n, dtype", [(262144, torch.bfloat16), (1 << 20, torch.float32),
-                                      (4096, torch.float32)])
+                                      (4096, torch.float32), (524288, torch.float32),
+                                      (256, torch.float32), (262136, torch.bfloat16)])
 @pytest.mark.parametrize("ahead", [1, 3])
 def test_rows_prefetched_to_l2(n, dtype, ahead):
     """Shares that ask L2 for the rows ``ahead`` row blocks on (RowConfig.l2_prefetch),
-    the last blocks past M (the prefetch must skip them), on poisoned outputs; the
-    backward re-reading dy from global memory (1M fp32) prefetches it too."""
+    the last blocks past M (the prefetch skips them), on poisoned outputs: rows re-read
+    from global memory (1M fp32), the backward staging y alone and re-reading dy
+    (524288 fp32: dy prefetched beside it), several rows per block (256) and a cluster
+    whose last CTA holds less than a share (262136)."""
+    if n == 524288:
+        assert not ops.backward_kernel(ops.backward_config(n, dtype), dtype, False)[0].stages_dy
+    if n == 256:
+        assert ops.forward_config(n, dtype).rows_per_block > 1
     x, dy = fresh((7, n), dtype), fresh((7, n), dtype)
     for log in (False, True):
         fwd_cfg = dataclasses.replace(ops.forward_config(n, dtype), l2_prefetch=ahead)

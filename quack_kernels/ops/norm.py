@@ -121,7 +121,7 @@ def backward_config(n_cols: int, h_dtype, dy_dtype, out_dtypes: tuple, weight_dt
         values_per_thread = vectors * (16 // staged) * (2 + accumulators)
     share = functools.partial(
         row_config, n_cols, widest, staged_tensors=2 + accumulators,
-        bytes_per_col=sum(_bytes(h_dtype, dy_dtype)) + 4 * accumulators, max_vec=max_vec,
+        bytes_per_col=sum(staged_bytes) + 4 * accumulators, max_vec=max_vec,
         looping=True, cta_row_bytes=cta_row_bytes, values_per_thread=values_per_thread)
     cfg = share(max_threads_per_row=max_threads_per_row)
     kernel_for = lambda c: _backward_kernel_object(  # noqa: E731

@@ -132,8 +132,9 @@ class RowConfig:
     stages: int = 1  # staging buffers; 2: prefetch the next row block (looping kernels)
     register_chunks: int = 0  # of an "smem" share: its last chunks held in registers
     # Row blocks ahead whose staged rows a CTA asks L2 for while it works on its own
-    # (RowTiles.prefetch_to_l2); a looping kernel, when nonzero, asks for its next
-    # iteration's block. 0: none.
+    # (RowTiles.prefetch_ahead; softmax and norm kernels): a one-block kernel asks for
+    # the block that many ahead, a looping one, when nonzero, for its next iteration's
+    # block, and only with one staging buffer. 0: none.
     l2_prefetch: int = 0
 
     @property
@@ -585,10 +586,10 @@ def norm_forward_share(rms: bool, staged_tensors: int, n_cols: int,
 # (smallest cluster, values per thread), largest cluster first
 LAYER_NORM_STAGED_VALUES = ((8, 8), (4, 16))
 # ... and where one CTA would hold the row in registers at more values per thread than
-# this (fp32 rows of 7K-8K columns: 32 values at 8192, about 117 registers, two CTAs
-# per SM), it takes two CTAs of 16-KiB shares instead (CTA_ROW_BYTES, as RMSNorm does).
-# H200, kernel alone, % of the copy ceiling, one CTA (32 values) -> two (16): fp32
-# 1024x8192 60.9% -> 71.3%, 4096x8192 84.6% -> 89.3%, 16384x8192 94.9% -> 96.3%,
+# this (fp32 rows of 7169-8192 columns), it takes two CTAs of 16-KiB shares instead
+# (CTA_ROW_BYTES, as RMSNorm does). H200, kernel alone, % of the copy ceiling, one CTA
+# (32 values) -> two (16), three runs of 1024x8192 and two of the rest: fp32 1024x8192
+# 60.7-60.9% -> 68.5-71.3%, 4096x8192 84.6% -> 89.3%, 16384x8192 94.9% -> 96.3%,
 # 4096x8000 85.7% -> 86.9%; at 28 and 24 values one CTA won (16384x7168: 94.4% ->
 # 90.4%, 32768x6144: 96.4% -> 94.5%)
 # (results/norm_forward_layer_small_rows_sweep_H200_20261202.txt).
@@ -803,9 +804,11 @@ def with_prefetch(cfg: RowConfig, kernel_for) -> RowConfig:
 # 1024x98304 67.2 -> 76.4, bf16 512x196608 48.7 -> 59.2; LayerNorm fp32 1024x98304 59.2
 # -> 71.9, bf16 1024x131072 41.2 -> 46.0. Not for rows re-read from global memory: their
 # second pass reads from L2 what the prefetch evicts (sweep: LayerNorm fp32 512x262144
-# 47.9 -> 45.5). One-block kernels asking for a later CTA's rows were mixed (softmax bf16
-# 128x1048576 +0.6 points, fp32 -9; LayerNorm forward bf16 512x262144 +2-3, fp32 -2 to
-# -14): rows in flight and prefetched outgrow L2.
+# 47.9 -> 45.5). One-block kernels asking for a later CTA's rows were mixed (softmax
+# 128x1048576 forward bf16 +0.6 points, fp32 -9, backward -7 to -10; LayerNorm forward
+# bf16 512x262144 +2-3, fp32 -2 to -14): rows in flight and prefetched outgrow L2.
+# Vectors narrowed by a wider weight or output (bf16 rows with an fp32 weight) go
+# without: not measured.
 # (Whole ACCESS_BYTES vectors of every staged tensor only: a bulk prefetch starts and ends
 # on 16 bytes.)
 def with_l2_prefetch(cfg: RowConfig, *staged_elem_bytes: int) -> RowConfig:

@@ -27,8 +27,8 @@ from cutlass import Boolean, Float32, Int32, Int64
 
 from . import reduce as red
 from . import tiling
-from .config import (HELD_CHUNK_REGISTERS, LOOP_REGS_PER_THREAD, RowConfig, loop_ctas_per_sm,
-                     sums_in_registers)
+from .config import (ACCESS_BYTES, HELD_CHUNK_REGISTERS, LOOP_REGS_PER_THREAD, RowConfig,
+                     loop_ctas_per_sm, sums_in_registers)
 from .grid_sum import GridSum
 
 
@@ -316,8 +316,13 @@ class RowTiles:
         read from global memory beside the staged ones."""
         cfg = self.cfg
         if cutlass.const_expr(cfg.l2_prefetch and (grid_rows is None or cfg.stages == 1)):
+            tensors = [*self.staged, *also]
+            if any(cfg.vec * mX.element_type.width != 8 * ACCESS_BYTES for mX in tensors):
+                # (a bulk prefetch starts and ends on 16 bytes: config.with_l2_prefetch)
+                raise ValueError("RowConfig.l2_prefetch needs whole 16-byte vectors of every "
+                                 f"prefetched tensor (vec={cfg.vec})")
             ahead = cfg.l2_prefetch if grid_rows is None else grid_rows
-            self.prefetch_to_l2(ahead, [*self.staged, *also])
+            self.prefetch_to_l2(ahead, tensors)
 
     @cute.jit
     def prefetch_to_l2(self, blocks_ahead, tensors: cutlass.Constexpr):
@@ -325,16 +330,14 @@ class RowTiles:
         ``blocks_ahead`` after this one (a later CTA's, or this CTA's next iteration):
         one bulk prefetch per row and tensor, by the row's first thread; nothing past the
         last row. The bytes arrive while this block is reduced and stored, so that the
-        later block's own loads find them in L2. Whole 16-byte vectors only (a bulk
-        prefetch starts and ends on 16 bytes)."""
+        later block's own loads find them in L2. Whole 16-byte vectors only (checked by
+        prefetch_ahead)."""
         cfg = self.cfg
-        first_col = self.cta_rank * cfg.cols_per_cta
-        row = (self.block_row + blocks_ahead) * cfg.rows_per_block \
-            + self.tidx // cfg.threads_per_row
+        first_col = self.chunk_index(0) * cfg.cols_per_chunk
+        row = self.row + blocks_ahead * cfg.rows_per_block
         cols = cutlass.min(cfg.cols_per_cta, cfg.n_cols - first_col)
         if (self.tidx % cfg.threads_per_row == 0) & (row < self.num_rows) & (cols > 0):
             for mX in tensors:
-                assert cfg.vec * mX.element_type.width == 128, "whole 16-byte vectors only"
                 ptr = mX.iterator + cute.crd2idx((row, first_col), mX.layout)
                 cp_async_bulk_prefetch(ptr, cols * (mX.element_type.width // 8))
 
