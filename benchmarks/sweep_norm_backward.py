@@ -21,7 +21,7 @@ from sweep_softmax import DTYPES, add_l2_prefetch_option, ints
 from quack_kernels.bench import measure_copy_ceiling_gbps as copy_ceiling_gbps
 from quack_kernels.ops import norm as ops
 from quack_kernels.ops.common import resident_row_blocks
-from quack_kernels.primitives.config import SMEM_BYTES_PER_CTA, loop_grid_rows
+from quack_kernels.primitives.config import SMEM_BYTES_PER_CTA, loop_grid_rows, whole_vectors
 
 DEFAULT_SHAPES = ",".join(f"{d}:{m}x{n}" for d in ("bf16", "fp32")
                           for m, n in ((32768, 4096), (8192, 16384), (2048, 65536), (512, 262144)))
@@ -51,7 +51,7 @@ def sweep_shape(dtype, m, n, rms, kibs, vecs_options, tprs, rpbs, prefetches, ce
                                       values_per_thread=vecs * vec * (2 + accumulators),
                                       max_threads_per_row=tpr)
         for stages, ahead in ((s, a) for s in (1, 2) for a in prefetches):
-            if ahead and (stages == 2 or default.vec != vec):
+            if ahead and (stages == 2 or not whole_vectors(default, dtype.itemsize)):
                 continue  # (two buffers prefetch into shared memory instead; a bulk
                 # prefetch needs whole 16-byte vectors)
             cfg = dataclasses.replace(default, stages=stages, l2_prefetch=ahead,

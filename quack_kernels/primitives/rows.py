@@ -27,8 +27,8 @@ from cutlass import Boolean, Float32, Int32, Int64
 
 from . import reduce as red
 from . import tiling
-from .config import (ACCESS_BYTES, HELD_CHUNK_REGISTERS, LOOP_REGS_PER_THREAD, RowConfig,
-                     loop_ctas_per_sm, sums_in_registers)
+from .config import (HELD_CHUNK_REGISTERS, LOOP_REGS_PER_THREAD, RowConfig, loop_ctas_per_sm,
+                     sums_in_registers, whole_vectors)
 from .grid_sum import GridSum
 
 
@@ -317,7 +317,7 @@ class RowTiles:
         cfg = self.cfg
         if cutlass.const_expr(cfg.l2_prefetch and (grid_rows is None or cfg.stages == 1)):
             tensors = [*self.staged, *also]
-            if any(cfg.vec * mX.element_type.width != 8 * ACCESS_BYTES for mX in tensors):
+            if not all(whole_vectors(cfg, mX.element_type.width // 8) for mX in tensors):
                 # (a bulk prefetch starts and ends on 16 bytes: config.with_l2_prefetch)
                 raise ValueError("RowConfig.l2_prefetch needs whole 16-byte vectors of every "
                                  f"prefetched tensor (vec={cfg.vec})")
