@@ -7,10 +7,12 @@ the loss alone, as the runner times it).
     python benchmarks/sweep_cross_entropy.py                      # the default grid
     python benchmarks/sweep_cross_entropy.py --shapes bf16:131072x1024 --mode loss \\
         --vpt 32,64 --tpr 32,64,128 --tpb 128,256 --staging staged,direct
+    python benchmarks/sweep_cross_entropy.py --default --mode grad --l2-prefetch 0,1 --rounds 2
 """
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import sys
 
@@ -20,9 +22,9 @@ from quack_kernels.bench import time_device_ms
 from quack_kernels.ops import cross_entropy as ops
 from quack_kernels.ops.common import resident_row_blocks
 from quack_kernels.primitives.config import (CE_MIN_VECS_PER_THREAD, loop_grid_rows,
-                                             loops_over_row_blocks, row_config)
+                                             loops_over_row_blocks, row_config, whole_vectors)
 
-from sweep_softmax import ints, parsed_shapes, printed_copy_ceiling, words
+from sweep_softmax import add_l2_prefetch_option, ints, parsed_shapes, printed_copy_ceiling, words
 
 DEFAULT_SHAPES = ",".join(f"{d}:{m}x{n}" for d in ("bf16", "fp32")
                           for m, n in ((32768, 4096), (8192, 16384), (4096, 128256), (8192, 151936)))
@@ -44,10 +46,29 @@ def parse_args(argv):
     # direct: the loss alone read straight into registers (no cp.async through shared
     # memory), as the streamed shares of long rows are
     p.add_argument("--staging", default="staged", type=words(("staged", "direct")))
+    p.add_argument("--default", action="store_true",
+                   help="only the op's own config of each shape (with each --l2-prefetch)")
+    p.add_argument("--rounds", type=int, default=1, help="times each variant is timed, in turn")
+    add_l2_prefetch_option(p)
     return p.parse_args(argv)
 
 
-def variants(n, elem_bytes, write_grad, args):
+def variants(n, dtype, write_grad, args):
+    """The grid's configs, or the op's own (``--default``), each with every
+    --l2-prefetch distance its kernel can take (looping grids of whole 16-byte
+    vectors)."""
+    elem_bytes = dtype.itemsize
+    grid = [ops.forward_config(n, dtype, False, write_grad)] if args.default \
+        else _grid(n, elem_bytes, write_grad, args)
+    for cfg in grid:
+        for ahead in args.l2_prefetch:
+            if ahead and not (loops_over_row_blocks(cfg, write_grad)
+                              and whole_vectors(cfg, elem_bytes)):
+                continue
+            yield dataclasses.replace(cfg, l2_prefetch=ahead)
+
+
+def _grid(n, elem_bytes, write_grad, args):
     seen = set()
     for vpt, kib, tpr, tpb, stages, staging in itertools.product(
             args.vpt, args.kib, args.tpr, args.tpb, args.stages, args.staging):
@@ -78,26 +99,30 @@ def main(argv=None):
         eb = x.element_size()
         for mode in args.mode:
             write_grad = mode == "grad"
-            for cfg in variants(n, eb, write_grad, args):
+            timed = []
+            for cfg in variants(n, dtype, write_grad, args):
                 try:
                     fn = ops.compile_forward(cfg, dtype, torch.int64, write_grad=write_grad, **FLAGS)
                     kernel = ops.forward_kernel_object(cfg, dtype, write_grad=write_grad, **FLAGS)
                     grid = loop_grid_rows(cfg, m, resident_row_blocks(kernel, x.device))
                     # (no reduction: the int64 targets stand in for the unread partials)
-                    call = lambda: fn(x, target, loss, loss, row_weight, lse, grad, scale,  # noqa: E731
-                                      loss, target, -100, 0.0, 0.0, 1.0, grid)
+                    call = functools.partial(fn, x, target, loss, loss, row_weight, lse, grad,
+                                             scale, loss, target, -100, 0.0, 0.0, 1.0, grid)
                     call()
-                    ms = time_device_ms(call, reading_flush=not write_grad)
                 except Exception as e:  # a variant that does not compile or launch
                     print(f"{name} {mn} {mode} {cfg}: {type(e).__name__} {e}"[:240], flush=True)
                     continue
-                nbytes = (2 if write_grad else 1) * x.numel() * eb
+                timed.append((cfg, kernel, call))
+            nbytes = (2 if write_grad else 1) * x.numel() * eb
+            # variants timed in turn, round after round (clock drift weighs on each alike)
+            for _, (cfg, kernel, call) in itertools.product(range(args.rounds), timed):
+                ms = time_device_ms(call, reading_flush=not write_grad)
                 pct = 100 * nbytes / ms / 1e6 / ceiling
                 print(f"{name:5s} {mn:>12s} {mode} cl={cfg.cluster_size:2d} "
                       f"thr={cfg.threads_per_row:3d} rows={cfg.rows_per_block:2d} "
                       f"vecs={cfg.vecs_per_thread:2d} ch={cfg.num_chunks} {cfg.staging:9s} "
-                      f"st={cfg.stages} loops={int(kernel.loops)} ctas/SM={kernel.ctas_per_sm()} "
-                      f"{ms * 1e3:8.1f}us {pct:5.1f}%", flush=True)
+                      f"st={cfg.stages} pf={cfg.l2_prefetch} loops={int(kernel.loops)} "
+                      f"ctas/SM={kernel.ctas_per_sm()} {ms * 1e3:8.1f}us {pct:5.1f}%", flush=True)
         del x, grad
         torch.cuda.empty_cache()
 

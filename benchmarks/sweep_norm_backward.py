@@ -7,6 +7,7 @@ ending in WRONG is a config the kernel does not handle.
 
     python benchmarks/sweep_norm_backward.py [--norm rms,layer] [--kib 16,32,64]
         [--rpb 1,2] [--shapes bf16:8192x16384,...]
+    python benchmarks/sweep_norm_backward.py --default --l2-prefetch 0,1,2 --rounds 2
 """
 
 import argparse
@@ -34,55 +35,74 @@ def _shapes(text):
         yield DTYPES[dtype], int(m), int(n)
 
 
-def sweep_shape(dtype, m, n, rms, kibs, vecs_options, tprs, rpbs, prefetches, ceiling):
+def backward_variants(dtype, n, rms, args):
+    """The configs to time: the default alone (``--default``), or the grid of row
+    bytes, vectors, threads and rows per block, each with one and two staging buffers;
+    every one with each --l2-prefetch distance (a bulk prefetch needs whole 16-byte
+    vectors)."""
+    accumulators = 1 if rms else 2
+    vec = 16 // dtype.itemsize
+    if args.default:
+        grid = [ops.backward_config(n, dtype, dtype, (dtype,), dtype, accumulators)]
+    else:
+        grid = [dataclasses.replace(default, stages=stages,
+                                    rows_per_block=rpb or default.rows_per_block)
+                for kib in args.kib for vecs in args.vecs for tpr in args.tpr
+                for rpb in args.rpb
+                # values per thread over every staged tensor and accumulator
+                for default in [ops.backward_config(
+                    n, dtype, dtype, (dtype,), dtype, accumulators, cta_row_bytes=kib * 1024,
+                    values_per_thread=vecs * vec * (2 + accumulators), max_threads_per_row=tpr)]
+                for stages in (1, 2)]
+    for cfg in grid:
+        for ahead in args.l2_prefetch:
+            if ahead and not whole_vectors(cfg, dtype.itemsize):
+                continue
+            yield dataclasses.replace(cfg, l2_prefetch=ahead)
+
+
+def sweep_shape(dtype, m, n, rms, args, ceiling):
     h, dy = (torch.randn(m, n, device="cuda", dtype=dtype) for _ in range(2))
     weight = torch.randn(n, device="cuda", dtype=dtype)
     rstd = torch.rand(m, device="cuda") + 0.5
     mean = None if rms else torch.randn(m, device="cuda")
     dx = torch.empty_like(h)
     accumulators = 1 if rms else 2
-    vec = 16 // dtype.itemsize
-    reference = None  # (dx, dweight) of the default config, the first one timed
-    for kib, vecs, tpr, rpb in ((k, v, t, r) for k in kibs for v in vecs_options
-                                for t in tprs for r in rpbs):
-        # values per thread over every staged tensor and accumulator
-        default = ops.backward_config(n, dtype, dtype, (dtype,), dtype, accumulators,
-                                      cta_row_bytes=kib * 1024,
-                                      values_per_thread=vecs * vec * (2 + accumulators),
-                                      max_threads_per_row=tpr)
-        for stages, ahead in ((s, a) for s in (1, 2) for a in prefetches):
-            if ahead and (stages == 2 or not whole_vectors(default, dtype.itemsize)):
-                continue  # (two buffers prefetch into shared memory instead; a bulk
-                # prefetch needs whole 16-byte vectors)
-            cfg = dataclasses.replace(default, stages=stages, l2_prefetch=ahead,
-                                      rows_per_block=rpb or default.rows_per_block)
-            kernel = ops._backward_kernel_object(cfg, rms, dtype, dtype, True, not rms, dtype)
-            if kernel.smem_bytes() > SMEM_BYTES_PER_CTA:
-                continue
-            fn = ops.compile_backward(cfg, rms, dtype, dtype, dtype, False, None, dtype,
-                                      None, True, not rms)
-            grid = loop_grid_rows(cfg, m, resident_row_blocks(kernel, h.device))
-            parts = [torch.empty(grid * cfg.rows_per_block, n, device="cuda")
-                     for _ in range(accumulators)]
-            db_part = parts[1] if not rms else None
+    reference = _default_result(dtype, rms, h, dy, weight, mean, rstd)
+    default_cfg = ops.backward_config(n, dtype, dtype, (dtype,), dtype, accumulators)
+    timed = []  # (config, kernel, call, right)
+    for cfg in backward_variants(dtype, n, rms, args):
+        kernel = ops._backward_kernel_object(cfg, rms, dtype, dtype, True, not rms, dtype)
+        if kernel.smem_bytes() > SMEM_BYTES_PER_CTA:
+            continue
+        fn = ops.compile_backward(cfg, rms, dtype, dtype, dtype, False, None, dtype,
+                                  None, True, not rms)
+        grid = loop_grid_rows(cfg, m, resident_row_blocks(kernel, h.device))
+        parts = [torch.empty(grid * cfg.rows_per_block, n, device="cuda")
+                 for _ in range(accumulators)]
 
-            def call():
-                fn(h, dy, weight, mean, rstd, None, dx, None, parts[0], db_part, 0.0, grid)
+        def call(fn=fn, parts=parts, grid=grid):
+            fn(h, dy, weight, mean, rstd, None, dx, None, parts[0],
+               parts[1] if not rms else None, 0.0, grid)
 
-            if reference is None:
-                reference = _default_result(dtype, rms, h, dy, weight, mean, rstd)
-            call()
-            right = _close(dx.float(), reference[0]) and _close(parts[0].sum(0), reference[1])
+        call()
+        right = _close(dx.float(), reference[0]) and _close(parts[0].sum(0), reference[1])
+        timed.append((cfg, kernel, call, right))
+    # variants timed in turn, round after round: a drift of the clocks weighs on each alike
+    for _ in range(args.rounds):
+        for cfg, kernel, call, right in timed:
             ms = triton.testing.do_bench(call, return_mode="median")
             pct = 100 * 3 * h.numel() * h.element_size() / ms / 1e6 / ceiling
-            default_mark = "*" if cfg == ops.backward_config(n, dtype, dtype, (dtype,), dtype,
-                                                             accumulators) else " "
-            print(f"{'rms' if rms else 'layer':5s} {str(dtype)[6:]:9s} {m}x{n} kib={kib:3d} "
-                  f"stages={stages} pf={ahead} cl={cfg.cluster_size:2d} ch={cfg.num_chunks} "
-                  f"vpt={cfg.vec * cfg.vecs_per_thread:2d} thr={cfg.threads_per_block:4d} "
-                  f"{cfg.staging:9s} sums={'regs' if kernel.sums_in_registers else 'smem'} "
+            mark = "*" if dataclasses.replace(cfg, l2_prefetch=default_cfg.l2_prefetch) \
+                == default_cfg else " "
+            print(f"{'rms' if rms else 'layer':5s} {str(dtype)[6:]:9s} {m}x{n} "
+                  f"kib={cfg.cols_per_cta * dtype.itemsize // 1024:3d} "
+                  f"stages={cfg.stages} pf={cfg.l2_prefetch} cl={cfg.cluster_size:2d} "
+                  f"ch={cfg.num_chunks} vpt={cfg.vec * cfg.vecs_per_thread:2d} "
+                  f"thr={cfg.threads_per_block:4d} {cfg.staging:9s} "
+                  f"sums={'regs' if kernel.sums_in_registers else 'smem'} "
                   f"ctas/SM={kernel.ctas_per_sm()} {ms * 1e3:8.1f}us "
-                  f"{pct:5.1f}%{default_mark}{'' if right else ' WRONG'}", flush=True)
+                  f"{pct:5.1f}%{mark}{'' if right else ' WRONG'}", flush=True)
 
 
 def _close(got, expected, tol=2e-2):
@@ -110,14 +130,16 @@ def main(argv):
                    help="rows per block (0: the config's; 2 on cluster rows: two rows per "
                         "CTA share one cluster exchange)")
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help="dtype:MxN,...")
+    p.add_argument("--default", action="store_true",
+                   help="only the default config of each shape (with each --l2-prefetch)")
+    p.add_argument("--rounds", type=int, default=1, help="times each variant is timed, in turn")
     add_l2_prefetch_option(p)
     args = p.parse_args(argv)
     ceiling = copy_ceiling_gbps()
-    print(f"copy ceiling {ceiling:.0f} GB/s; * marks the default config")
+    print(f"copy ceiling {ceiling:.0f} GB/s; * marks the default config (any pf)")
     for dtype, m, n in _shapes(args.shapes):
         for norm in args.norm.split(","):
-            sweep_shape(dtype, m, n, norm == "rms", args.kib, args.vecs, args.tpr, args.rpb,
-                        args.l2_prefetch, ceiling)
+            sweep_shape(dtype, m, n, norm == "rms", args, ceiling)
             torch.cuda.empty_cache()
 
 

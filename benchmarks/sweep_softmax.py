@@ -88,8 +88,8 @@ def add_register_chunks_option(parser):
 def add_l2_prefetch_option(parser):
     parser.add_argument("--l2-prefetch", type=ints, default=[0],
                         help="row blocks ahead whose rows each CTA asks L2 for (RowConfig."
-                             "l2_prefetch; looping kernels: any k > 0 means the next "
-                             "iteration's block); 0: none")
+                             "l2_prefetch; looping kernels: iterations past those their "
+                             "staging buffers hold); 0: none")
 
 
 def add_wide_cluster_option(parser):

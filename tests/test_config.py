@@ -495,7 +495,8 @@ def test_wide_16bit_shares_only_where_they_halve_the_chunks(n):
 def test_norm_backward_with_one_buffer_prefetches_its_next_block_to_l2():
     """config.with_l2_prefetch: a looping norm backward left with one staging buffer
     asks L2 for its next row block, except rows re-read from global memory, shares with
-    a second buffer, and vectors under 16 bytes of any staged tensor."""
+    a second buffer and their sums in registers, and vectors under 16 bytes of any
+    staged tensor."""
     from quack_kernels.ops.norm import backward_config
 
     def share(n, h=torch.float32, dy=None, accumulators=1):
@@ -507,9 +508,46 @@ def test_norm_backward_with_one_buffer_prefetches_its_next_block_to_l2():
         assert cfg.stages == 1 and cfg.staging != "global" and cfg.l2_prefetch == 1
     cfg = share(262144, accumulators=2)
     assert cfg.staging == "global" and cfg.l2_prefetch == 0
-    cfg = share(65536, torch.bfloat16)
-    assert cfg.stages == 2 and cfg.l2_prefetch == 0
+    cfg = share(4096, torch.bfloat16)
+    assert cfg.stages == 2 and config.sums_in_registers(cfg) and cfg.l2_prefetch == 0
     cfg = share(131073)  # one-value vectors
     assert cfg.stages == 1 and cfg.staging != "global" and cfg.l2_prefetch == 0
     cfg = share(131072, torch.bfloat16, torch.float32)  # 8-byte vectors of bf16 h
     assert cfg.stages == 1 and cfg.staging != "global" and cfg.l2_prefetch == 0
+
+
+def test_norm_backward_with_sums_in_shared_memory_prefetches_past_its_buffers():
+    """config.norm_backward_prefetches_past_buffers: two staging buffers and per-column
+    sums in shared memory ask L2 for one more row block (the shapes measured); sums in
+    registers, and no sums (frozen weight), do not."""
+    from quack_kernels.ops.norm import backward_config
+
+    for n, dtype, accumulators in ((16384, torch.bfloat16, 1), (65536, torch.bfloat16, 1),
+                                   (65536, torch.bfloat16, 2), (65536, torch.float32, 1),
+                                   (65536, torch.float32, 2)):
+        cfg = backward_config(n, dtype, dtype, (dtype,), dtype, accumulators)
+        assert cfg.stages == 2 and not config.sums_in_registers(cfg)
+        assert cfg.l2_prefetch == 1, (n, dtype, accumulators)
+        frozen = backward_config(n, dtype, dtype, (dtype,), dtype, 0)
+        assert frozen.stages != 2 or frozen.l2_prefetch == 0
+    for n, dtype, accumulators in ((4096, torch.bfloat16, 1), (16384, torch.float32, 1),
+                                   (16384, torch.bfloat16, 2), (262144, torch.bfloat16, 1)):
+        cfg = backward_config(n, dtype, dtype, (dtype,), dtype, accumulators)
+        assert cfg.stages == 2 and config.sums_in_registers(cfg)
+        assert cfg.l2_prefetch == 0, (n, dtype, accumulators)
+
+
+def test_cross_entropy_gradient_of_fp32_rows_prefetches_past_its_buffers():
+    """config.ce_prefetches_past_buffers: the looping gradient of fp32 rows in whole
+    vector groups asks L2 for one more row block; 16-bit rows, ragged rows, the loss
+    alone and a staged weight row do not."""
+    from quack_kernels.ops.cross_entropy import forward_config
+
+    for n in (1024, 4096):
+        cfg = forward_config(n, torch.float32, False, True)
+        assert cfg.stages == 2 and cfg.l2_prefetch == 1
+        assert forward_config(n, torch.bfloat16, False, True).l2_prefetch == 0
+        assert forward_config(n, torch.float32, False, False).l2_prefetch == 0
+        assert forward_config(n, torch.float32, True, True).l2_prefetch == 0
+    ragged = forward_config(1000, torch.float32, False, True)
+    assert ragged.stages == 2 and ragged.needs_col_predicate and ragged.l2_prefetch == 0

@@ -399,6 +399,8 @@ class CrossEntropyForward(RowKernel):
             if cutlass.const_expr(self.capped_placeholders):
                 running = self._without_placeholders(running, tiles, target_col, inv_softcap,
                                                      softcap)
+            if cutlass.const_expr(self.loops):
+                tiles.prefetch_ahead(grid_rows)
         stats = running[:3]
         z_target, sum_wz, sum_w = running[3], running[4], running[5]
 

@@ -55,12 +55,14 @@ from ..primitives.config import (
     RowConfig,
     ce_fixed_max,
     ce_gradient_in_backward,
+    ce_prefetches_past_buffers,
     ce_reduces_in_kernel,
     grid_sum_slots,
     mean_denominator_ctas,
     cross_entropy_row_config,
     loop_grid_rows,
     loops_over_row_blocks,
+    with_l2_prefetch,
     with_prefetch,
 )
 from .rescale import compile_rescale, rescale_config, rescale_kernel, rescale_launch
@@ -94,9 +96,13 @@ def forward_config(n_cols: int, dtype: torch.dtype, stage_weight: bool, write_gr
     if not loops_over_row_blocks(cfg, write_grad):
         return cfg
     # sized for the variant with the most reduced values (every option on)
-    return with_prefetch(cfg, lambda c: forward_kernel_object(
+    cfg = with_prefetch(cfg, lambda c: forward_kernel_object(
         c, dtype, weighted=stage_weight, smoothing=True, zloss=True, softcap=True,
         write_grad=True))
+    elem_bytes = torch.finfo(dtype).bits // 8
+    if stage_weight or not ce_prefetches_past_buffers(cfg, elem_bytes):
+        return cfg
+    return with_l2_prefetch(cfg, elem_bytes, past_two_buffers=True)
 
 
 @functools.lru_cache(maxsize=None)  # on every call

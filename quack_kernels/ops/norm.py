@@ -33,6 +33,7 @@ from ..primitives.config import (
     RowConfig,
     column_sum_config,
     loop_grid_rows,
+    norm_backward_prefetches_past_buffers,
     norm_backward_share,
     norm_forward_share,
     row_blocks_in_flight,
@@ -135,8 +136,9 @@ def backward_config(n_cols: int, h_dtype, dy_dtype, out_dtypes: tuple, weight_dt
         if sums_in_registers(wider) and wider.staging != "global":
             wider = with_prefetch(wider, kernel_for)
             if row_blocks_in_flight(wider, kernel_for) > row_blocks_in_flight(prefetched, kernel_for):
-                return with_l2_prefetch(wider, *staged_bytes)
-    return with_l2_prefetch(prefetched, *staged_bytes)
+                prefetched = wider
+    return with_l2_prefetch(prefetched, *staged_bytes, past_two_buffers=(
+        norm_backward_prefetches_past_buffers(prefetched, accumulators)))
 
 
 def forward_kernel(cfg: RowConfig, rms: bool, x_dtype, residual_dtype, has_residual: bool,

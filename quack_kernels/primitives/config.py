@@ -132,9 +132,9 @@ class RowConfig:
     stages: int = 1  # staging buffers; 2: prefetch the next row block (looping kernels)
     register_chunks: int = 0  # of an "smem" share: its last chunks held in registers
     # Row blocks ahead whose staged rows a CTA asks L2 for while it works on its own
-    # (RowTiles.prefetch_ahead; softmax and norm kernels): a one-block kernel asks for
-    # the block that many ahead, a looping one, when nonzero, for its next iteration's
-    # block, and only with one staging buffer. 0: none.
+    # (RowTiles.prefetch_ahead): a one-block kernel asks for the block that many ahead,
+    # a looping one for the block that many iterations past those its staging buffers
+    # hold. 0: none.
     l2_prefetch: int = 0
 
     @property
@@ -810,12 +810,39 @@ def with_prefetch(cfg: RowConfig, kernel_for) -> RowConfig:
 # Vectors narrowed by a wider weight or output (bf16 rows with an fp32 weight) go
 # without: not measured.
 # (Whole ACCESS_BYTES vectors of every staged tensor only: a bulk prefetch starts and ends
-# on 16 bytes.)
-def with_l2_prefetch(cfg: RowConfig, *staged_elem_bytes: int) -> RowConfig:
+# on 16 bytes.) With two staging buffers, ``past_two_buffers`` asks for the block after
+# the one the second buffer loads (norm_backward_prefetches_past_buffers,
+# ce_prefetches_past_buffers).
+def with_l2_prefetch(cfg: RowConfig, *staged_elem_bytes: int,
+                     past_two_buffers: bool = False) -> RowConfig:
     whole = all(whole_vectors(cfg, elem_bytes) for elem_bytes in staged_elem_bytes)
-    if whole and cfg.stages == 1 and cfg.staging != "global":
+    if whole and cfg.staging != "global" and (cfg.stages == 1 or past_two_buffers):
         return dataclasses.replace(cfg, l2_prefetch=1)
     return cfg
+
+
+# A looping norm backward with two staging buffers and its per-column sums in shared
+# memory asks L2 for the row block after the second buffer's. H200, kernels alone, the
+# op's own config with and without, timed in turn twice
+# (results/kernel_ab_l2_prefetch_past_buffers_H200_20261202.txt), % of the copy ceiling:
+# RMSNorm bf16 8192x16384 77.4 -> 84.1, 2048x65536 66.3 -> 71.8, fp32 2048x65536 83.5 ->
+# 92.4; LayerNorm bf16 2048x65536 45.5 -> 46.9, fp32 2048x65536 59.8 -> 69.5. Where the
+# sums stay in registers it lost with several CTAs per SM (RMSNorm bf16 32768x4096 89.8 ->
+# 82.9, fp32 8192x16384 96.7 -> 91.0), was level at 3-4 (LayerNorm bf16 8192x16384,
+# 32768x4096) and split at one (bf16 512x262144: LayerNorm +2.6, RMSNorm -1.1). Two
+# iterations past the buffers lost or gained less everywhere.
+def norm_backward_prefetches_past_buffers(cfg: RowConfig, accumulators: int) -> bool:
+    return accumulators > 0 and not sums_in_registers(cfg)
+
+
+# The looping cross-entropy forward with the gradient, fp32 logits, two staging buffers:
+# the same ask of L2 (same file): fp32 131072x1024 91.5 -> 93.0, 32768x4096 88.5 -> 94.4;
+# bf16 was level or lost (131072x1024 85.7 -> 86.2, 32768x4096 89.2 -> 88.2, 8192x16384
+# 88.9 -> 88.4), as were two iterations ahead everywhere (8-17 points lost). Not rows
+# with a partial last vector group (fp32 1000 columns with label smoothing spilled 8
+# bytes at its 96 registers).
+def ce_prefetches_past_buffers(cfg: RowConfig, elem_bytes: int) -> bool:
+    return elem_bytes == 4 and cfg.stages == 2 and not cfg.needs_col_predicate
 
 
 def row_blocks_in_flight(cfg: RowConfig, kernel_for) -> int:

@@ -311,17 +311,19 @@ class RowTiles:
 
     def prefetch_ahead(self, grid_rows=None, also=()):
         """Where cfg.l2_prefetch is set: prefetch_to_l2 of the block that many ahead, or,
-        in a looping kernel (``grid_rows`` given), of this CTA's next iteration (with one
-        staging buffer; two prefetch into shared memory already). ``also``: tensors
-        read from global memory beside the staged ones."""
+        in a looping kernel (``grid_rows`` given), of the block that many iterations
+        past those its staging buffers hold (one buffer: the next iteration's; two: the
+        one after). ``also``: tensors read from global memory beside the staged ones."""
         cfg = self.cfg
-        if cutlass.const_expr(cfg.l2_prefetch and (grid_rows is None or cfg.stages == 1)):
+        if cutlass.const_expr(cfg.l2_prefetch):
             tensors = [*self.staged, *also]
             if not all(whole_vectors(cfg, mX.element_type.width // 8) for mX in tensors):
                 # (a bulk prefetch starts and ends on 16 bytes: config.with_l2_prefetch)
                 raise ValueError("RowConfig.l2_prefetch needs whole 16-byte vectors of every "
                                  f"prefetched tensor (vec={cfg.vec})")
-            ahead = cfg.l2_prefetch if grid_rows is None else grid_rows
+            ahead = cfg.l2_prefetch
+            if cutlass.const_expr(grid_rows is not None):
+                ahead = grid_rows * (cfg.stages - 1 + cfg.l2_prefetch)
             self.prefetch_to_l2(ahead, tensors)
 
     @cute.jit
