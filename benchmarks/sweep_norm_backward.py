@@ -3,7 +3,8 @@ LayerNorm): row bytes per CTA (cluster size), vectors and threads per row, rows 
 block and one or two staging buffers (prefetch of the next row block), one line per
 variant, as % of the copy ceiling for the model bytes (read h and dy, write dx). Each
 variant's dx and summed partials are checked against the default config's: a line
-ending in WRONG is a config the kernel does not handle.
+ending in WRONG is a config the kernel does not handle. ``kib=`` on a line is the KiB of
+each staged tensor's row a CTA holds (not the --kib it came from).
 
     python benchmarks/sweep_norm_backward.py [--norm rms,layer] [--kib 16,32,64]
         [--rpb 1,2] [--shapes bf16:8192x16384,...]
