@@ -49,7 +49,7 @@ def parse_args(argv):
     p.add_argument("--default", action="store_true",
                    help="only the op's own config of each shape (with each --l2-prefetch)")
     p.add_argument("--rounds", type=int, default=1, help="times each variant is timed, in turn")
-    add_l2_prefetch_option(p)
+    add_l2_prefetch_option(p, own_by_default=True)
     return p.parse_args(argv)
 
 
@@ -61,7 +61,7 @@ def variants(n, dtype, write_grad, args):
     grid = [ops.forward_config(n, dtype, False, write_grad)] if args.default \
         else _grid(n, elem_bytes, write_grad, args)
     for cfg in grid:
-        for ahead in args.l2_prefetch:
+        for ahead in args.l2_prefetch or [cfg.l2_prefetch]:
             if ahead and not (loops_over_row_blocks(cfg, write_grad)
                               and whole_vectors(cfg, elem_bytes)):
                 continue
@@ -116,7 +116,11 @@ def main(argv=None):
             nbytes = (2 if write_grad else 1) * x.numel() * eb
             # variants timed in turn, round after round (clock drift weighs on each alike)
             for _, (cfg, kernel, call) in itertools.product(range(args.rounds), timed):
-                ms = time_device_ms(call, reading_flush=not write_grad)
+                try:
+                    ms = time_device_ms(call, reading_flush=not write_grad)
+                except Exception as e:  # the variant's failure; the others go on
+                    print(f"{name} {mn} {mode} {cfg}: {type(e).__name__} {e}"[:240], flush=True)
+                    continue
                 pct = 100 * nbytes / ms / 1e6 / ceiling
                 print(f"{name:5s} {mn:>12s} {mode} cl={cfg.cluster_size:2d} "
                       f"thr={cfg.threads_per_row:3d} rows={cfg.rows_per_block:2d} "

@@ -56,7 +56,7 @@ def backward_variants(dtype, n, rms, args):
                     values_per_thread=vecs * vec * (2 + accumulators), max_threads_per_row=tpr)]
                 for stages in (1, 2)]
     for cfg in grid:
-        for ahead in args.l2_prefetch:
+        for ahead in args.l2_prefetch or [cfg.l2_prefetch]:
             if ahead and not whole_vectors(cfg, dtype.itemsize):
                 continue
             yield dataclasses.replace(cfg, l2_prefetch=ahead)
@@ -94,8 +94,7 @@ def sweep_shape(dtype, m, n, rms, args, ceiling):
         for cfg, kernel, call, right in timed:
             ms = triton.testing.do_bench(call, return_mode="median")
             pct = 100 * 3 * h.numel() * h.element_size() / ms / 1e6 / ceiling
-            mark = "*" if dataclasses.replace(cfg, l2_prefetch=default_cfg.l2_prefetch) \
-                == default_cfg else " "
+            mark = "*" if cfg == default_cfg else " "
             print(f"{'rms' if rms else 'layer':5s} {str(dtype)[6:]:9s} {m}x{n} "
                   f"kib={cfg.cols_per_cta * dtype.itemsize // 1024:3d} "
                   f"stages={cfg.stages} pf={cfg.l2_prefetch} cl={cfg.cluster_size:2d} "
@@ -134,10 +133,10 @@ def main(argv):
     p.add_argument("--default", action="store_true",
                    help="only the default config of each shape (with each --l2-prefetch)")
     p.add_argument("--rounds", type=int, default=1, help="times each variant is timed, in turn")
-    add_l2_prefetch_option(p)
+    add_l2_prefetch_option(p, own_by_default=True)
     args = p.parse_args(argv)
     ceiling = copy_ceiling_gbps()
-    print(f"copy ceiling {ceiling:.0f} GB/s; * marks the default config (any pf)")
+    print(f"copy ceiling {ceiling:.0f} GB/s; * marks the default config")
     for dtype, m, n in _shapes(args.shapes):
         for norm in args.norm.split(","):
             sweep_shape(dtype, m, n, norm == "rms", args, ceiling)

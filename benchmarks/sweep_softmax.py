@@ -85,11 +85,14 @@ def add_register_chunks_option(parser):
                              "0); default: the op's own choice")
 
 
-def add_l2_prefetch_option(parser):
-    parser.add_argument("--l2-prefetch", type=ints, default=[0],
+def add_l2_prefetch_option(parser, own_by_default=False):
+    """--l2-prefetch; ``own_by_default``: without it each config keeps its own value
+    (args.l2_prefetch None), else 0."""
+    parser.add_argument("--l2-prefetch", type=ints, default=None if own_by_default else [0],
                         help="row blocks ahead whose rows each CTA asks L2 for (RowConfig."
                              "l2_prefetch; looping kernels: iterations past those their "
-                             "staging buffers hold); 0: none")
+                             "staging buffers hold); 0: none; default: "
+                             + ("each config's own" if own_by_default else "0"))
 
 
 def add_wide_cluster_option(parser):

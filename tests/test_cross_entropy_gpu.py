@@ -102,6 +102,23 @@ def test_loss_and_gradient(v, dtype):
     assert_close(loss_only, ref_loss, LOSS_TOL, scale=LOSS_SCALE, name="loss only")
 
 
+@pytest.mark.parametrize("v", [1024, 4096])
+def test_gradient_prefetching_past_two_buffers(monkeypatch, v):
+    """The looping gradient of fp32 rows asks L2 for the row block after its second
+    staging buffer's (config.ce_prefetches_past_buffers), on a grid held to two row
+    blocks so that the prefetches land inside the tensor, against the fp64 reference."""
+    assert ops.forward_config(v, torch.float32, False, True).l2_prefetch == 1
+    monkeypatch.setattr(ops, "_forward_plans", {})
+    monkeypatch.setattr(ops, "resident_row_blocks", lambda kernel, device: 2)
+    x, target = fresh(64, v, torch.float32)
+    (loss, _), lse, grad = ops.cross_entropy_forward(x, target, None, -100, 0.0, 0.0, 0.0, True)
+    ref_loss, ref_lse, ref_grad = reference(x, target)
+    assert_close(loss, ref_loss, LOSS_TOL, scale=LOSS_SCALE, name="loss")
+    assert_close(lse, ref_lse, LOSS_TOL, scale=LOSS_SCALE, name="lse")
+    assert_close(grad, ref_grad, torch.float32, scale=2.0, name="grad")
+    check_true_class_gradient(grad, ref_grad, x, target, 2e-3)
+
+
 FLAGS = list(itertools.product([False, True], repeat=4))  # weighted, smoothing, zloss, softcap
 
 

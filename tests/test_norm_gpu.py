@@ -297,8 +297,8 @@ def test_many_row_blocks_per_cta(m, n):
 def test_rows_prefetched_to_l2(n, dtype, rms, monkeypatch):
     """Forward (with a residual) and looping backward whose CTAs ask L2 for the rows of
     a later row block (RowConfig.l2_prefetch: the forward 3 blocks ahead, the backward
-    its next iteration, both past M at the end; 65528: the cluster's last CTA holds
-    less than a share), against the fp64 reference."""
+    with one staging buffer 3 iterations ahead, both past M at the end; 65528: the
+    cluster's last CTA holds less than a share), against the fp64 reference."""
     with_l2 = lambda config_fn: lambda *a, **k: dataclasses.replace(  # noqa: E731
         config_fn(*a, **k), l2_prefetch=3, stages=1)
     monkeypatch.setattr(ops, "forward_config", with_l2(ops.forward_config))
@@ -312,6 +312,32 @@ def test_rows_prefetched_to_l2(n, dtype, rms, monkeypatch):
     assert_close(h, rh, dtype, name="h")
     assert_close(y, ry, dtype)
     check_backward(fresh((m, n), dtype), h, w, None if rms else mean, rstd, 0.0, rms,
+                   need_db=not rms)
+
+
+@pytest.mark.parametrize("n, dtype", [(65536, torch.bfloat16), (65536, torch.float32),
+                                      (16384, torch.bfloat16)])
+@pytest.mark.parametrize("rms", [True, False])
+def test_backward_prefetching_past_two_buffers(n, dtype, rms, monkeypatch):
+    """The looping backward with two staging buffers asking L2 for the row block after
+    the second buffer's (config.norm_backward_prefetches_past_buffers; forced here where
+    the sums stay in registers), on a grid held to two row blocks so that 40 rows take
+    20 iterations and the prefetches land inside the tensor, against the fp64
+    reference."""
+    own_config = ops.backward_config
+
+    def prefetching(*a, **k):
+        cfg = own_config(*a, **k)
+        assert cfg.stages == 2
+        return dataclasses.replace(cfg, l2_prefetch=1)
+
+    monkeypatch.setattr(ops, "backward_config", prefetching)
+    monkeypatch.setattr(ops, "resident_row_blocks", lambda kernel, device: 2)
+    m = 40
+    x = fresh((m, n), dtype)
+    w, b = fresh(n, dtype, 0.5, 1.0), None if rms else fresh(n, dtype, 0.5)
+    _, _, mean, rstd = ops.norm_forward(x, w, b, None, 1e-5, 0.0, rms, None, None, False)
+    check_backward(fresh((m, n), dtype), x, w, None if rms else mean, rstd, 0.0, rms,
                    need_db=not rms)
 
 

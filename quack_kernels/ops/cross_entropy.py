@@ -90,7 +90,8 @@ TARGET_DTYPES = (torch.int32, torch.int64)
 def forward_config(n_cols: int, dtype: torch.dtype, stage_weight: bool, write_grad: bool,
                    max_vec: int | None = None, softcap: bool = False) -> RowConfig:
     """config.cross_entropy_row_config; rows one CTA holds loop with two staging buffers
-    where they fit (prefetch of the next row block)."""
+    where they fit (prefetch of the next row block), and ask L2 for one block more where
+    config.ce_prefetches_past_buffers says so."""
     cfg = cross_entropy_row_config(n_cols, torch.finfo(dtype).bits // 8, stage_weight,
                                    write_grad, max_vec, softcap)
     if not loops_over_row_blocks(cfg, write_grad):
@@ -100,7 +101,7 @@ def forward_config(n_cols: int, dtype: torch.dtype, stage_weight: bool, write_gr
         c, dtype, weighted=stage_weight, smoothing=True, zloss=True, softcap=True,
         write_grad=True))
     elem_bytes = torch.finfo(dtype).bits // 8
-    if stage_weight or not ce_prefetches_past_buffers(cfg, elem_bytes):
+    if not ce_prefetches_past_buffers(cfg, elem_bytes, stage_weight):
         return cfg
     return with_l2_prefetch(cfg, elem_bytes, past_two_buffers=True)
 

@@ -825,12 +825,13 @@ def with_l2_prefetch(cfg: RowConfig, *staged_elem_bytes: int,
 # memory asks L2 for the row block after the second buffer's. H200, kernels alone, the
 # op's own config with and without, timed in turn twice
 # (results/kernel_ab_l2_prefetch_past_buffers_H200_20261202.txt), % of the copy ceiling:
-# RMSNorm bf16 8192x16384 77.4 -> 84.1, 2048x65536 66.3 -> 71.8, fp32 2048x65536 83.5 ->
-# 92.4; LayerNorm bf16 2048x65536 45.5 -> 46.9, fp32 2048x65536 59.8 -> 69.5. Where the
-# sums stay in registers it lost with several CTAs per SM (RMSNorm bf16 32768x4096 89.8 ->
-# 82.9, fp32 8192x16384 96.7 -> 91.0), was level at 3-4 (LayerNorm bf16 8192x16384,
-# 32768x4096) and split at one (bf16 512x262144: LayerNorm +2.6, RMSNorm -1.1). Two
-# iterations past the buffers lost or gained less everywhere.
+# RMSNorm bf16 8192x16384 77.4 -> 84.1, 2048x65536 66.3 -> 71.8, 4096x32768 69.3 -> 75.7,
+# fp32 2048x65536 83.5 -> 92.4; LayerNorm bf16 2048x65536 45.5 -> 46.9, fp32 2048x65536
+# 59.8 -> 69.5. Where the sums stay in registers it lost with several CTAs per SM (RMSNorm
+# bf16 32768x4096 89.8 -> 82.9, fp32 8192x16384 96.7 -> 91.0), was level or gained about
+# a point at 3-4 (LayerNorm bf16 8192x16384, 32768x4096) and split at one (bf16
+# 512x262144: LayerNorm +2.6, RMSNorm -1.1). Asking two iterations past the buffers gained
+# less than one (LayerNorm bf16 2048x65536: the same) or lost.
 def norm_backward_prefetches_past_buffers(cfg: RowConfig, accumulators: int) -> bool:
     return accumulators > 0 and not sums_in_registers(cfg)
 
@@ -838,11 +839,14 @@ def norm_backward_prefetches_past_buffers(cfg: RowConfig, accumulators: int) -> 
 # The looping cross-entropy forward with the gradient, fp32 logits, two staging buffers:
 # the same ask of L2 (same file): fp32 131072x1024 91.5 -> 93.0, 32768x4096 88.5 -> 94.4;
 # bf16 was level or lost (131072x1024 85.7 -> 86.2, 32768x4096 89.2 -> 88.2, 8192x16384
-# 88.9 -> 88.4), as were two iterations ahead everywhere (8-17 points lost). Not rows
-# with a partial last vector group (fp32 1000 columns with label smoothing spilled 8
-# bytes at its 96 registers).
-def ce_prefetches_past_buffers(cfg: RowConfig, elem_bytes: int) -> bool:
-    return elem_bytes == 4 and cfg.stages == 2 and not cfg.needs_col_predicate
+# 88.9 -> 88.4), and two iterations ahead lost 7-16 points everywhere. Only the shares
+# measured: one chunk and at most two rows per block (shorter rows, many rows' small
+# prefetches per block, and two-chunk shares were not timed); not rows with a partial
+# last vector group (fp32 1000 columns with label smoothing spilled 8 bytes at its 96
+# registers); not a staged weight row (not measured; it is one row broadcast to all).
+def ce_prefetches_past_buffers(cfg: RowConfig, elem_bytes: int, stage_weight: bool) -> bool:
+    return elem_bytes == 4 and cfg.stages == 2 and not cfg.needs_col_predicate \
+        and cfg.num_chunks == 1 and cfg.rows_per_block <= 2 and not stage_weight
 
 
 def row_blocks_in_flight(cfg: RowConfig, kernel_for) -> int:

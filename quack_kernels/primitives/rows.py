@@ -329,7 +329,7 @@ class RowTiles:
     @cute.jit
     def prefetch_to_l2(self, blocks_ahead, tensors: cutlass.Constexpr):
         """Ask L2 for this CTA's columns of the staged rows of the row block
-        ``blocks_ahead`` after this one (a later CTA's, or this CTA's next iteration):
+        ``blocks_ahead`` after this one (a later CTA's, or this CTA's in a later iteration):
         one bulk prefetch per row and tensor, by the row's first thread; nothing past the
         last row. The bytes arrive while this block is reduced and stored, so that the
         later block's own loads find them in L2. Whole 16-byte vectors only (checked by
