@@ -22,9 +22,10 @@ from quack_kernels.bench import time_device_ms
 from quack_kernels.ops import cross_entropy as ops
 from quack_kernels.ops.common import resident_row_blocks
 from quack_kernels.primitives.config import (CE_MIN_VECS_PER_THREAD, loop_grid_rows,
-                                             loops_over_row_blocks, row_config, whole_vectors)
+                                             loops_over_row_blocks, row_config)
 
-from sweep_softmax import add_l2_prefetch_option, ints, parsed_shapes, printed_copy_ceiling, words
+from sweep_softmax import (add_l2_prefetch_option, ints, l2_prefetch_variants, parsed_shapes,
+                           printed_copy_ceiling, words)
 
 DEFAULT_SHAPES = ",".join(f"{d}:{m}x{n}" for d in ("bf16", "fp32")
                           for m, n in ((32768, 4096), (8192, 16384), (4096, 128256), (8192, 151936)))
@@ -61,11 +62,8 @@ def variants(n, dtype, write_grad, args):
     grid = [ops.forward_config(n, dtype, False, write_grad)] if args.default \
         else _grid(n, elem_bytes, write_grad, args)
     for cfg in grid:
-        for ahead in args.l2_prefetch or [cfg.l2_prefetch]:
-            if ahead and not (loops_over_row_blocks(cfg, write_grad)
-                              and whole_vectors(cfg, elem_bytes)):
-                continue
-            yield dataclasses.replace(cfg, l2_prefetch=ahead)
+        yield from l2_prefetch_variants(cfg, args, elem_bytes,
+                                        takes_prefetch=loops_over_row_blocks(cfg, write_grad))
 
 
 def _grid(n, elem_bytes, write_grad, args):

@@ -18,12 +18,12 @@ import sys
 import torch
 import triton
 
-from sweep_softmax import DTYPES, add_l2_prefetch_option, ints
+from sweep_softmax import DTYPES, add_l2_prefetch_option, ints, l2_prefetch_variants
 
 from quack_kernels.bench import measure_copy_ceiling_gbps as copy_ceiling_gbps
 from quack_kernels.ops import norm as ops
 from quack_kernels.ops.common import resident_row_blocks
-from quack_kernels.primitives.config import SMEM_BYTES_PER_CTA, loop_grid_rows, whole_vectors
+from quack_kernels.primitives.config import SMEM_BYTES_PER_CTA, loop_grid_rows
 
 DEFAULT_SHAPES = ",".join(f"{d}:{m}x{n}" for d in ("bf16", "fp32")
                           for m, n in ((32768, 4096), (8192, 16384), (2048, 65536), (512, 262144)))
@@ -56,10 +56,7 @@ def backward_variants(dtype, n, rms, args):
                     values_per_thread=vecs * vec * (2 + accumulators), max_threads_per_row=tpr)]
                 for stages in (1, 2)]
     for cfg in grid:
-        for ahead in args.l2_prefetch or [cfg.l2_prefetch]:
-            if ahead and not whole_vectors(cfg, dtype.itemsize):
-                continue
-            yield dataclasses.replace(cfg, l2_prefetch=ahead)
+        yield from l2_prefetch_variants(cfg, args, dtype.itemsize)
 
 
 def sweep_shape(dtype, m, n, rms, args, ceiling):

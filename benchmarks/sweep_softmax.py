@@ -95,6 +95,16 @@ def add_l2_prefetch_option(parser, own_by_default=False):
                              + ("each config's own" if own_by_default else "0"))
 
 
+def l2_prefetch_variants(cfg, args, elem_bytes, takes_prefetch=True):
+    """``cfg`` with each --l2-prefetch distance (its own where the option leaves it);
+    distances > 0 only where ``takes_prefetch`` and for whole 16-byte vectors of
+    ``elem_bytes`` (a bulk prefetch starts and ends on 16 bytes)."""
+    for ahead in getattr(args, "l2_prefetch", [0]) or [cfg.l2_prefetch]:
+        if ahead and not (takes_prefetch and config.whole_vectors(cfg, elem_bytes)):
+            continue
+        yield dataclasses.replace(cfg, l2_prefetch=ahead)
+
+
 def add_wide_cluster_option(parser):
     parser.add_argument("--wide16", action="store_true",
                         help="keep 16-CTA clusters whose shares pass "
@@ -139,10 +149,7 @@ def variants(n, elem_bytes, staged, args, own_choice=lambda cfg: cfg):
             cfg = dataclasses.replace(cfg, staging="global")  # the share before it was held
         elif too_big and not op_config:
             continue
-        for ahead in getattr(args, "l2_prefetch", [0]):
-            if ahead and not config.whole_vectors(cfg, elem_bytes):
-                continue  # (bulk prefetches need whole 16-byte vectors)
-            variant = dataclasses.replace(cfg, l2_prefetch=ahead)
+        for variant in l2_prefetch_variants(cfg, args, elem_bytes):
             if variant not in seen:
                 seen.add(variant)
                 yield vpt, kib, tpr, variant

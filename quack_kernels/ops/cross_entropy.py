@@ -92,15 +92,15 @@ def forward_config(n_cols: int, dtype: torch.dtype, stage_weight: bool, write_gr
     """config.cross_entropy_row_config; rows one CTA holds loop with two staging buffers
     where they fit (prefetch of the next row block), and ask L2 for one block more where
     config.ce_prefetches_past_buffers says so."""
-    cfg = cross_entropy_row_config(n_cols, torch.finfo(dtype).bits // 8, stage_weight,
-                                   write_grad, max_vec, softcap)
+    elem_bytes = torch.finfo(dtype).bits // 8
+    cfg = cross_entropy_row_config(n_cols, elem_bytes, stage_weight, write_grad, max_vec,
+                                   softcap)
     if not loops_over_row_blocks(cfg, write_grad):
         return cfg
     # sized for the variant with the most reduced values (every option on)
     cfg = with_prefetch(cfg, lambda c: forward_kernel_object(
         c, dtype, weighted=stage_weight, smoothing=True, zloss=True, softcap=True,
         write_grad=True))
-    elem_bytes = torch.finfo(dtype).bits // 8
     if not ce_prefetches_past_buffers(cfg, elem_bytes, stage_weight):
         return cfg
     return with_l2_prefetch(cfg, elem_bytes, past_two_buffers=True)
