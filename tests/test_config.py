@@ -347,7 +347,9 @@ def test_resident_row_blocks_takes_the_drivers_cluster_bound(monkeypatch):
     from quack_kernels.ops import common
 
     monkeypatch.setattr(common, "num_sms", lambda device: 132)
-    monkeypatch.setattr(common, "resident_clusters", lambda index, cluster, threads, smem: 7)
+    asked = []
+    monkeypatch.setattr(common, "resident_clusters",
+                        lambda index, cluster, threads, smem: asked.append(smem) or 7)
 
     class Looping:
         def __init__(self, cfg):
@@ -356,13 +358,14 @@ def test_resident_row_blocks_takes_the_drivers_cluster_bound(monkeypatch):
         def ctas_per_sm(self):
             return 1
 
-        def smem_bytes(self):
+        def launch_smem_bytes(self):
             return 130 * 1024
 
     cuda = torch.device("cuda", 0)
     clustered = config.row_config(262144, 2, staged_tensors=2, looping=True)
     assert clustered.cluster_size == 16
     assert common.resident_row_blocks(Looping(clustered), cuda) == 7  # not 132 // 16 = 8
+    assert asked == [130 * 1024]  # asked with the shared memory the launch requests
     single = config.row_config(1024, 2)
     assert single.cluster_size == 1
     assert common.resident_row_blocks(Looping(single), cuda) == 132
@@ -551,3 +554,14 @@ def test_cross_entropy_gradient_of_fp32_rows_prefetches_past_its_buffers():
         assert forward_config(n, torch.float32, True, True).l2_prefetch == 0
     ragged = forward_config(1000, torch.float32, False, True)
     assert ragged.stages == 2 and ragged.needs_col_predicate and ragged.l2_prefetch == 0
+
+
+@pytest.mark.parametrize("ctas_per_sm", range(1, 17))
+def test_fenced_shared_memory_holds_an_sm_to_the_planned_ctas(ctas_per_sm):
+    """A looping launch of clusters asks for enough shared memory that the SM fits the
+    CTAs its grid is sized for and not one more; a CTA that needs more keeps its own."""
+    fenced = config.fenced_smem_bytes(1024, ctas_per_sm)
+    per_cta = fenced + config.SMEM_RESERVED_PER_CTA
+    assert ctas_per_sm * per_cta <= config.SMEM_BYTES_PER_SM < (ctas_per_sm + 1) * per_cta
+    assert fenced % 128 == 0
+    assert config.fenced_smem_bytes(120 * 1024, ctas_per_sm) == max(120 * 1024, fenced)

@@ -456,6 +456,25 @@ def test_backward_prefetches_row_stats_for_layer_norm_and_lone_rms_ctas():
     assert not kernel(1024, True, bf16).prefetches_stats
 
 
+def test_backward_launch_of_clusters_fences_its_residency():
+    """A looping launch of clusters asks for the shared memory that holds each SM to the
+    CTAs its grid is sized for; a launch of single CTAs asks for what it uses."""
+    from quack_kernels.primitives.config import MAX_FENCED_CTAS_PER_SM, fenced_smem_bytes
+
+    bf16 = torch.bfloat16
+    clustered = default_backward(16384, False, bf16, bf16)[1]
+    assert clustered.cfg.cluster_size > 1
+    assert clustered.launch_smem_bytes() == fenced_smem_bytes(clustered.smem_bytes(),
+                                                              clustered.ctas_per_sm())
+    assert clustered.launch_smem_bytes() > clustered.smem_bytes()
+    single = default_backward(1024, True, bf16, bf16)[1]
+    assert single.cfg.cluster_size == 1
+    assert single.launch_smem_bytes() == single.smem_bytes()
+    many = default_backward(16384, True, torch.float32, torch.float32)[1]
+    assert many.cfg.cluster_size > 1 and many.ctas_per_sm() > MAX_FENCED_CTAS_PER_SM
+    assert many.launch_smem_bytes() == many.smem_bytes()
+
+
 def test_return_stats_gives_fp32_statistics_without_gradient():
     x = torch.randn(3, 5, 16, requires_grad=True)
     w = torch.randn(16, requires_grad=True)

@@ -345,30 +345,39 @@ class NormBackward(RowKernel):
                 home.store(mdB, c, acc_b[c].load(), guard_rows=False)
 
     def _row_stats(self, tiles: RowTiles, mMean, mRstd):
-        """(rstd, mean) of this thread's row of ``tiles`` (0 past the last row; mean 0
-        for RMSNorm), loaded from global memory."""
+        """(rstd, mean) of this thread's row of ``tiles`` loaded from global memory (mean
+        0 for RMSNorm), row 0's past the last row: ``_in_row`` zeroes them at first use."""
         row = cutlass.select_(tiles.row_in_bounds, tiles.row, 0)
-        rstd = Float32(cutlass.select_(tiles.row_in_bounds, mRstd[row], Float32(0.0)))
         mean = Float32(0.0)
         if cutlass.const_expr(not self.rms):
-            mean = Float32(cutlass.select_(tiles.row_in_bounds, mMean[row], Float32(0.0)))
-        return rstd, mean
+            mean = Float32(mMean[row])
+        return Float32(mRstd[row]), mean
+
+    @staticmethod
+    def _in_row(tiles: RowTiles, stats):
+        """``stats`` of a row past M replaced by 0 (another row's could be inf or NaN and
+        reach the per-column sums). Selected where first used, not where loaded: a
+        select next to the load would wait for a prefetched load there."""
+        return tuple(Float32(cutlass.select_(tiles.row_in_bounds, v, Float32(0.0))) for v in stats)
 
     def _row_block(self, block_row, iteration, home: RowTiles, grid_rows, slot: ReductionSlot,
                    mW, mMean, mRstd, mdResOut, mdX, mdRes, weight_offset, acc_w, acc_b,
                    carry=None):
         """dx / dresidual of row block ``block_row``, and its dw / db terms. Where the
         kernel prefetches_stats, ``carry`` holds this block's statistics and the next
-        block's are returned, loaded once this block's row sums are in, so that their
-        latency passes behind its stores and the next block's wait; otherwise they are
-        loaded here."""
+        block's are returned, loaded as the next block's rows are (begin_block), so that
+        their latency passes behind this whole block; otherwise they are loaded here."""
         cfg = self.cfg
         inv_n = Float32(1.0 / cfg.n_cols)
         tiles = home.begin_block(block_row, grid_rows, iteration)
+        next_stats = None
         if cutlass.const_expr(self.prefetches_stats):
-            rstd, mean = carry
+            stats = carry
+            # issued beside the next block's staged loads, a whole iteration ahead
+            next_stats = self._row_stats(home.at_block(block_row + grid_rows), mMean, mRstd)
         else:
-            rstd, mean = self._row_stats(tiles, mMean, mRstd)
+            stats = self._row_stats(tiles, mMean, mRstd)
+        rstd, mean = self._in_row(tiles, stats)
         kept = []
         dot = Float32(0.0)  # sum(g * xhat)
         g_sum = Float32(0.0)  # sum(g), LayerNorm
@@ -388,9 +397,6 @@ class NormBackward(RowKernel):
                                         (Float32(0.0), Float32(0.0)), iteration=iteration)
         c1 = dot * inv_n
         c2 = g_sum * inv_n
-        next_stats = None
-        if cutlass.const_expr(self.prefetches_stats):
-            next_stats = self._row_stats(home.at_block(block_row + grid_rows), mMean, mRstd)
 
         for c in range(cfg.num_chunks):
             if cutlass.const_expr(cfg.staging == "registers"):

@@ -69,7 +69,7 @@ def resident_row_blocks(kernel, device: torch.device) -> int:
     if cfg.cluster_size == 1:
         return by_sms
     return max(1, min(by_sms, resident_clusters(device_index(device), cfg.cluster_size,
-                                                cfg.threads_per_block, kernel.smem_bytes())))
+                                                cfg.threads_per_block, kernel.launch_smem_bytes())))
 
 
 def eager_cuda(*tensors) -> bool:

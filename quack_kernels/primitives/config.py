@@ -455,6 +455,25 @@ def loop_ctas_per_sm(cfg: RowConfig, smem_bytes: int,
                       SMEM_BYTES_PER_SM // (smem_bytes + SMEM_RESERVED_PER_CTA)))
 
 
+# A looping launch of clusters asks for enough shared memory that an SM holds no more
+# than the CTAs its grid is sized for (fenced_smem_bytes), where that is at most this
+# many: a kernel compiled into fewer registers than it was allowed fits more, and the
+# CTA scheduler then packs the clusters onto fewer SMs and leaves others idle. ncu,
+# LayerNorm backward bf16 8192x16384 (8-CTA clusters, 3 CTAs per SM planned, 64
+# registers: 4 fit): SMs active 80% of the kernel's cycles, 91% fenced. H200, kernels
+# alone (results/kernel_ab_fenced_residency_H200_20261202.txt): that kernel 60.4% ->
+# 68.5% of the copy ceiling; 3-4 CTAs of 2-CTA clusters (bf16 32768x4096) level; but
+# 8 CTAs of 128 threads per SM (fp32 8192x16384, 16-CTA clusters) lost 17-21 points.
+MAX_FENCED_CTAS_PER_SM = 4
+
+
+def fenced_smem_bytes(smem_bytes: int, ctas_per_sm: int) -> int:
+    """Dynamic shared memory that holds an SM to ``ctas_per_sm`` CTAs (at least
+    ``smem_bytes``, what the CTA uses)."""
+    too_many = SMEM_BYTES_PER_SM // (ctas_per_sm + 1) - SMEM_RESERVED_PER_CTA + 1
+    return max(smem_bytes, -(-too_many // 128) * 128)
+
+
 def loop_grid_rows(cfg: RowConfig, num_rows: int, resident_blocks: int) -> int:
     """Row blocks launched by a kernel looping over row blocks (grid x; each of them
     is a cluster of cfg.cluster_size CTAs): no more than ``resident_blocks``, the row
@@ -751,14 +770,18 @@ def stage_columns_once(ctas_per_sm_without: int, ctas_per_sm_with: int, smem_byt
     return ctas_per_sm_without == 1 or (not rms and ctas_per_sm_with == ctas_per_sm_without)
 
 
-# A norm backward's per-row statistics (rstd, mean) are loaded during the row block
-# before, once its row sums are in, for LayerNorm everywhere and for RMSNorm where one
-# CTA per SM is resident. ncu had their load at the block's start as the largest stall
-# (the L1TEX scoreboard, 37-58% of stall cycles). H200, kernels alone, same session
-# (kernel_ab_norm_backward_stats_prefetch_H200_20261130.txt): LayerNorm bf16 32768x4096
-# 74.5% -> 85.8% of the copy ceiling, 131072x1024 80.0% -> 89.4%, fp32 8192x16384 78.1%
-# -> 86.2%; RMSNorm bf16 512x262144 (one CTA) 65.0% -> 76.5%, but at 2-6 CTAs per SM it
-# lost 1-7 points (bf16 131072x1024 94.9% -> 88.1%), where other CTAs hide the load.
+# A norm backward's per-row statistics (rstd, mean) are loaded a row block ahead, beside
+# that block's staged rows, for LayerNorm everywhere and for RMSNorm where one CTA per SM
+# is resident. ncu had their load at the block's start as the largest stall (the L1TEX
+# scoreboard, 37-58% of stall cycles). H200, kernels alone
+# (kernel_ab_norm_backward_stats_prefetch_H200_20261130.txt, loaded then after the
+# block's row sums): LayerNorm bf16 32768x4096 74.5% -> 85.8% of the copy ceiling,
+# 131072x1024 80.0% -> 89.4%, fp32 8192x16384 78.1% -> 86.2%; RMSNorm bf16 512x262144
+# (one CTA) 65.0% -> 76.5%, but at 2-6 CTAs per SM it lost 1-7 points (bf16 131072x1024
+# 94.9% -> 88.1%), where other CTAs hide the load. Issued beside the staged rows instead
+# (ncu had the select of the loaded rstd waiting for it before the block's dx store):
+# LayerNorm bf16 32768x4096 86.1% -> 90.9%, fp32 8192x16384 88.7% -> 92.3%
+# (kernel_ab_fenced_residency_H200_20261202.txt).
 def prefetch_row_stats(rms: bool, ctas_per_sm: int) -> bool:
     return not rms or ctas_per_sm == 1
 

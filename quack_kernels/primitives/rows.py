@@ -27,8 +27,8 @@ from cutlass import Boolean, Float32, Int32, Int64
 
 from . import reduce as red
 from . import tiling
-from .config import (HELD_CHUNK_REGISTERS, LOOP_REGS_PER_THREAD, RowConfig, loop_ctas_per_sm,
-                     sums_in_registers, whole_vectors)
+from .config import (HELD_CHUNK_REGISTERS, LOOP_REGS_PER_THREAD, MAX_FENCED_CTAS_PER_SM, RowConfig,
+                     fenced_smem_bytes, loop_ctas_per_sm, sums_in_registers, whole_vectors)
 from .grid_sum import GridSum
 
 
@@ -85,6 +85,15 @@ class RowKernel(GridSum):
             allocations += 1
         return staged + scratch + accumulated + columns + grid_sums + 16 * allocations + 64
 
+    def launch_smem_bytes(self) -> int:
+        """Dynamic shared memory of a looping launch: smem_bytes, for a launch of clusters
+        of at most MAX_FENCED_CTAS_PER_SM CTAs per SM fenced to ctas_per_sm
+        (config.fenced_smem_bytes)."""
+        if self.cfg.cluster_size > 1 and self.reductions \
+                and self.ctas_per_sm() <= MAX_FENCED_CTAS_PER_SM:
+            return fenced_smem_bytes(self.smem_bytes(), self.ctas_per_sm())
+        return self.smem_bytes()
+
     def ctas_per_sm(self) -> int:
         """Resident CTAs per SM a looping launch of this kernel is sized for: the
         fewest that shared memory, threads and ``loop_registers`` allow (remembered:
@@ -102,6 +111,7 @@ class RowKernel(GridSum):
         in registers (HELD_CHUNK_REGISTERS)."""
         cfg = self.cfg
         occupancy = {}
+        smem = self.smem_bytes()
         registers = self.block_registers
         if registers is None and cfg.register_chunks:
             registers = HELD_CHUNK_REGISTERS
@@ -113,13 +123,14 @@ class RowKernel(GridSum):
                     cfg, self.smem_bytes(), registers), preferred_smem_carveout=100)
         else:
             occupancy = dict(min_blocks_per_mp=self.ctas_per_sm(), preferred_smem_carveout=100)
+            smem = self.launch_smem_bytes()
         kernel.launch(
             grid=[grid_rows, cfg.cluster_size, 1],
             block=[cfg.threads_per_block, 1, 1],
             # CTAs of a row exchange partials only through a reduction; without one the
             # row's CTAs are independent and need no co-scheduling
             cluster=[1, cfg.cluster_size, 1] if cfg.cluster_size > 1 and self.reductions else None,
-            smem=self.smem_bytes(),
+            smem=smem,
             stream=stream,
             **occupancy,
         )
