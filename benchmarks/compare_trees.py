@@ -1,8 +1,10 @@
 """Kernel timings of several source trees of quack_kernels in one GPU session, side by
 side. Each tree runs in its own process with its package first on sys.path, so two
 versions of a kernel are timed on the same GPU minutes apart (a sweep across sessions
-compares different machines and clocks). Timing as the runner's: an L2 flush before
-each call hides the host time, so the numbers are the kernels'.
+compares different machines and clocks). The trees compile at once, then take turns
+(with --abba a second turn each, in reverse order, in the same processes). Timing as
+the runner's: an L2 flush before each call hides the host time, so the numbers are the
+kernels'.
 
     git archive main quack_kernels | tar -x -C /tmp/tree_main    # a tree of main
     python benchmarks/compare_trees.py --trees /tmp/tree_main,. --abba \\
@@ -22,6 +24,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 CASES = ("sm_fwd", "sm_bwd", "ce_loss", "ce_grad", "ce_loss_opts", "ce_grad_opts", "ce_mean",
          "ce_step", "rms_fwd", "ln_fwd", "rms_fwd_res", "ln_fwd_res", "rms_bwd", "ln_bwd")
@@ -100,9 +103,10 @@ def case_call(case, x):
                                   prenorm=residual is not None)), moved
 
 
-def time_tree(args):
-    """Child process: time every (case, shape) with this tree's package; one JSON line
-    each."""
+def child(args):
+    """Child process: this tree's package first on sys.path; compile and warm every
+    (case, shape), say ready, then time them all each time the parent writes "time" on
+    stdin (one JSON line each, then a "done" line) until it writes "quit"."""
     tree = os.path.abspath(args.child)
     sys.path.insert(0, tree)
     import torch
@@ -111,14 +115,28 @@ def time_tree(args):
     if not os.path.abspath(quack_kernels.__file__).startswith(tree + os.sep):
         sys.exit(f"{args.child} holds no quack_kernels package (imported "
                  f"{quack_kernels.__file__} instead)")
-    from quack_kernels.bench import measure_copy_ceiling_gbps, time_device_ms
-
     if not torch.cuda.is_available():
         sys.exit("compare_trees.py times kernels: it needs a CUDA GPU")
     print(json.dumps(dict(package=os.path.dirname(quack_kernels.__file__))), flush=True)
+    for _ in each_case(args, time=False):
+        pass
+    print(json.dumps(dict(ready=True)), flush=True)
+    for command in sys.stdin:
+        if command.strip() != "time":
+            break
+        for row in each_case(args, time=True):
+            print(json.dumps(row), flush=True)
+        print(json.dumps(dict(done=True)), flush=True)
+
+
+def each_case(args, time: bool):
+    """Run every (case, shape) once (the compile, while other trees compile too), and
+    with ``time`` measure it: one row each."""
+    import torch
+    from quack_kernels.bench import measure_copy_ceiling_gbps, time_device_ms
 
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    ceiling = measure_copy_ceiling_gbps()
+    ceiling = measure_copy_ceiling_gbps() if time else None
     for shape in args.shapes.split(","):
         name, mn = shape.split(":")
         m, n = (int(v) for v in mn.split("x"))
@@ -129,34 +147,76 @@ def time_tree(args):
                 with torch.no_grad():
                     call, moved = case_call(case, x)
                     call()
-                    ms = time_device_ms(call)
-                row.update(us=ms * 1e3, pct=100 * moved * x.numel() * x.element_size()
-                           / ms / 1e6 / ceiling)
+                    if time:
+                        ms = time_device_ms(call)
+                        row.update(us=ms * 1e3, pct=100 * moved * x.numel() * x.element_size()
+                                   / ms / 1e6 / ceiling)
             except Exception as e:  # reported in the table, the other cases go on
                 row.update(error=f"{type(e).__name__}: {e}"[:80])
-            print(json.dumps(row), flush=True)
+            yield row
         del x
         torch.cuda.empty_cache()
+
+
+class Tree:
+    """A child process for one tree (its stderr kept in a file, so that a chatty child
+    cannot block on a full pipe)."""
+
+    def __init__(self, tree, args):
+        self.tree = tree
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--trees", args.trees, "--cases",
+             args.cases, "--shapes", args.shapes, "--child", tree],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
+
+    def rows_until(self, key):
+        """The JSON rows the child prints up to the one holding ``key`` (None if it
+        exits first: its exit status and stderr are printed)."""
+        rows = []
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                row = json.loads(line)
+                if key in row:
+                    return rows
+                rows.append(row)
+        self.proc.wait()
+        self.log.seek(0)
+        print(f"{self.tree}: exit {self.proc.returncode}\n{self.log.read()[-2000:]}")
+        return None
+
+    def command(self, text):
+        if self.proc.poll() is None:
+            self.proc.stdin.write(text + "\n")
+            self.proc.stdin.flush()
 
 
 def main(argv=None):
     args = parse_args(argv)
     if args.child:
-        return time_tree(args)
+        return child(args)
     trees = args.trees.split(",")
-    results = {}  # (case, shape) -> tree -> its rows, one per run
-    for tree in trees + (trees[::-1] if args.abba else []):
-        run = subprocess.run([sys.executable, os.path.abspath(__file__), "--trees", args.trees,
-                              "--cases", args.cases, "--shapes", args.shapes, "--child", tree],
-                             capture_output=True, text=True)
-        rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-        if run.returncode or not rows:
-            print(f"{tree}: exit {run.returncode}\n{run.stderr[-2000:]}")
-        for row in rows:
+    # every tree compiles at once (compiling takes most of a run); they time one by one
+    children = {tree: Tree(tree, args) for tree in trees}
+    ready = {}
+    for tree, proc in children.items():
+        rows = proc.rows_until("ready")
+        ready[tree] = rows is not None
+        for row in rows or []:
             if "package" in row:
                 print(f"{tree}: {row['package']}")
-            else:
-                results.setdefault((row["case"], row["shape"]), {}).setdefault(tree, []).append(row)
+    results = {}  # (case, shape) -> tree -> its rows, one per run
+    for tree in trees + (trees[::-1] if args.abba else []):
+        if not ready[tree]:
+            continue
+        children[tree].command("time")
+        rows = children[tree].rows_until("done")
+        ready[tree] = rows is not None
+        for row in rows or []:
+            results.setdefault((row["case"], row["shape"]), {}).setdefault(tree, []).append(row)
+    for proc in children.values():
+        proc.command("quit")
+        proc.proc.wait()
     print(f"{'case':11s} {'shape':18s} " + " | ".join(f"{t[-24:]:>24s}" for t in trees))
     for (case, shape), by_tree in results.items():
         cells = (cell(by_tree.get(tree, [])) for tree in trees)
