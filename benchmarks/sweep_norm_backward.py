@@ -9,6 +9,8 @@ each staged tensor's row a CTA holds (not the --kib it came from).
     python benchmarks/sweep_norm_backward.py [--norm rms,layer] [--kib 16,32,64]
         [--rpb 1,2] [--shapes bf16:8192x16384,...]
     python benchmarks/sweep_norm_backward.py --default --l2-prefetch 0,1,2 --rounds 2
+    python benchmarks/sweep_norm_backward.py --norm layer --shapes bf16:8192x16384 \
+        --shares 8:256:8:1:registers,8:128:16:1:registers,4:256:16:1:registers
 """
 
 import argparse
@@ -43,7 +45,10 @@ def backward_variants(dtype, n, rms, args):
     vectors)."""
     accumulators = 1 if rms else 2
     vec = 16 // dtype.itemsize
-    if args.default:
+    if args.shares:
+        grid = explicit_shares(n, ops.backward_config(n, dtype, dtype, (dtype,), dtype, 2),
+                               args.shares)
+    elif args.default:
         grid = [ops.backward_config(n, dtype, dtype, (dtype,), dtype, accumulators)]
     else:
         grid = [dataclasses.replace(default, stages=stages,
@@ -57,6 +62,22 @@ def backward_variants(dtype, n, rms, args):
                 for stages in (1, 2)]
     for cfg in grid:
         yield from l2_prefetch_variants(cfg, args, dtype.itemsize)
+
+
+def explicit_shares(n, base, shares):
+    """``base`` as each share of ``shares`` ("cluster:threads:values:chunks:staging[:stages
+    [:l2 prefetch]]", values per thread per chunk of each staged tensor, staging
+    registers or smem; two staging buffers and no prefetch unless given) whose cluster
+    covers the row with no CTA left empty (others are skipped)."""
+    for share in shares.split(","):
+        cluster, threads, values, chunks, staging, *rest = share.split(":")
+        stages, ahead = (int(v) for v in rest + ["2", "0"][len(rest):])
+        cfg = dataclasses.replace(
+            base, cluster_size=int(cluster), threads_per_row=int(threads),
+            vecs_per_thread=int(values) // base.vec, num_chunks=int(chunks), staging=staging,
+            stages=stages, l2_prefetch=ahead)
+        if cfg.cols_covered >= n > cfg.cols_covered - cfg.cols_per_cta:
+            yield cfg
 
 
 def sweep_shape(dtype, m, n, rms, args, ceiling):
@@ -127,6 +148,9 @@ def main(argv):
                    help="rows per block (0: the config's; 2 on cluster rows: two rows per "
                         "CTA share one cluster exchange)")
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help="dtype:MxN,...")
+    p.add_argument("--shares", help="explicit shares instead of the grid, comma list of "
+                                    "cluster:threads:values:chunks:staging[:stages[:l2 "
+                                    "prefetch]] (see explicit_shares)")
     p.add_argument("--default", action="store_true",
                    help="only the default config of each shape (with each --l2-prefetch)")
     p.add_argument("--rounds", type=int, default=1, help="times each variant is timed, in turn")

@@ -564,4 +564,4 @@ def test_fenced_shared_memory_holds_an_sm_to_the_planned_ctas(ctas_per_sm):
     per_cta = fenced + config.SMEM_RESERVED_PER_CTA
     assert ctas_per_sm * per_cta <= config.SMEM_BYTES_PER_SM < (ctas_per_sm + 1) * per_cta
     assert fenced % 128 == 0
-    assert config.fenced_smem_bytes(120 * 1024, ctas_per_sm) == max(120 * 1024, fenced)
+    assert config.fenced_smem_bytes(fenced + 4096, ctas_per_sm) == fenced + 4096

@@ -475,6 +475,39 @@ def test_backward_launch_of_clusters_fences_its_residency():
     assert many.launch_smem_bytes() == many.smem_bytes()
 
 
+def test_looping_launch_requests_the_fenced_shared_memory():
+    """RowKernel.launch hands the kernel launch launch_smem_bytes for a looping grid
+    (grid_rows given), the kernel's own smem_bytes for one block per row block."""
+    bf16 = torch.bfloat16
+    kernel = default_backward(16384, False, bf16, bf16)[1]
+    assert kernel.launch_smem_bytes() > kernel.smem_bytes()
+
+    class Recorder:
+        def launch(self, **options):
+            self.options = options
+
+    looping, one_block = Recorder(), Recorder()
+    kernel.launch(looping, 4096, None, grid_rows=7)
+    assert looping.options["smem"] == kernel.launch_smem_bytes()
+    assert looping.options["grid"] == [7, kernel.cfg.cluster_size, 1]
+    kernel.launch(one_block, 4096, None)
+    assert one_block.options["smem"] == kernel.smem_bytes()
+
+
+def test_row_stats_of_one_row_blocks_load_a_block_ahead():
+    """config.row_stats_a_block_ahead: the prefetched statistics load as the block
+    before begins for blocks of one row, after its row sums for blocks of several."""
+    from quack_kernels.primitives.config import row_stats_a_block_ahead
+
+    fp32 = torch.float32
+    short = default_backward(256, False, fp32, fp32)[1]
+    assert short.prefetches_stats and short.cfg.rows_per_block > 1
+    assert not row_stats_a_block_ahead(short.cfg)
+    long = default_backward(16384, False, fp32, fp32)[1]
+    assert long.prefetches_stats and long.cfg.rows_per_block == 1
+    assert row_stats_a_block_ahead(long.cfg)
+
+
 def test_return_stats_gives_fp32_statistics_without_gradient():
     x = torch.randn(3, 5, 16, requires_grad=True)
     w = torch.randn(16, requires_grad=True)

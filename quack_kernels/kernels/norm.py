@@ -38,6 +38,7 @@ from ..primitives.config import (MAX_CLUSTER_SIZE, RowConfig, loop_ctas_per_sm,
                                  late_columns_together,
                                  norm_forward_columns_before_reduction,
                                  norm_forward_early_columns, prefetch_row_stats,
+                                 row_stats_a_block_ahead,
                                  stage_columns_once)
 from ..primitives.rows import ReductionSlot, RowKernel, RowTiles
 
@@ -365,18 +366,20 @@ class NormBackward(RowKernel):
                    carry=None):
         """dx / dresidual of row block ``block_row``, and its dw / db terms. Where the
         kernel prefetches_stats, ``carry`` holds this block's statistics and the next
-        block's are returned, loaded as the next block's rows are (begin_block), so that
-        their latency passes behind this whole block; otherwise they are loaded here."""
+        block's are returned, loaded as this block begins (config.row_stats_a_block_ahead)
+        or once its row sums are in, so that their latency passes behind this block;
+        otherwise they are loaded here."""
         cfg = self.cfg
         inv_n = Float32(1.0 / cfg.n_cols)
         tiles = home.begin_block(block_row, grid_rows, iteration)
+        early = self.prefetches_stats and row_stats_a_block_ahead(cfg)
         next_stats = None
         if cutlass.const_expr(self.prefetches_stats):
             stats = carry
-            # issued beside the next block's staged loads, a whole iteration ahead
-            next_stats = self._row_stats(home.at_block(block_row + grid_rows), mMean, mRstd)
         else:
             stats = self._row_stats(tiles, mMean, mRstd)
+        if cutlass.const_expr(early):
+            next_stats = self._row_stats(home.at_block(block_row + grid_rows), mMean, mRstd)
         rstd, mean = self._in_row(tiles, stats)
         kept = []
         dot = Float32(0.0)  # sum(g * xhat)
@@ -397,6 +400,8 @@ class NormBackward(RowKernel):
                                         (Float32(0.0), Float32(0.0)), iteration=iteration)
         c1 = dot * inv_n
         c2 = g_sum * inv_n
+        if cutlass.const_expr(self.prefetches_stats and not early):
+            next_stats = self._row_stats(home.at_block(block_row + grid_rows), mMean, mRstd)
 
         for c in range(cfg.num_chunks):
             if cutlass.const_expr(cfg.staging == "registers"):

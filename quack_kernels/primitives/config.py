@@ -463,7 +463,7 @@ def loop_ctas_per_sm(cfg: RowConfig, smem_bytes: int,
 # registers: 4 fit): SMs active 80% of the kernel's cycles, 91% fenced. H200, kernels
 # alone (results/kernel_ab_fenced_residency_H200_20261202.txt): that kernel 60.4% ->
 # 68.5% of the copy ceiling; 3-4 CTAs of 2-CTA clusters (bf16 32768x4096) level; but
-# 8 CTAs of 128 threads per SM (fp32 8192x16384, 16-CTA clusters) lost 17-21 points.
+# 8 CTAs of 128 threads per SM (fp32 8192x16384, 16-CTA clusters) lost 16-21 points.
 MAX_FENCED_CTAS_PER_SM = 4
 
 
@@ -770,20 +770,29 @@ def stage_columns_once(ctas_per_sm_without: int, ctas_per_sm_with: int, smem_byt
     return ctas_per_sm_without == 1 or (not rms and ctas_per_sm_with == ctas_per_sm_without)
 
 
-# A norm backward's per-row statistics (rstd, mean) are loaded a row block ahead, beside
-# that block's staged rows, for LayerNorm everywhere and for RMSNorm where one CTA per SM
+# A norm backward's per-row statistics (rstd, mean) are loaded during the row block
+# before (see row_stats_a_block_ahead for where in it), for LayerNorm everywhere and for RMSNorm where one CTA per SM
 # is resident. ncu had their load at the block's start as the largest stall (the L1TEX
 # scoreboard, 37-58% of stall cycles). H200, kernels alone
 # (kernel_ab_norm_backward_stats_prefetch_H200_20261130.txt, loaded then after the
 # block's row sums): LayerNorm bf16 32768x4096 74.5% -> 85.8% of the copy ceiling,
 # 131072x1024 80.0% -> 89.4%, fp32 8192x16384 78.1% -> 86.2%; RMSNorm bf16 512x262144
 # (one CTA) 65.0% -> 76.5%, but at 2-6 CTAs per SM it lost 1-7 points (bf16 131072x1024
-# 94.9% -> 88.1%), where other CTAs hide the load. Issued beside the staged rows instead
-# (ncu had the select of the loaded rstd waiting for it before the block's dx store):
+# 94.9% -> 88.1%), where other CTAs hide the load. Issued as the block before begins
+# instead (ncu had the select of the loaded rstd waiting for it before the dx store):
 # LayerNorm bf16 32768x4096 86.1% -> 90.9%, fp32 8192x16384 88.7% -> 92.3%
 # (kernel_ab_fenced_residency_H200_20261202.txt).
 def prefetch_row_stats(rms: bool, ctas_per_sm: int) -> bool:
     return not rms or ctas_per_sm == 1
+
+
+# Prefetched row statistics are loaded as the block before begins (beside its staged
+# loads of the next rows where there are two buffers) for blocks of one row; blocks of
+# several rows load them once the block's row sums are in, as before: loaded early, the
+# statistics live through the whole block, and LayerNorm fp32 of 256 columns (4 rows per
+# block, 80 registers) spilled 8 bytes (sm_90a report).
+def row_stats_a_block_ahead(cfg: RowConfig) -> bool:
+    return cfg.rows_per_block == 1
 
 
 # Per-column sums in shared memory with a second staging buffer: prefetch paid where

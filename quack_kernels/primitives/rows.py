@@ -87,8 +87,8 @@ class RowKernel(GridSum):
 
     def launch_smem_bytes(self) -> int:
         """Dynamic shared memory of a looping launch: smem_bytes, for a launch of clusters
-        of at most MAX_FENCED_CTAS_PER_SM CTAs per SM fenced to ctas_per_sm
-        (config.fenced_smem_bytes)."""
+        (several CTAs per row, with a reduction) of at most MAX_FENCED_CTAS_PER_SM CTAs
+        per SM fenced to ctas_per_sm (config.fenced_smem_bytes)."""
         if self.cfg.cluster_size > 1 and self.reductions \
                 and self.ctas_per_sm() <= MAX_FENCED_CTAS_PER_SM:
             return fenced_smem_bytes(self.smem_bytes(), self.ctas_per_sm())
