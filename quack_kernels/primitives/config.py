@@ -770,17 +770,17 @@ def stage_columns_once(ctas_per_sm_without: int, ctas_per_sm_with: int, smem_byt
     return ctas_per_sm_without == 1 or (not rms and ctas_per_sm_with == ctas_per_sm_without)
 
 
-# A norm backward's per-row statistics (rstd, mean) are loaded during the row block
-# before (see row_stats_a_block_ahead for where in it), for LayerNorm everywhere and for RMSNorm where one CTA per SM
-# is resident. ncu had their load at the block's start as the largest stall (the L1TEX
-# scoreboard, 37-58% of stall cycles). H200, kernels alone
-# (kernel_ab_norm_backward_stats_prefetch_H200_20261130.txt, loaded then after the
-# block's row sums): LayerNorm bf16 32768x4096 74.5% -> 85.8% of the copy ceiling,
-# 131072x1024 80.0% -> 89.4%, fp32 8192x16384 78.1% -> 86.2%; RMSNorm bf16 512x262144
-# (one CTA) 65.0% -> 76.5%, but at 2-6 CTAs per SM it lost 1-7 points (bf16 131072x1024
-# 94.9% -> 88.1%), where other CTAs hide the load. Issued as the block before begins
-# instead (ncu had the select of the loaded rstd waiting for it before the dx store):
-# LayerNorm bf16 32768x4096 86.1% -> 90.9%, fp32 8192x16384 88.7% -> 92.3%
+# A norm backward's per-row statistics (rstd, mean) are loaded during the row block before
+# (row_stats_a_block_ahead says where in it), for LayerNorm everywhere and for RMSNorm
+# where one CTA per SM is resident. ncu had their load at the block's start as the largest
+# stall (the L1TEX scoreboard, 37-58% of stall cycles). H200, kernels alone
+# (kernel_ab_norm_backward_stats_prefetch_H200_20261130.txt, loaded then after the block's
+# row sums): LayerNorm bf16 32768x4096 74.5% -> 85.8% of the copy ceiling, 131072x1024
+# 80.0% -> 89.4%, fp32 8192x16384 78.1% -> 86.2%; RMSNorm bf16 512x262144 (one CTA) 65.0%
+# -> 76.5%, but at 2-6 CTAs per SM it lost 1-7 points (bf16 131072x1024 94.9% -> 88.1%),
+# where other CTAs hide the load. Issued as the block before begins instead (ncu had the
+# select of the loaded rstd waiting for it before the dx store): LayerNorm bf16 32768x4096
+# 86.1% -> 90.9%, fp32 8192x16384 88.7% -> 92.3%
 # (kernel_ab_fenced_residency_H200_20261202.txt).
 def prefetch_row_stats(rms: bool, ctas_per_sm: int) -> bool:
     return not rms or ctas_per_sm == 1

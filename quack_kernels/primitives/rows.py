@@ -85,12 +85,18 @@ class RowKernel(GridSum):
             allocations += 1
         return staged + scratch + accumulated + columns + grid_sums + 16 * allocations + 64
 
+    @property
+    def launches_clusters(self) -> bool:
+        """Whether the CTAs of a row launch as a cluster: several of them, exchanging
+        partials through a reduction (without one they are independent and need no
+        co-scheduling)."""
+        return self.cfg.cluster_size > 1 and bool(self.reductions)
+
     def launch_smem_bytes(self) -> int:
         """Dynamic shared memory of a looping launch: smem_bytes, for a launch of clusters
-        (several CTAs per row, with a reduction) of at most MAX_FENCED_CTAS_PER_SM CTAs
-        per SM fenced to ctas_per_sm (config.fenced_smem_bytes)."""
-        if self.cfg.cluster_size > 1 and self.reductions \
-                and self.ctas_per_sm() <= MAX_FENCED_CTAS_PER_SM:
+        of at most MAX_FENCED_CTAS_PER_SM CTAs per SM fenced to ctas_per_sm
+        (config.fenced_smem_bytes)."""
+        if self.launches_clusters and self.ctas_per_sm() <= MAX_FENCED_CTAS_PER_SM:
             return fenced_smem_bytes(self.smem_bytes(), self.ctas_per_sm())
         return self.smem_bytes()
 
@@ -127,9 +133,7 @@ class RowKernel(GridSum):
         kernel.launch(
             grid=[grid_rows, cfg.cluster_size, 1],
             block=[cfg.threads_per_block, 1, 1],
-            # CTAs of a row exchange partials only through a reduction; without one the
-            # row's CTAs are independent and need no co-scheduling
-            cluster=[1, cfg.cluster_size, 1] if cfg.cluster_size > 1 and self.reductions else None,
+            cluster=[1, cfg.cluster_size, 1] if self.launches_clusters else None,
             smem=smem,
             stream=stream,
             **occupancy,
