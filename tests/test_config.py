@@ -53,13 +53,31 @@ def test_cluster_grows_with_n_and_only_when_needed():
 
 
 def test_wide_cluster_shares_move_to_eight_ctas_unless_looping():
-    assert row_config(131072 + 1024, 4).cluster_size == 16  # 16 x 32.25 KiB: not measured
-    assert row_config(262144, 4).cluster_size == 8  # 16 x 64 KiB -> 8 x 128 KiB
-    assert row_config(262145, 4).cluster_size == 16  # 8 x (128 KiB + 4 B): not measured
-    assert row_config(262144, 4, looping=True).cluster_size == 16
-    assert row_config(262144, 2).cluster_size == 16  # 32-KiB shares stay on 16
-    assert row_config(262144, 4, 2).cluster_size == 16  # 8 x 256 KiB would not fit
+    def cluster(row_bytes, **kw):
+        return config.cluster_size_for(row_bytes, config.CTA_ROW_BYTES, **kw)
+
+    assert cluster((131072 + 1024) * 4) == 16  # 16 x 32.25 KiB: not measured
+    assert cluster(262144 * 4) == 8  # 16 x 64 KiB -> 8 x 128 KiB
+    assert cluster(262145 * 4) == 16  # 8 x (128 KiB + 4 B): not measured
+    assert cluster(262144 * 4, looping=True) == 16
+    assert cluster(262144 * 2) == 16  # 32-KiB shares stay on 16
+    assert cluster(262144 * 8) == 16  # 8 x 256 KiB would not fit
+    assert row_config(262144, 4).cluster_size == 8
     assert row_config(1 << 20, 2).cluster_size == 16
+
+
+@pytest.mark.parametrize("looping", [False, True])
+@pytest.mark.parametrize("elem_bytes", [2, 4])
+def test_no_cta_of_a_cluster_is_past_the_row_end(elem_bytes, looping):
+    """A share rounded up to whole threads and chunks keeps only the CTAs the row needs:
+    every CTA of the cluster starts inside the row (49152 bf16 columns in 16 shares of
+    4096 had left 4 empty), and the row stays covered."""
+    narrowed = 0
+    for n in [*range(1000, 300000, 997), 12288, 49152, 98304, 151936, 196608]:
+        cfg = row_config(n, elem_bytes, 2, looping=looping)
+        assert cfg.cols_covered >= n > cfg.cols_covered - cfg.cols_per_cta, (n, cfg)
+        narrowed += cfg.cluster_size & (cfg.cluster_size - 1) != 0  # not a power of two
+    assert narrowed  # the rule had CTAs to drop
 
 
 def test_softmax_holds_a_chunk_in_registers_where_two_ctas_then_fit():

@@ -34,7 +34,7 @@ from cutlass.memory import SmemAllocator
 
 from ..primitives import reduce as red
 from ..primitives import tiling
-from ..primitives.config import (MAX_CLUSTER_SIZE, RowConfig, loop_ctas_per_sm,
+from ..primitives.config import (MAX_CLUSTER_SIZE, RowConfig, cluster_class, loop_ctas_per_sm,
                                  late_columns_together,
                                  norm_forward_columns_before_reduction,
                                  norm_forward_early_columns, prefetch_row_stats,
@@ -280,7 +280,7 @@ class NormBackward(RowKernel):
         self.accumulators = int(need_dweight) + int(need_dbias)
         if self.accumulators and h_dtype.width == 16 and cfg.thread_values_per_chunk > 8:
             self.loop_registers = self.WIDE_LOOP_REGISTERS
-        elif cfg.cluster_size == MAX_CLUSTER_SIZE and cfg.threads_per_block == 128 \
+        elif cluster_class(cfg) == MAX_CLUSTER_SIZE and cfg.threads_per_block == 128 \
                 and h_dtype.width == dy_dtype.width == 32 and self.accumulators:
             self.loop_registers = self.FULL_CLUSTER_LOOP_REGISTERS
         # The weight is read for every row block: staged once in shared memory where

@@ -220,6 +220,13 @@ def cluster_size_for(row_bytes: int, cta_row_bytes: int, looping: bool = False,
     return cluster
 
 
+def cluster_class(cfg: RowConfig) -> int:
+    """The power-of-two cluster a share was sized for (cluster_size_for), which the
+    measured rules name: cfg.cluster_size itself, or fewer CTAs where the share rounded
+    up to whole threads and chunks left some past the row end (_split_share)."""
+    return _next_pow2(cfg.cluster_size)
+
+
 def whole_vectors(cfg: RowConfig, elem_bytes: int) -> bool:
     """Whether each access of ``elem_bytes`` elements is a whole ACCESS_BYTES vector
     (not narrowed by the row length or a misaligned tensor)."""
@@ -301,7 +308,7 @@ def with_held_chunk(cfg: RowConfig, bytes_per_col: int, full_clusters_too: bool)
             and held.smem_chunks <= MAX_CHUNKS_PER_SHARE \
             and held.staging_smem_bytes(bytes_per_col) <= STAGING_SMEM_BYTES
         return held if fits else cfg
-    if cfg.cluster_size == MAX_CLUSTER_SIZE and not full_clusters_too \
+    if cluster_class(cfg) == MAX_CLUSTER_SIZE and not full_clusters_too \
             or cfg.staging_smem_bytes(bytes_per_col) <= TWO_CTA_STAGING_BYTES:
         return cfg
     # (at least one chunk stays staged)
@@ -381,12 +388,16 @@ def _split_share(n_cols: int, vec: int, cluster: int, vectors_per_cta: int,
                  max_vecs_per_thread: int, max_threads_per_row: int, *, bytes_per_col: int,
                  min_threads_per_block: int, min_vecs_per_thread: int) -> RowConfig:
     """A CTA's share of ``vectors_per_cta`` vectors split into threads, chunks and rows
-    per block, and where it is staged."""
+    per block, and where it is staged. A share rounded up to whole threads and chunks can
+    cover the row with fewer CTAs than ``cluster``: the cluster keeps only those (a CTA
+    past the row end would hold a resident slot and join every exchange for nothing;
+    e.g. 49152 bf16 columns in 16 shares of 4096 left 4 CTAs empty)."""
     threads_per_row = threads_per_row_for(vectors_per_cta, max_vecs_per_thread,
                                           max_threads_per_row, min_vecs_per_thread)
     vecs_needed = math.ceil(vectors_per_cta / threads_per_row)
     vecs_per_thread = min(vecs_needed, max_vecs_per_thread)
     num_chunks = math.ceil(vecs_needed / vecs_per_thread)
+    cluster = math.ceil(math.ceil(n_cols / vec) / (threads_per_row * vecs_per_thread * num_chunks))
     rows_per_block = max(1, min_threads_per_block // threads_per_row)
     chunk_bytes = rows_per_block * vec * threads_per_row * vecs_per_thread * bytes_per_col
     return RowConfig(
@@ -625,7 +636,7 @@ def staged_layer_norm_share(share: Callable[..., RowConfig], access_elem_bytes: 
     if cfg.staging != "registers" or not whole_vectors(cfg, access_elem_bytes):
         return cfg
     for min_cluster, values in LAYER_NORM_STAGED_VALUES:
-        if cfg.cluster_size >= min_cluster:
+        if cluster_class(cfg) >= min_cluster:
             return share(values_per_thread=values)
     if cfg.cluster_size == 1 and cfg.thread_values_per_chunk > LAYER_NORM_ONE_CTA_MAX_VALUES:
         return share(cta_row_bytes=CTA_ROW_BYTES)
