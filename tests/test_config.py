@@ -544,15 +544,15 @@ def test_norm_backward_with_sums_in_shared_memory_prefetches_past_its_buffers():
     from quack_kernels.ops.norm import backward_config
 
     for n, dtype, accumulators in ((16384, torch.bfloat16, 1), (65536, torch.bfloat16, 1),
-                                   (65536, torch.bfloat16, 2), (65536, torch.float32, 1),
-                                   (65536, torch.float32, 2)):
+                                   (65536, torch.float32, 1), (65536, torch.float32, 2)):
         cfg = backward_config(n, dtype, dtype, (dtype,), dtype, accumulators)
         assert cfg.stages == 2 and not config.sums_in_registers(cfg)
         assert cfg.l2_prefetch == 1, (n, dtype, accumulators)
         frozen = backward_config(n, dtype, dtype, (dtype,), dtype, 0)
         assert frozen.stages != 2 or frozen.l2_prefetch == 0
     for n, dtype, accumulators in ((4096, torch.bfloat16, 1), (16384, torch.float32, 1),
-                                   (16384, torch.bfloat16, 2), (262144, torch.bfloat16, 1)):
+                                   (16384, torch.bfloat16, 2), (65536, torch.bfloat16, 2),
+                                   (262144, torch.bfloat16, 1)):
         cfg = backward_config(n, dtype, dtype, (dtype,), dtype, accumulators)
         assert cfg.stages == 2 and config.sums_in_registers(cfg)
         assert cfg.l2_prefetch == 0, (n, dtype, accumulators)

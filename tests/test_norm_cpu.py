@@ -337,16 +337,15 @@ def test_backward_sums_in_registers_and_prefetch():
 
 def test_backward_shares_by_dtype_and_sums():
     """16-bit rows: RMSNorm keeps the default share up to 4096 columns and takes two
-    vectors in 64-KiB shares beyond; LayerNorm takes 32-KiB shares, two vectors except
-    between 4096 and 65536 columns. fp32 rows and backwards without sums keep the
-    defaults."""
+    vectors in 64-KiB shares beyond; LayerNorm takes 32-KiB shares of two vectors at
+    every length. fp32 rows and backwards without sums keep the defaults."""
     from quack_kernels.primitives import config
 
     share = config.norm_backward_share
     assert share(2, 1, 4096) == (config.CTA_ROW_BYTES, 1)
     assert share(2, 1, 4097) == share(2, 1, 262144) == (64 * 1024, 2)
-    assert share(2, 2, 4096) == share(2, 2, 65537) == (32 * 1024, 2)
-    assert share(2, 2, 4097) == share(2, 2, 65536) == (32 * 1024, 1)
+    for n in (1024, 4097, 16384, 65536, 262144):
+        assert share(2, 2, n) == (32 * 1024, 2)
     assert share(4, 1, 16384) == share(4, 2, 1024) == share(2, 0, 16384) \
         == (config.CTA_ROW_BYTES, None)
     bf16 = torch.bfloat16

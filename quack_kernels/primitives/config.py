@@ -717,9 +717,12 @@ def late_columns_together(cfg: RowConfig) -> bool:
 # - RMSNorm (one sum): rows of up to 4096 columns stay at CTA_ROW_BYTES and one vector
 #   (1024: 96.8% vs 83.6% with two; 4096: 89.7% vs 79.6%); longer rows take 64-KiB
 #   shares of two vectors (16384: 73% -> 77%, 65536: 57% -> 65%, 262144: 44% -> 52%).
-# - LayerNorm (two sums): 32-KiB shares; two vectors for rows up to 4096 columns (1024:
-#   77.5% -> 81.6%, 4096: 63% -> 72%) and past 65536 (262144: 32% -> 39%), one in
-#   between (16384: 57% vs 45% with two, 65536 with prefetch 43% vs 34%).
+# - LayerNorm (two sums): 32-KiB shares of two vectors (1024: 77.5% -> 81.6%, 4096: 63%
+#   -> 72%, 262144: 32% -> 39%). Between 4096 and 65536 columns one vector ran faster
+#   then (16384: 57% vs 45%), but no longer once launches of clusters fenced their
+#   residency (config.fenced_smem_bytes) and the row statistics were loaded beside the
+#   staged rows (results/norm_backward_layer_shares_fenced_H200_20261202.txt: 8192x16384
+#   69.6% -> 86.0%, 2048x65536 47.0% -> 69.6%).
 # The two-vector threads are compiled for more registers (kernels.norm.NormBackward),
 # which costs resident CTAs: that is why short RMSNorm rows keep one vector.
 # fp32 rows keep CTA_ROW_BYTES and VALUES_PER_THREAD (LayerNorm 8192x16384 with 32-KiB
@@ -731,7 +734,7 @@ def norm_backward_share(elem_bytes: int, accumulators: int, n_cols: int):
         return CTA_ROW_BYTES, None
     if accumulators == 1:
         return (CTA_ROW_BYTES, 1) if n_cols <= 4096 else (64 * 1024, 2)
-    return 32 * 1024, (2 if n_cols <= 4096 or n_cols > 65536 else 1)
+    return 32 * 1024, 2
 
 
 # Per-column fp32 sums (a norm backward's dweight / dbias) stay in registers across row
