@@ -45,11 +45,13 @@ def backward_variants(dtype, n, rms, args):
     vectors)."""
     accumulators = 1 if rms else 2
     vec = 16 // dtype.itemsize
-    if args.shares:
-        grid = explicit_shares(n, ops.backward_config(n, dtype, dtype, (dtype,), dtype, 2),
-                               args.shares)
+    default = ops.backward_config(n, dtype, dtype, (dtype,), dtype, accumulators, rms=rms)
+    if args.shares:  # the default first, to read each share against
+        grid = [default] + [cfg for cfg in explicit_shares(
+            n, ops.backward_config(n, dtype, dtype, (dtype,), dtype, 2), args.shares)
+            if cfg != default]
     elif args.default:
-        grid = [ops.backward_config(n, dtype, dtype, (dtype,), dtype, accumulators)]
+        grid = [default]
     else:
         grid = [dataclasses.replace(default, stages=stages,
                                     rows_per_block=rpb or default.rows_per_block)

@@ -523,8 +523,8 @@ def test_norm_backward_with_one_buffer_prefetches_its_next_block_to_l2():
     def share(n, h=torch.float32, dy=None, accumulators=1):
         return backward_config(n, h, dy or h, (h,), h, accumulators)
 
-    for n, h, accumulators in ((131072, torch.float32, 1), (98304, torch.float32, 2),
-                               (131072, torch.bfloat16, 2), (196608, torch.bfloat16, 1)):
+    for n, h, accumulators in ((262144, torch.float32, 1), (229376, torch.float32, 1),
+                               (163840, torch.bfloat16, 1), (196608, torch.bfloat16, 1)):
         cfg = share(n, h, accumulators=accumulators)
         assert cfg.stages == 1 and cfg.staging != "global" and cfg.l2_prefetch == 1
     cfg = share(262144, accumulators=2)
@@ -533,7 +533,7 @@ def test_norm_backward_with_one_buffer_prefetches_its_next_block_to_l2():
     assert cfg.stages == 2 and config.sums_in_registers(cfg) and cfg.l2_prefetch == 0
     cfg = share(131073)  # one-value vectors
     assert cfg.stages == 1 and cfg.staging != "global" and cfg.l2_prefetch == 0
-    cfg = share(131072, torch.bfloat16, torch.float32)  # 8-byte vectors of bf16 h
+    cfg = share(163840, torch.bfloat16, torch.float32)  # 8-byte vectors of bf16 h
     assert cfg.stages == 1 and cfg.staging != "global" and cfg.l2_prefetch == 0
 
 
@@ -543,15 +543,18 @@ def test_norm_backward_with_sums_in_shared_memory_prefetches_past_its_buffers():
     registers, and no sums (frozen weight), do not."""
     from quack_kernels.ops.norm import backward_config
 
+    # the shapes measured, on the clustered shares they took before the register shares
+    # (norm_backward_register_threads), which a sweep still reaches
     for n, dtype, accumulators in ((16384, torch.bfloat16, 1), (65536, torch.bfloat16, 1),
                                    (65536, torch.float32, 1), (65536, torch.float32, 2)):
-        cfg = backward_config(n, dtype, dtype, (dtype,), dtype, accumulators)
+        cfg = backward_config(n, dtype, dtype, (dtype,), dtype, accumulators, cta_row_bytes=(
+            config.norm_backward_share(dtype.itemsize, accumulators, n)[0]))
         assert cfg.stages == 2 and not config.sums_in_registers(cfg)
         assert cfg.l2_prefetch == 1, (n, dtype, accumulators)
         frozen = backward_config(n, dtype, dtype, (dtype,), dtype, 0)
         assert frozen.stages != 2 or frozen.l2_prefetch == 0
     for n, dtype, accumulators in ((4096, torch.bfloat16, 1), (16384, torch.float32, 1),
-                                   (16384, torch.bfloat16, 2), (65536, torch.bfloat16, 2),
+                                   (16384, torch.bfloat16, 2), (65536, torch.bfloat16, 1),
                                    (262144, torch.bfloat16, 1)):
         cfg = backward_config(n, dtype, dtype, (dtype,), dtype, accumulators)
         assert cfg.stages == 2 and config.sums_in_registers(cfg)
@@ -583,3 +586,42 @@ def test_fenced_shared_memory_holds_an_sm_to_the_planned_ctas(ctas_per_sm):
     assert ctas_per_sm * per_cta <= config.SMEM_BYTES_PER_SM < (ctas_per_sm + 1) * per_cta
     assert fenced % 128 == 0
     assert config.fenced_smem_bytes(fenced + 4096, ctas_per_sm) == fenced + 4096
+
+
+def test_norm_backward_register_shares():
+    """config.norm_backward_register_threads: rows of 4097-131072 columns in whole 16-byte
+    vectors, with sums, take one chunk of REGISTER_SHARE_VALUES values per thread over
+    512-thread CTAs (16-bit RMSNorm: 1024 where that makes two CTAs or more and pads the
+    row no more), two staging buffers, no CTA past the row end; rows those shares would
+    pad by a fifth or more (but 16-bit RMSNorm ones), 4096-column rows, 262144-column
+    ones, odd ones and frozen weights keep the clustered shares."""
+    from quack_kernels.ops.norm import backward_config
+
+    threads = config.norm_backward_register_threads
+    assert threads(2, 1, 65536, rms=True) == threads(2, 1, 32768, rms=True) == 1024
+    assert threads(2, 1, 24000, rms=True) == 512  # 2 x 1024 would pad it by a quarter
+    assert threads(2, 1, 16384, rms=True) == 512  # one 1024-thread CTA
+    # 16-bit RMSNorm rows take 512-thread shares however much they pad
+    assert threads(2, 1, 10000, rms=True) == threads(2, 1, 4104, rms=True) == 512
+    assert threads(2, 1, 65536, rms=False) == threads(4, 1, 65536, rms=True) == 512
+    assert threads(2, 2, 131072, rms=False) == threads(4, 2, 8192, rms=False) == 512
+    for elem, sums, n in ((2, 2, 10000), (4, 1, 10000), (2, 1, 4096), (2, 2, 262144),
+                          (4, 1, 262144), (2, 1, 65537), (2, 0, 65536)):
+        assert threads(elem, sums, n, rms=sums == 1) is None, (elem, sums, n)
+    for dtype in (torch.bfloat16, torch.float32):
+        for n in (4104, 8192, 10000, 12288, 16384, 24000, 40000, 65536, 100000, 131072):
+            for rms in (True, False):
+                sums = 1 if rms else 2
+                cfg = backward_config(n, dtype, dtype, (dtype,), dtype, sums, rms=rms)
+                wanted = threads(dtype.itemsize, sums, n, rms)
+                if wanted is None:
+                    assert cfg.threads_per_row <= config.MAX_THREADS_PER_ROW
+                    continue
+                assert (cfg.threads_per_row, cfg.num_chunks, cfg.staging, cfg.stages) \
+                    == (wanted, 1, "registers", 2), (n, dtype, rms)
+                assert cfg.vec * cfg.vecs_per_thread == config.REGISTER_SHARE_VALUES
+                assert cfg.cols_covered >= n > cfg.cols_covered - cfg.cols_per_cta
+    # a wider weight narrows the accesses, not the values a thread holds
+    mixed = backward_config(65536, torch.bfloat16, torch.bfloat16, (torch.bfloat16,),
+                            torch.float32, 1, rms=True)
+    assert (mixed.vec, mixed.vec * mixed.vecs_per_thread) == (4, config.REGISTER_SHARE_VALUES)

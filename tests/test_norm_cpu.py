@@ -323,7 +323,9 @@ def test_backward_sums_in_registers_and_prefetch():
     bf16, fp32 = torch.bfloat16, torch.float32
     assert ops.backward_config(4096, bf16, bf16, (bf16,), bf16, 1).stages == 2
     for n, dtype in ((16384, bf16), (65536, bf16), (65536, fp32)):
-        cfg = ops.backward_config(n, dtype, dtype, (dtype,), dtype, 1)
+        # the clustered shares these rows took before the register shares (a sweep's)
+        cfg = ops.backward_config(n, dtype, dtype, (dtype,), dtype, 1, cta_row_bytes=(
+            config.norm_backward_share(dtype.itemsize, 1, n)[0]))
         assert cfg.num_chunks > 1 and cfg.stages == 2
         kernel = ops._backward_kernel_object(cfg, True, dtype, dtype, True, False)
         assert not kernel.sums_in_registers and kernel.ctas_per_sm() >= 2
@@ -371,13 +373,14 @@ def test_backward_shares_by_dtype_and_sums():
     assert ops._backward_kernel_object(frozen, True, bf16, bf16, False, False).loop_registers \
         == config.LOOP_REGS_PER_THREAD
     # fp32 rows with sums over a full cluster of 128-thread CTAs: eight of them per SM
-    # (16384 columns), not rows on smaller clusters or wider CTAs, mixed dtypes or
+    # (12288 columns; 16384 now take register shares), not rows on smaller clusters or wider CTAs, mixed dtypes or
     # frozen weights
     fp32 = torch.float32
     for rms in (True, False):
         sums = 1 if rms else 2
-        full = ops.backward_config(16384, fp32, fp32, (fp32,), fp32, sums)
-        assert full.cluster_size == config.MAX_CLUSTER_SIZE and full.threads_per_block == 128
+        full = ops.backward_config(12288, fp32, fp32, (fp32,), fp32, sums)
+        assert config.cluster_class(full) == config.MAX_CLUSTER_SIZE
+        assert full.threads_per_block == 128
         kernel = ops._backward_kernel_object(full, rms, fp32, fp32, True, not rms, fp32)
         assert kernel.loop_registers == kernel.FULL_CLUSTER_LOOP_REGISTERS
         assert kernel.ctas_per_sm() == config.MAX_LOOP_CTAS_PER_SM
@@ -435,7 +438,8 @@ def test_backward_weight_staging_cases():
 
     assert staged(262144, True, bf16, bf16) and staged(262144, False, bf16, bf16)
     assert staged(4096, False, bf16, bf16) and not staged(4096, True, bf16, bf16)
-    assert not staged(65536, False, fp32, fp32)  # it would cost a resident CTA (2 -> 1)
+    assert not config.stage_columns_once(2, 1, 64 * 1024, False)  # it would cost a CTA
+    assert staged(65536, False, fp32, fp32)  # one 512-thread CTA per SM: nothing to lose
     assert not staged(262145, True, bf16, bf16)  # one-element vectors
 
 
@@ -470,7 +474,7 @@ def test_backward_launch_of_clusters_fences_its_residency():
     single = default_backward(1024, True, bf16, bf16)[1]
     assert single.cfg.cluster_size == 1
     assert single.launch_smem_bytes() == single.smem_bytes()
-    many = default_backward(16384, True, torch.float32, torch.float32)[1]
+    many = default_backward(12288, True, torch.float32, torch.float32)[1]
     assert many.cfg.cluster_size > 1 and many.ctas_per_sm() > MAX_FENCED_CTAS_PER_SM
     assert many.launch_smem_bytes() == many.smem_bytes()
 

@@ -542,6 +542,28 @@ def test_backward_is_bitwise_reproducible():
         assert torch.equal(a, c)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("m,n", [(32768, 4096), (16384, 8192), (8192, 16384)])
+@pytest.mark.parametrize("rms", [True, False])
+def test_fp32_backward_of_many_row_blocks_launched_back_to_back(m, n, rms):
+    """Hundreds of back-to-back launches of the looping fp32 backward over many row
+    blocks per CTA: every launch ends (the sweeps and the runner of 2026-12-03 hung in
+    LayerNorm fp32 32768x4096, 16384x8192 and 8192x16384, on 128-thread cluster shares,
+    after the first launch had finished) and gives the first launch's gradients."""
+    x = fresh((m, n), torch.float32).requires_grad_()
+    w = fresh(n, torch.float32).requires_grad_()
+    b = None if rms else fresh(n, torch.float32).requires_grad_()
+    y = qk.rms_norm(x, w) if rms else qk.layer_norm(x, w, b)
+    dy = fresh((m, n), torch.float32)
+    params = [x, w] + ([] if rms else [b])
+    first = torch.autograd.grad(y, params, dy, retain_graph=True)
+    for _ in range(300):
+        last = torch.autograd.grad(y, params, dy, retain_graph=True)
+    torch.cuda.synchronize()
+    for a, c in zip(first, last):
+        assert torch.equal(a, c)
+
+
 def test_torch_compile_fullgraph():
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), qk.nn.RMSNorm(512),
                                 qk.nn.LayerNorm(512)).cuda()

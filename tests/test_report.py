@@ -378,7 +378,7 @@ def test_uninitialized_reads_find_the_miscompile():
 
 def test_l2_prefetch_compiles_to_bulk_prefetches(tmp_path):
     """RowConfig.l2_prefetch puts one bulk L2 prefetch (UBLKPF) per staged tensor in the
-    norm backward's sm_90a code (its default at fp32 131072, config.with_l2_prefetch);
+    norm backward's sm_90a code (its default at fp32 262144, config.with_l2_prefetch);
     without it there is none."""
     import dataclasses
 
@@ -388,9 +388,9 @@ def test_l2_prefetch_compiles_to_bulk_prefetches(tmp_path):
     if find_cuobjdump() is None:
         pytest.skip("cuobjdump not installed")
     f32 = torch.float32
-    cfg = norm.backward_config(131072, f32, f32, (f32,), f32, 1)
+    cfg = norm.backward_config(262144, f32, f32, (f32,), f32, 1, rms=True)
     assert cfg.l2_prefetch
-    variants = [(f"l2_prefetch={ahead}", 131072, f32, c,
+    variants = [(f"l2_prefetch={ahead}", 262144, f32, c,
                  lambda c=c: norm.backward_kernel(c, True, f32, f32, f32, False, None, f32,
                                                   None, True, False))
                 for ahead, c in ((1, cfg), (0, dataclasses.replace(cfg, l2_prefetch=0)))]

@@ -33,10 +33,13 @@ from ..primitives.config import (
     RowConfig,
     column_sum_config,
     loop_grid_rows,
+    REGISTER_SHARE_VALUES,
     norm_backward_prefetches_past_buffers,
+    norm_backward_register_threads,
     norm_backward_share,
     norm_forward_share,
     row_blocks_in_flight,
+    register_share,
     row_config,
     staged_layer_norm_share,
     sums_in_registers,
@@ -103,16 +106,40 @@ def backward_config(n_cols: int, h_dtype, dy_dtype, out_dtypes: tuple, weight_dt
                     accumulators: int, max_vec: int | None = None,
                     cta_row_bytes: int | None = None,
                     values_per_thread: int | None = None,
-                    max_threads_per_row: int | None = None) -> RowConfig:
+                    max_threads_per_row: int | None = None, rms: bool = False) -> RowConfig:
     """Staged: h and dy; every fp32 dweight/dbias accumulator counts as one more
     tensor kept per column (in registers when config.sums_in_registers, else shared
     memory). ``cta_row_bytes``, ``values_per_thread`` and ``max_threads_per_row``
-    default to the norm backward's tuning (config.norm_backward_share, and
-    SUM_THREADS_PER_ROW for shares whose sums would otherwise leave registers); sweeps
-    override them."""
+    default to the norm backward's tuning (config.norm_backward_register_threads, else
+    config.norm_backward_share, and SUM_THREADS_PER_ROW for shares whose sums would
+    otherwise leave registers); sweeps override them. ``rms``: the config of an RMSNorm
+    (else one LayerNorm fits too)."""
     widest = max(_bytes(h_dtype, dy_dtype, weight_dtype, *out_dtypes))
     staged_bytes = _bytes(h_dtype, dy_dtype)
     staged = max(staged_bytes)
+    bytes_per_col = sum(staged_bytes) + 4 * accumulators
+    kernel_for = lambda c: _backward_kernel_object(  # noqa: E731
+        c, False, h_dtype, dy_dtype, accumulators >= 1, accumulators >= 2, weight_dtype)
+    tuned = all(v is None for v in (cta_row_bytes, values_per_thread, max_threads_per_row))
+    register_threads = norm_backward_register_threads(staged, accumulators, n_cols, rms)
+    if tuned and register_threads:
+        prefetched = with_prefetch(register_share(
+            n_cols, widest, register_threads, REGISTER_SHARE_VALUES,
+            bytes_per_col=bytes_per_col, max_vec=max_vec), kernel_for)
+    else:
+        prefetched = _clustered_backward_share(
+            n_cols, widest, staged, accumulators, bytes_per_col, max_vec, cta_row_bytes,
+            values_per_thread, max_threads_per_row, kernel_for)
+    return with_l2_prefetch(prefetched, *staged_bytes, past_two_buffers=(
+        norm_backward_prefetches_past_buffers(prefetched, accumulators)))
+
+
+def _clustered_backward_share(n_cols: int, widest: int, staged: int, accumulators: int,
+                              bytes_per_col: int, max_vec: int | None,
+                              cta_row_bytes: int | None, values_per_thread: int | None,
+                              max_threads_per_row: int | None, kernel_for) -> RowConfig:
+    """backward_config's share from config.norm_backward_share (or the sweep's limits),
+    with its staging buffers."""
     tuned_bytes, vectors = norm_backward_share(staged, accumulators, n_cols)
     if cta_row_bytes is None:
         cta_row_bytes = tuned_bytes
@@ -122,11 +149,9 @@ def backward_config(n_cols: int, h_dtype, dy_dtype, out_dtypes: tuple, weight_dt
         values_per_thread = vectors * (16 // staged) * (2 + accumulators)
     share = functools.partial(
         row_config, n_cols, widest, staged_tensors=2 + accumulators,
-        bytes_per_col=sum(staged_bytes) + 4 * accumulators, max_vec=max_vec,
+        bytes_per_col=bytes_per_col, max_vec=max_vec,
         looping=True, cta_row_bytes=cta_row_bytes, values_per_thread=values_per_thread)
     cfg = share(max_threads_per_row=max_threads_per_row)
-    kernel_for = lambda c: _backward_kernel_object(  # noqa: E731
-        c, False, h_dtype, dy_dtype, accumulators >= 1, accumulators >= 2, weight_dtype)
     # sized for the largest variant (LayerNorm: two values per reduction)
     prefetched = with_prefetch(cfg, kernel_for)
     if max_threads_per_row is None and accumulators and not sums_in_registers(cfg):
@@ -137,8 +162,7 @@ def backward_config(n_cols: int, h_dtype, dy_dtype, out_dtypes: tuple, weight_dt
             wider = with_prefetch(wider, kernel_for)
             if row_blocks_in_flight(wider, kernel_for) > row_blocks_in_flight(prefetched, kernel_for):
                 prefetched = wider
-    return with_l2_prefetch(prefetched, *staged_bytes, past_two_buffers=(
-        norm_backward_prefetches_past_buffers(prefetched, accumulators)))
+    return prefetched
 
 
 def forward_kernel(cfg: RowConfig, rms: bool, x_dtype, residual_dtype, has_residual: bool,
@@ -257,7 +281,7 @@ def report_variants(n_grid, dtypes):
                 for accumulators in (0, 1 if rms else 2):
                     dres = accumulators > 0
                     outs = (dtype, dtype) if dres else (dtype,)
-                    cfg = backward_config(n, dtype, dtype, outs, dtype, accumulators)
+                    cfg = backward_config(n, dtype, dtype, outs, dtype, accumulators, rms=rms)
                     args = (cfg, rms, dtype, dtype, dtype, dres, dtype if dres else None, dtype,
                             dtype if dres else None, dres, accumulators == 2)
                     yield (f"{name}_bwd" + ("_dw" if dres else ""), n, dtype, cfg,
@@ -501,7 +525,7 @@ def _backward_plan(n_cols: int, rms: bool, h_dtype, dy_dtype, weight_dtype, dres
     need_dbias = dbias_dtype is not None
     out_dtypes = tuple(d for d in (dres_out_dtype, dx_dtype, dresidual_dtype) if d is not None)
     cfg = backward_config(n_cols, h_dtype, dy_dtype, out_dtypes, weight_dtype,
-                          int(need_dweight) + int(need_dbias), max_vec)
+                          int(need_dweight) + int(need_dbias), max_vec, rms=rms)
     fn = compile_backward(cfg, rms, h_dtype, dy_dtype, weight_dtype, dres_out_dtype is not None,
                           dres_out_dtype, dx_dtype, dresidual_dtype, need_dweight, need_dbias)
     kernel = _backward_kernel_object(cfg, rms, h_dtype, dy_dtype, need_dweight, need_dbias,

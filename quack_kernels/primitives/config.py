@@ -737,6 +737,78 @@ def norm_backward_share(elem_bytes: int, accumulators: int, n_cols: int):
     return 32 * 1024, 2
 
 
+# Norm backwards with per-column sums over rows of 4097-131072 columns held as one chunk
+# in registers by wide CTAs: REGISTER_SHARE_VALUES values per thread of each staged
+# tensor, 512 threads (8192 columns a CTA, one CTA per SM), as many CTAs as the row
+# needs; 16-bit RMSNorm rows take 1024 threads where that makes two CTAs or more and
+# leaves no more padding, and 512 however much those pad the row. H200, kernels alone, %
+# of the copy ceiling, the clustered shares of norm_backward_share -> these
+# (results/norm_backward_register_shares_H200_20261203.txt): RMSNorm bf16 16384x8192
+# 89.4 -> 95.4, 8192x16384 84.3 -> 95.2, 4096x32768 75.2 -> 93.0 (1024 threads; 512:
+# 90.5), 2048x65536 72.0 -> 94.9 (512: 89.6), 1024x131072 60.3 -> 93.8 (512: 72.2),
+# 8192x24000 67.3 -> 85.4, 4096x40000 64.7 -> 81.0, 8192x12288 -> 79.9, 8192x10000 48.9
+# -> 64.4 (one 1024-thread CTA: 77.7), fp32 16384x8192 94.8 -> 96.3, 2048x65536 92.3 ->
+# 97.7, 1024x131072 78.3 -> 95.5; LayerNorm bf16 16384x8192 88.4 -> 94.7, 8192x16384
+# 86.0 -> 88.2, 4096x32768 74.5 -> 83.3, 2048x65536 69.4 -> 74.3, 1024x131072 47.2 ->
+# 62.5, 8192x24000 74.0 -> 78.7, 4096x40000 66.8 -> 71.7, fp32 2048x65536 72.0 -> 97.2,
+# 1024x131072 70.7 -> 73.7, fp32 8192x16384 level (RMSNorm 97.3 -> 97.0). One
+# 1024-thread CTA ran slower than two of 512 at 16384 columns (RMSNorm bf16 92.8 vs
+# 95.4%), and its variant with a residual gradient spilled 8 bytes at 12288 (2 x 512
+# there: 79.9%, 256-thread shares 66-68%). Where whole 512-thread shares would pad
+# LayerNorm rows by a fifth or more they lost (bf16 8192x10000: 2 CTAs 54.8% against
+# 68.2% on three 256-thread CTAs), as did 1024-thread LayerNorm CTAs (64 registers a
+# thread: 35-37%), shares of 32 values (bf16 2048x65536 RMSNorm 84.1%, LayerNorm 37.4%)
+# and 4096-column rows (one 512-thread CTA: RMSNorm bf16 89.8 -> 80.6, LayerNorm 92.7 ->
+# 79.0). Rows of 262144 columns (32 such CTAs) keep the clustered shares (16 CTAs of
+# 1024 threads: RMSNorm 78.6 -> 69.9). Odd lengths (narrowed vectors) and backwards
+# without sums were not measured.
+REGISTER_SHARE_VALUES = 16
+REGISTER_SHARE_THREADS = 512
+RMS_16BIT_REGISTER_SHARE_THREADS = 1024
+REGISTER_SHARE_MIN_COLS = 4097
+REGISTER_SHARE_MIN_FILL = 0.8
+
+
+def norm_backward_register_threads(elem_bytes: int, accumulators: int, n_cols: int,
+                                   rms: bool) -> int | None:
+    """Threads per CTA of a norm backward's one-chunk register share (see above), or
+    None where the row keeps the shares of norm_backward_share."""
+    if accumulators == 0 or n_cols < REGISTER_SHARE_MIN_COLS \
+            or n_cols % (ACCESS_BYTES // elem_bytes):
+        return None
+
+    def fill(threads: int) -> float:
+        """The row's share of the columns its CTAs cover (0: more than a cluster)."""
+        ctas = math.ceil(n_cols / (threads * REGISTER_SHARE_VALUES))
+        if ctas > MAX_CLUSTER_SIZE:
+            return 0.0
+        return n_cols / (ctas * threads * REGISTER_SHARE_VALUES)
+
+    wide, narrow = RMS_16BIT_REGISTER_SHARE_THREADS, REGISTER_SHARE_THREADS
+    if rms and elem_bytes == 2 and fill(narrow) > 0:
+        # (one 1024-thread CTA: 512 ran faster at 16384 columns, and at 12288 the
+        # variant with a residual gradient spilled)
+        two_wide_ctas = n_cols > wide * REGISTER_SHARE_VALUES
+        return wide if two_wide_ctas and fill(wide) >= fill(narrow) else narrow
+    return narrow if fill(narrow) >= REGISTER_SHARE_MIN_FILL else None
+
+
+def register_share(n_cols: int, elem_bytes: int, threads: int, values: int, *,
+                   bytes_per_col: int, max_vec: int | None = None) -> RowConfig:
+    """One chunk of ``values`` values per thread of ``threads``-thread CTAs, as many CTAs
+    as the row needs (a cluster of up to MAX_CLUSTER_SIZE)."""
+    vec = vector_width(n_cols, elem_bytes, max_vec)
+    vectors = math.ceil(n_cols / vec)
+    vecs_per_thread = max(1, values // vec)
+    cluster = math.ceil(vectors / (threads * vecs_per_thread))
+    if cluster > MAX_CLUSTER_SIZE:
+        raise ValueError(f"{n_cols} columns need {cluster} CTAs of {threads} threads")
+    return _split_share(n_cols, vec, cluster, math.ceil(vectors / cluster), vecs_per_thread,
+                        threads, bytes_per_col=bytes_per_col,
+                        min_threads_per_block=MIN_THREADS_PER_BLOCK,
+                        min_vecs_per_thread=MIN_VECS_PER_THREAD)
+
+
 # Per-column fp32 sums (a norm backward's dweight / dbias) stay in registers across row
 # blocks for a one-chunk share; a share of several chunks keeps them in shared memory,
 # which at 16-CTA clusters of 256-KiB-and-up rows holds a CTA to one per SM and leaves
