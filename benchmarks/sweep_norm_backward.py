@@ -90,7 +90,7 @@ def sweep_shape(dtype, m, n, rms, args, ceiling):
     dx = torch.empty_like(h)
     accumulators = 1 if rms else 2
     reference = _default_result(dtype, rms, h, dy, weight, mean, rstd)
-    default_cfg = ops.backward_config(n, dtype, dtype, (dtype,), dtype, accumulators)
+    default_cfg = ops.backward_config(n, dtype, dtype, (dtype,), dtype, accumulators, rms=rms)
     timed = []  # (config, kernel, call, right)
     for cfg in backward_variants(dtype, n, rms, args):
         kernel = ops._backward_kernel_object(cfg, rms, dtype, dtype, True, not rms, dtype)

@@ -352,10 +352,12 @@ def test_backward_shares_by_dtype_and_sums():
         == (config.CTA_ROW_BYTES, None)
     bf16 = torch.bfloat16
     short = ops.backward_config(4096, bf16, bf16, (bf16,), bf16, 1)
-    long = ops.backward_config(16384, bf16, bf16, (bf16,), bf16, 1)
+    # (16384 columns take a register share by default: norm_backward_register_threads)
+    long = ops.backward_config(16384, bf16, bf16, (bf16,), bf16, 1,
+                               cta_row_bytes=share(2, 1, 16384)[0])
     assert short.vecs_per_thread == 1 and long.vecs_per_thread == 2
     # 64-KiB shares: two CTAs hold a 16384-column row (h, dy and the fp32 sum: 8 B/col)
-    assert long.cluster_size == 2
+    assert long.cluster_size == 2 and long.threads_per_row == 256
     kernel = ops._backward_kernel_object(long, True, bf16, bf16, True, False)
     assert kernel.loop_registers == kernel.WIDE_LOOP_REGISTERS
     assert ops._backward_kernel_object(short, True, bf16, bf16, True, False).loop_registers \
@@ -373,8 +375,8 @@ def test_backward_shares_by_dtype_and_sums():
     assert ops._backward_kernel_object(frozen, True, bf16, bf16, False, False).loop_registers \
         == config.LOOP_REGS_PER_THREAD
     # fp32 rows with sums over a full cluster of 128-thread CTAs: eight of them per SM
-    # (12288 columns; 16384 now take register shares), not rows on smaller clusters or wider CTAs, mixed dtypes or
-    # frozen weights
+    # (12288 columns; 16384 now take register shares), not rows on smaller clusters or
+    # wider CTAs, mixed dtypes or frozen weights
     fp32 = torch.float32
     for rms in (True, False):
         sums = 1 if rms else 2
@@ -438,7 +440,12 @@ def test_backward_weight_staging_cases():
 
     assert staged(262144, True, bf16, bf16) and staged(262144, False, bf16, bf16)
     assert staged(4096, False, bf16, bf16) and not staged(4096, True, bf16, bf16)
-    assert not config.stage_columns_once(2, 1, 64 * 1024, False)  # it would cost a CTA
+    # the clustered share of fp32 65536 (a register share by default): staging it would
+    # cost a resident CTA (2 -> 1)
+    clustered = ops.backward_config(65536, fp32, fp32, (fp32,), fp32, 2,
+                                    cta_row_bytes=config.CTA_ROW_BYTES)
+    assert not ops._backward_kernel_object(clustered, False, fp32, fp32, True, True,
+                                           fp32).weight_staged
     assert staged(65536, False, fp32, fp32)  # one 512-thread CTA per SM: nothing to lose
     assert not staged(262145, True, bf16, bf16)  # one-element vectors
 

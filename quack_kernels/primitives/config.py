@@ -746,22 +746,22 @@ def norm_backward_share(elem_bytes: int, accumulators: int, n_cols: int):
 # (results/norm_backward_register_shares_H200_20261203.txt): RMSNorm bf16 16384x8192
 # 89.4 -> 95.4, 8192x16384 84.3 -> 95.2, 4096x32768 75.2 -> 93.0 (1024 threads; 512:
 # 90.5), 2048x65536 72.0 -> 94.9 (512: 89.6), 1024x131072 60.3 -> 93.8 (512: 72.2),
-# 8192x24000 67.3 -> 85.4, 4096x40000 64.7 -> 81.0, 8192x12288 -> 79.9, 8192x10000 48.9
+# 8192x24000 67.3 -> 85.4, 4096x40000 64.6 -> 81.0, 8192x12288 -> 79.9, 8192x10000 48.9
 # -> 64.4 (one 1024-thread CTA: 77.7), fp32 16384x8192 94.8 -> 96.3, 2048x65536 92.3 ->
 # 97.7, 1024x131072 78.3 -> 95.5; LayerNorm bf16 16384x8192 88.4 -> 94.7, 8192x16384
 # 86.0 -> 88.2, 4096x32768 74.5 -> 83.3, 2048x65536 69.4 -> 74.3, 1024x131072 47.2 ->
 # 62.5, 8192x24000 74.0 -> 78.7, 4096x40000 66.8 -> 71.7, fp32 2048x65536 72.0 -> 97.2,
-# 1024x131072 70.7 -> 73.7, fp32 8192x16384 level (RMSNorm 97.3 -> 97.0). One
+# 1024x131072 70.7 -> 73.7; RMSNorm fp32 8192x16384 level (97.3 -> 97.0). One
 # 1024-thread CTA ran slower than two of 512 at 16384 columns (RMSNorm bf16 92.8 vs
 # 95.4%), and its variant with a residual gradient spilled 8 bytes at 12288 (2 x 512
-# there: 79.9%, 256-thread shares 66-68%). Where whole 512-thread shares would pad
-# LayerNorm rows by a fifth or more they lost (bf16 8192x10000: 2 CTAs 54.8% against
-# 68.2% on three 256-thread CTAs), as did 1024-thread LayerNorm CTAs (64 registers a
-# thread: 35-37%), shares of 32 values (bf16 2048x65536 RMSNorm 84.1%, LayerNorm 37.4%)
-# and 4096-column rows (one 512-thread CTA: RMSNorm bf16 89.8 -> 80.6, LayerNorm 92.7 ->
-# 79.0). Rows of 262144 columns (32 such CTAs) keep the clustered shares (16 CTAs of
-# 1024 threads: RMSNorm 78.6 -> 69.9). Odd lengths (narrowed vectors) and backwards
-# without sums were not measured.
+# there: 79.9%, 128- and 256-thread shares 66.2-67.8%). Where whole 512-thread shares
+# would pad LayerNorm rows by a fifth or more they lost (bf16 8192x10000: 2 CTAs 54.8%
+# against 68.2% on three 256-thread CTAs), as did 1024-thread LayerNorm CTAs (64
+# registers a thread: 35-37%), shares of 32 values (bf16 2048x65536 RMSNorm 84.1%,
+# LayerNorm 37.4%) and 4096-column rows (one 512-thread CTA: RMSNorm bf16 89.8 -> 80.6,
+# LayerNorm 92.7 -> 79.0). Rows of 262144 columns (32 such CTAs) keep the clustered
+# shares (16 CTAs of 1024 threads: RMSNorm 78.6 -> 69.9). Odd lengths (narrowed vectors)
+# and backwards without sums were not measured.
 REGISTER_SHARE_VALUES = 16
 REGISTER_SHARE_THREADS = 512
 RMS_16BIT_REGISTER_SHARE_THREADS = 1024
