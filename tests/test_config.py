@@ -527,7 +527,7 @@ def test_norm_backward_with_one_buffer_prefetches_its_next_block_to_l2():
                                (163840, torch.bfloat16, 1), (196608, torch.bfloat16, 1)):
         cfg = share(n, h, accumulators=accumulators)
         assert cfg.stages == 1 and cfg.staging != "global" and cfg.l2_prefetch == 1
-    cfg = share(262144, accumulators=2)
+    cfg = share(200000, accumulators=2)
     assert cfg.staging == "global" and cfg.l2_prefetch == 0
     cfg = share(4096, torch.bfloat16)
     assert cfg.stages == 2 and config.sums_in_registers(cfg) and cfg.l2_prefetch == 0
@@ -625,3 +625,28 @@ def test_norm_backward_register_shares():
     mixed = backward_config(65536, torch.bfloat16, torch.bfloat16, (torch.bfloat16,),
                             torch.float32, 1, rms=True)
     assert (mixed.vec, mixed.vec * mixed.vecs_per_thread) == (4, config.REGISTER_SHARE_VALUES)
+
+
+def test_norm_backward_rows_alone_in_shared_memory():
+    """config.rows_alone_in_smem: a 512-thread share whose sums stay in registers stages
+    its rows in shared memory where they fit without the sums (LayerNorm fp32 262144 and
+    229376 columns: 16 B a column with the sums, 8 without), not with a predicated tail
+    (200000 spilled) nor where rows and sums fit together anyway (RMSNorm keeps its
+    256-thread share)."""
+    from quack_kernels.ops.norm import backward_config
+
+    fp32 = torch.float32
+    for n in (229376, 262144):
+        cfg = backward_config(n, fp32, fp32, (fp32,), fp32, 2)
+        assert (cfg.threads_per_row, cfg.staging, cfg.stages, cfg.l2_prefetch) \
+            == (config.SUM_THREADS_PER_ROW, "smem", 1, 1), n
+        assert config.sums_in_registers(cfg)
+        assert cfg.staging_smem_bytes(8) <= config.STAGING_SMEM_BYTES \
+            < cfg.staging_smem_bytes(16)
+    assert backward_config(200000, fp32, fp32, (fp32,), fp32, 2).staging == "global"
+    rms = backward_config(262144, fp32, fp32, (fp32,), fp32, 1, rms=True)
+    assert (rms.threads_per_row, rms.staging) == (256, "smem")
+    staged = config.rows_alone_in_smem(
+        dataclasses.replace(rms, staging="global", threads_per_row=512, num_chunks=4), 8)
+    assert staged.staging == "smem"
+    assert config.rows_alone_in_smem(staged, 16).staging == "global"

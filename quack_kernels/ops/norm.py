@@ -41,6 +41,7 @@ from ..primitives.config import (
     row_blocks_in_flight,
     register_share,
     row_config,
+    rows_alone_in_smem,
     staged_layer_norm_share,
     sums_in_registers,
     widened_16bit_share,
@@ -155,12 +156,16 @@ def _clustered_backward_share(n_cols: int, widest: int, staged: int, accumulator
     # sized for the largest variant (LayerNorm: two values per reduction)
     prefetched = with_prefetch(cfg, kernel_for)
     if max_threads_per_row is None and accumulators and not sums_in_registers(cfg):
-        # (not for shares re-read from global memory: fp32 LayerNorm of 200000 columns
-        # spilled at the 128 registers a 512-thread CTA can have)
         wider = share(max_threads_per_row=SUM_THREADS_PER_ROW)
+        # (not for shares re-read from global memory, nor rows alone in shared memory
+        # with a predicated tail: fp32 LayerNorm of 200000 columns spilled at the 128
+        # registers a 512-thread CTA can have, 16 bytes with the residual gradient)
+        if sums_in_registers(wider) and not wider.needs_col_predicate:
+            wider = rows_alone_in_smem(wider, bytes_per_col - 4 * accumulators)
         if sums_in_registers(wider) and wider.staging != "global":
             wider = with_prefetch(wider, kernel_for)
-            if row_blocks_in_flight(wider, kernel_for) > row_blocks_in_flight(prefetched, kernel_for):
+            if prefetched.staging == "global" or row_blocks_in_flight(wider, kernel_for) \
+                    > row_blocks_in_flight(prefetched, kernel_for):
                 prefetched = wider
     return prefetched
 

@@ -257,6 +257,18 @@ def staging_for(chunks: int, chunk_bytes: int) -> str:
     return "global"
 
 
+# A share whose per-column sums stay in registers (sums_in_registers) stages only its rows
+# in shared memory, where they may fit though rows and sums together did not: LayerNorm
+# fp32 512x262144 on 16 CTAs, 512 threads x 4 chunks in shared memory, one buffer and the
+# L2 prefetch, 68.4-68.8% of the copy ceiling against 47.7% re-read from global memory
+# (kernels alone, results/norm_backward_register_shares_H200_20261203.txt, calls 1-2).
+def rows_alone_in_smem(cfg: RowConfig, row_bytes_per_col: int) -> RowConfig:
+    """``cfg`` staged in shared memory when its rows of ``row_bytes_per_col`` bytes per
+    column (every staged tensor, no sums) fit there."""
+    chunk_bytes = cfg.rows_per_block * cfg.cols_per_chunk * row_bytes_per_col
+    return dataclasses.replace(cfg, staging=staging_for(cfg.num_chunks, chunk_bytes))
+
+
 # A softmax share staged in shared memory holds its last chunks in registers instead
 # (RowConfig.register_chunks: loaded straight there, kept in their own dtype) where that
 # lets two CTAs share an SM (the rest staged within TWO_CTA_STAGING_BYTES), and a forward
