@@ -260,8 +260,11 @@ def staging_for(chunks: int, chunk_bytes: int) -> str:
 # A share whose per-column sums stay in registers (sums_in_registers) stages only its rows
 # in shared memory, where they may fit though rows and sums together did not: LayerNorm
 # fp32 512x262144 on 16 CTAs, 512 threads x 4 chunks in shared memory, one buffer and the
-# L2 prefetch, 68.4-68.8% of the copy ceiling against 47.7% re-read from global memory
-# (kernels alone, results/norm_backward_register_shares_H200_20261203.txt, calls 1-2).
+# L2 prefetch, 68.3-68.8% of the copy ceiling against 47.6-48.2% re-read from global
+# memory (kernels alone, results/norm_backward_register_shares_H200_20261203.txt, calls
+# 1-3; 1024 threads x 2 chunks, 69.9%, would need a thread count of its own). Not
+# measured: fp32 229376 (14 CTAs) and rows of bf16 h with fp32 dy (229376, 262144: two
+# buffers of 512-thread shares instead of one of 256 or a re-read).
 def rows_alone_in_smem(cfg: RowConfig, row_bytes_per_col: int) -> RowConfig:
     """``cfg`` staged in shared memory when its rows of ``row_bytes_per_col`` bytes per
     column (every staged tensor, no sums) fit there."""
