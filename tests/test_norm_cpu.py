@@ -283,7 +283,7 @@ def test_rows_too_long_for_shared_memory_are_refused_with_a_clear_error():
 
 
 def test_every_staging_and_cluster_path():
-    cfgs = [ops.backward_config(n, dt, dt, (dt,), dt, acc) for n in (4096, 65536, 262144)
+    cfgs = [ops.backward_config(n, dt, dt, (dt,), dt, acc) for n in (4096, 65536, 200000, 262144)
             for dt in (torch.bfloat16, torch.float32) for acc in (0, 2)]
     cfgs += [ops.forward_config(n, rms, dt, dt, res, dt) for n in (4096, 262144)
              for dt in (torch.bfloat16, torch.float32) for res in (False, True)
