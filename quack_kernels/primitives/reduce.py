@@ -208,7 +208,8 @@ def row_allreduce(values: Values, combine: Callable, identity: Values,
     it for its next exchange as soon as this one completed. No barrier between
     iterations is needed: a warp can only write a buffer again after every warp of the
     row contributed to the exchange between, i.e. after it finished reading the buffer;
-    for the same reason a barrier's next bytes arrive only after its re-arm."""
+    for the same reason a barrier's next bytes arrive only after its exchange completed
+    (before thread 0's re-arm they are legal: the tx-count goes transiently negative)."""
     values = warp_allreduce(values, combine, min(32, cfg.threads_per_row))
     if cutlass.const_expr(cfg.warps_per_row == 1 and cfg.cluster_size == 1):
         return values

@@ -45,7 +45,7 @@ class RowKernel(GridSum):
 
     cfg: RowConfig
     staged_dtypes: tuple
-    reductions: int = 1  # cluster reductions per kernel (one scratch + mbarrier each)
+    reductions: int = 1  # cluster reductions per kernel (scratch + an mbarrier per buffer each)
     values_per_reduction: int = 1
     scratch_buffers: int = 1  # 2 for kernels looping over row blocks
     accumulators: int = 0  # fp32 per-column accumulators (see RowTiles.accumulator)
@@ -83,6 +83,8 @@ class RowKernel(GridSum):
         if self.grid_sums:  # grid_sum's block_sum scratch
             grid_sums = self.cfg.threads_per_block // 32 * self.grid_sums * 4
             allocations += 1
+        # (an allocation's alignment within 16 bytes each; a slot's mbarriers, 8 bytes a
+        # scratch buffer, within its own and the 64 to spare)
         return staged + scratch + accumulated + columns + grid_sums + 16 * allocations + 64
 
     @property
