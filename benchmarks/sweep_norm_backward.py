@@ -45,7 +45,7 @@ def backward_variants(dtype, n, rms, args):
     vectors)."""
     accumulators = 1 if rms else 2
     vec = 16 // dtype.itemsize
-    default = ops.backward_config(n, dtype, dtype, (dtype,), dtype, accumulators, rms=rms)
+    default = default_config(dtype, n, rms)
     if args.shares:  # the default first, to read each share against
         grid = [default] + [cfg for cfg in explicit_shares(
             n, ops.backward_config(n, dtype, dtype, (dtype,), dtype, 2), args.shares)
@@ -64,6 +64,11 @@ def backward_variants(dtype, n, rms, args):
                 for stages in (1, 2)]
     for cfg in grid:
         yield from l2_prefetch_variants(cfg, args, dtype.itemsize)
+
+
+def default_config(dtype, n, rms):
+    """The op's own config of the backward with dweight (and dbias for LayerNorm)."""
+    return ops.backward_config(n, dtype, dtype, (dtype,), dtype, 1 if rms else 2, rms=rms)
 
 
 def explicit_shares(n, base, shares):
@@ -90,7 +95,7 @@ def sweep_shape(dtype, m, n, rms, args, ceiling):
     dx = torch.empty_like(h)
     accumulators = 1 if rms else 2
     reference = _default_result(dtype, rms, h, dy, weight, mean, rstd)
-    default_cfg = ops.backward_config(n, dtype, dtype, (dtype,), dtype, accumulators, rms=rms)
+    default_cfg = default_config(dtype, n, rms)
     timed = []  # (config, kernel, call, right)
     for cfg in backward_variants(dtype, n, rms, args):
         kernel = ops._backward_kernel_object(cfg, rms, dtype, dtype, True, not rms, dtype)

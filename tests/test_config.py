@@ -625,6 +625,14 @@ def test_norm_backward_register_shares():
     mixed = backward_config(65536, torch.bfloat16, torch.bfloat16, (torch.bfloat16,),
                             torch.float32, 1, rms=True)
     assert (mixed.vec, mixed.vec * mixed.vecs_per_thread) == (4, config.REGISTER_SHARE_VALUES)
+    # a misaligned tensor narrowing the staged dtype's accesses keeps the clustered share
+    # (one-value vectors on 1024 threads spilled)
+    for max_vec in (1, 2, 4):
+        assert threads(2, 1, 65536, rms=True, max_vec=max_vec) is None
+        narrowed = backward_config(65536, torch.bfloat16, torch.bfloat16, (torch.bfloat16,),
+                                   torch.bfloat16, 1, max_vec, rms=True)
+        assert narrowed.threads_per_row <= config.SUM_THREADS_PER_ROW
+    assert threads(2, 1, 65536, rms=True, max_vec=8) == 1024
 
 
 def test_norm_backward_rows_alone_in_shared_memory():

@@ -411,3 +411,37 @@ def test_l2_prefetch_refuses_vectors_under_16_bytes():
     cfg = dataclasses.replace(softmax.forward_config(1001, f32), l2_prefetch=1)
     with pytest.raises(ValueError, match="whole 16-byte vectors"):
         compile_kernel(*softmax.forward_kernel(cfg, f32, False))
+
+
+def test_cluster_barriers_in_the_sass(tmp_path):
+    """rows.ReductionSlot on a cluster: a looping reduction waits on one mbarrier per
+    scratch buffer (two inits, SYNCS.EXCH.64), a kernel with two one-off reductions
+    (LayerNorm forward with a residual) on one per reduction, and each thread arrives
+    on the cluster barrier once before its wait (one UCGABAR_ARV) however many slots
+    it sets up."""
+    import collections
+    import re
+
+    from quack_kernels.ops import norm
+    from quack_kernels.report import measure, disassembly
+
+    if find_cuobjdump() is None:
+        pytest.skip("cuobjdump not installed")
+    f32, bf16 = torch.float32, torch.bfloat16
+    looping = norm.backward_config(4096, f32, f32, (f32,), f32, 2)
+    one_block = norm.forward_config(65536, False, bf16, bf16, True, bf16, bf16, bf16)
+    assert looping.cluster_size > 1 and looping.stages == 2 and one_block.cluster_size > 1
+    variants = [
+        ("looping", 4096, f32, looping, lambda: norm.backward_kernel(
+            looping, False, f32, f32, f32, False, None, f32, None, True, True)),
+        ("one_block", 65536, bf16, one_block, lambda: norm.forward_kernel(
+            one_block, False, bf16, bf16, True, True, bf16, bf16, bf16))]
+    reductions = {name: kernel.reductions
+                  for name, _, _, _, kernel, _ in measure(variants, str(tmp_path), find_cuobjdump())}
+    assert reductions == {"looping": 1, "one_block": 2}
+    cubins = {cubin.parent: cubin for cubin in tmp_path.rglob("*.cubin")}  # one a variant
+    assert len(cubins) == 2
+    for cubin in cubins.values():
+        sass = disassembly(str(cubin), find_cuobjdump())
+        found = collections.Counter(re.findall(r"\b(SYNCS\.EXCH\.64|UCGABAR_ARV)\b", sass))
+        assert (found["SYNCS.EXCH.64"], found["UCGABAR_ARV"]) == (2, 1), cubin

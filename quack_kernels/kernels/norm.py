@@ -147,8 +147,9 @@ class NormForward(RowKernel):
         smem = SmemAllocator()
         staged = [mX, mR] if cutlass.const_expr(self.has_residual) else [mX]
         tiles = RowTiles(cfg, staged, smem)
-        slots = [ReductionSlot(smem, cfg, self.values_per_reduction)
-                 for _ in range(self.reductions)]
+        slots = [ReductionSlot(smem, cfg, self.values_per_reduction,
+                               arrive=i == self.reductions - 1)
+                 for i in range(self.reductions)]
         tiles.issue_loads()
         # (config.norm_forward_early_columns: the share's weight and bias in flight with
         # its row, instead of loaded per chunk in the output pass)

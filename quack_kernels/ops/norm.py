@@ -122,7 +122,8 @@ def backward_config(n_cols: int, h_dtype, dy_dtype, out_dtypes: tuple, weight_dt
     kernel_for = lambda c: _backward_kernel_object(  # noqa: E731
         c, False, h_dtype, dy_dtype, accumulators >= 1, accumulators >= 2, weight_dtype)
     tuned = all(v is None for v in (cta_row_bytes, values_per_thread, max_threads_per_row))
-    register_threads = norm_backward_register_threads(staged, accumulators, n_cols, rms)
+    register_threads = norm_backward_register_threads(staged, accumulators, n_cols, rms,
+                                                      max_vec)
     if tuned and register_threads:
         prefetched = with_prefetch(register_share(
             n_cols, widest, register_threads, REGISTER_SHARE_VALUES,

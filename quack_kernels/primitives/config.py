@@ -776,7 +776,9 @@ def norm_backward_share(elem_bytes: int, accumulators: int, n_cols: int):
 # LayerNorm 37.4%) and 4096-column rows (one 512-thread CTA: RMSNorm bf16 89.8 -> 80.6,
 # LayerNorm 92.7 -> 79.0). Rows of 262144 columns (32 such CTAs) keep the clustered
 # shares (16 CTAs of 1024 threads: RMSNorm 78.6 -> 69.9). Odd lengths (narrowed vectors)
-# and backwards without sums were not measured.
+# and backwards without sums were not measured; vectors narrowed by a misaligned tensor
+# (max_vec) keep the clustered shares too (16-bit RMSNorm 65536 of one-value vectors
+# spilled 40 bytes on 1024 threads, sm_90a report).
 REGISTER_SHARE_VALUES = 16
 REGISTER_SHARE_THREADS = 512
 RMS_16BIT_REGISTER_SHARE_THREADS = 1024
@@ -785,11 +787,12 @@ REGISTER_SHARE_MIN_FILL = 0.8
 
 
 def norm_backward_register_threads(elem_bytes: int, accumulators: int, n_cols: int,
-                                   rms: bool) -> int | None:
+                                   rms: bool, max_vec: int | None = None) -> int | None:
     """Threads per CTA of a norm backward's one-chunk register share (see above), or
-    None where the row keeps the shares of norm_backward_share."""
+    None where the row keeps the shares of norm_backward_share: also where the row
+    length or ``max_vec`` narrows the staged dtype's accesses below ACCESS_BYTES."""
     if accumulators == 0 or n_cols < REGISTER_SHARE_MIN_COLS \
-            or n_cols % (ACCESS_BYTES // elem_bytes):
+            or vector_width(n_cols, elem_bytes, max_vec) * elem_bytes < ACCESS_BYTES:
         return None
 
     def fill(threads: int) -> float:

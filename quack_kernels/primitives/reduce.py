@@ -202,14 +202,14 @@ def row_allreduce(values: Values, combine: Callable, identity: Values,
                   phase=0, rearm: cutlass.Constexpr[bool] = False) -> Values:
     """Reduce ``values`` (this thread's partials) over the whole row, cluster included.
 
-    Kernels that loop over row blocks reduce once per iteration: they pass the
-    iteration's ``phase`` (its parity selects the mbarrier phase to wait on) and
-    ``rearm=True``, so thread 0 re-arms the mbarrier for the next iteration as soon as
-    this one completed; bytes a faster peer sends for the next iteration before the
-    re-arm are legal (the tx-count goes transiently negative). The caller alternates
-    between two scratch buffers by parity, which makes a barrier between iterations
-    unnecessary: a warp can only write buffer p again after every warp of the row
-    contributed to iteration p + 1, i.e. after it finished reading buffer p."""
+    Kernels that loop over row blocks reduce once per iteration, alternating between
+    two scratch buffers, each with its own mbarrier (``mbar_ptr``): they pass the phase
+    of that barrier (its parity is waited on) and ``rearm=True``, so thread 0 re-arms
+    it for its next exchange as soon as this one completed. No barrier between
+    iterations is needed: a warp can only write a buffer again after every warp of the
+    row contributed to the exchange between, i.e. after it finished reading the buffer;
+    for the same reason a barrier's next bytes arrive only after its exchange completed
+    (before thread 0's re-arm they are legal: the tx-count goes transiently negative)."""
     values = warp_allreduce(values, combine, min(32, cfg.threads_per_row))
     if cutlass.const_expr(cfg.warps_per_row == 1 and cfg.cluster_size == 1):
         return values
@@ -282,15 +282,19 @@ def block_sum(values: Values, scratch: cute.Tensor) -> Values:
 
 
 @cute.jit
-def cluster_reduction_setup(cfg: cutlass.Constexpr, mbar_ptr, tx_bytes: cutlass.Constexpr[int]):
-    """Arm the mbarrier that one cluster reduction completes on (thread 0 arrives once
-    and expects every peer's bytes) and make the init visible cluster-wide. Call at
+def cluster_reduction_setup(cfg: cutlass.Constexpr, mbar_ptr, count: cutlass.Constexpr[int],
+                            tx_bytes: cutlass.Constexpr[int], arrive: cutlass.Constexpr[bool]):
+    """Arm the ``count`` mbarriers from ``mbar_ptr`` that cluster reductions complete on
+    (thread 0 arrives once on each and expects every peer's bytes), make the inits
+    visible cluster-wide and, with ``arrive``, arrive on the cluster barrier. Call at
     kernel start, then ``cute.arch.cluster_wait()`` before the first remote store."""
     if cute.arch.thread_idx()[0] == 0:
-        cute.arch.mbarrier_init(mbar_ptr, 1)
-        cute.arch.mbarrier_arrive_and_expect_tx(mbar_ptr, tx_bytes)
+        for i in cutlass.range_constexpr(count):
+            cute.arch.mbarrier_init(mbar_ptr + i, 1)
+            cute.arch.mbarrier_arrive_and_expect_tx(mbar_ptr + i, tx_bytes)
     cute.arch.mbarrier_init_fence()
-    cute.arch.cluster_arrive_relaxed()
+    if cutlass.const_expr(arrive):
+        cute.arch.cluster_arrive_relaxed()
 
 
 def thread_reduce(values: cute.TensorSSA, op: cute.ReductionOp, init: float) -> Float32:

@@ -45,7 +45,7 @@ class RowKernel(GridSum):
 
     cfg: RowConfig
     staged_dtypes: tuple
-    reductions: int = 1  # cluster reductions per kernel (one scratch + mbarrier each)
+    reductions: int = 1  # cluster reductions per kernel (scratch + an mbarrier per buffer each)
     values_per_reduction: int = 1
     scratch_buffers: int = 1  # 2 for kernels looping over row blocks
     accumulators: int = 0  # fp32 per-column accumulators (see RowTiles.accumulator)
@@ -83,6 +83,8 @@ class RowKernel(GridSum):
         if self.grid_sums:  # grid_sum's block_sum scratch
             grid_sums = self.cfg.threads_per_block // 32 * self.grid_sums * 4
             allocations += 1
+        # (an allocation's alignment within 16 bytes each; a slot's mbarriers, 8 bytes a
+        # scratch buffer, within its own and the 64 to spare)
         return staged + scratch + accumulated + columns + grid_sums + 16 * allocations + 64
 
     @property
@@ -160,9 +162,14 @@ class RowKernel(GridSum):
 
 
 class ReductionSlot:
-    """Scratch (and, for clusters, an armed mbarrier) for one row_allreduce."""
+    """Scratch (and, for clusters, an armed mbarrier per scratch buffer) for
+    row_allreduce. A cluster's CTAs then each arrive on the cluster barrier that the
+    kernel's ``cute.arch.cluster_wait()`` completes before the first remote store:
+    ``arrive`` is this thread's arrival, made once (a kernel with several slots passes
+    it to the last one only: a second arrival before the wait is undefined)."""
 
-    def __init__(self, smem, cfg: RowConfig, num_values: int, buffers: int = 1):
+    def __init__(self, smem, cfg: RowConfig, num_values: int, buffers: int = 1,
+                 arrive: bool = True):
         self.cfg = cfg
         self.buffers = buffers
         self.scratch = smem.allocate_tensor(
@@ -170,18 +177,28 @@ class ReductionSlot:
         )
         self.mbar = None
         if cfg.cluster_size > 1:
-            self.mbar = smem.allocate_array(Int64, num_elems=1)
-            red.cluster_reduction_setup(cfg, self.mbar, red.scratch_tx_bytes(cfg, num_values))
+            # A barrier per buffer: exchange k + 2, the next on this barrier, is sent only
+            # once every warp of the row finished exchange k + 1, so its bytes never
+            # land on an exchange still open. With one barrier for both buffers a peer's
+            # bytes for exchange k + 1 could count toward exchange k before the bytes
+            # of a slower peer had landed (a stale read, and the LayerNorm fp32 backward
+            # hung in back-to-back launches on 128-thread cluster shares).
+            self.mbar = smem.allocate_array(Int64, num_elems=buffers)
+            red.cluster_reduction_setup(cfg, self.mbar, buffers,
+                                        red.scratch_tx_bytes(cfg, num_values), arrive)
 
     def allreduce(self, values, combine, identity, iteration=None):
         """``iteration``: the loop counter of a kernel looping over row blocks (needs
-        ``buffers=2``); None for a single reduction per kernel."""
+        ``buffers=2``: exchange k uses buffer and barrier k % 2, whose phase k // 2 it
+        waits for); None for a single reduction per kernel."""
         if iteration is None:
             return red.row_allreduce(values, combine, identity, self.cfg, self.scratch, self.mbar)
         assert self.buffers == 2, "a looped reduction needs ReductionSlot(..., buffers=2)"
-        scratch = self.scratch[None, None, None, iteration % 2]
-        return red.row_allreduce(values, combine, identity, self.cfg, scratch, self.mbar,
-                                 phase=iteration, rearm=True)
+        buffer = iteration % 2
+        scratch = self.scratch[None, None, None, buffer]
+        mbar = self.mbar + buffer if cutlass.const_expr(self.mbar is not None) else None
+        return red.row_allreduce(values, combine, identity, self.cfg, scratch, mbar,
+                                 phase=iteration // 2, rearm=True)
 
 
 class RowTiles:
