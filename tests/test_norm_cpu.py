@@ -407,9 +407,10 @@ def default_backward(n, rms, dtype, weight_dtype=None):
                                                 (torch.float32, torch.float32),
                                                 (torch.bfloat16, torch.float32)])
 def test_backward_stages_the_weight_where_it_costs_no_cta(dtype, weight_dtype):
-    """The weight is staged once in shared memory where it fits: for RMSNorm where one
-    CTA per SM is resident, for LayerNorm wherever it costs no resident CTA; never in
-    vectors under 4 bytes (odd rows). Its bytes are counted."""
+    """The weight is staged once in shared memory where it fits and is not held in
+    registers: for RMSNorm where one CTA per SM is resident, for LayerNorm wherever it
+    costs no resident CTA; never in vectors under 4 bytes (odd rows). Its bytes are
+    counted."""
     staged_rows = []
     for n in (1024, 4096, 16384, 65536, 131072, 200000, 262144, 262145):
         for rms in (True, False):
@@ -422,13 +423,14 @@ def test_backward_stages_the_weight_where_it_costs_no_cta(dtype, weight_dtype):
             alone = bare.ctas_per_sm()
             costless = config.loop_ctas_per_sm(cfg, bare.smem_bytes() + weight_bytes + 16,
                                                bare.loop_registers) == alone
-            assert staged == (fits and wide and (alone == 1 or (not rms and costless))), \
-                (n, rms)
+            assert staged == (not kernel.holds_weight and fits and wide
+                              and (alone == 1 or (not rms and costless))), (n, rms)
             assert kernel.smem_bytes() - bare.smem_bytes() == (weight_bytes + 16 if staged else 0)
             assert kernel.ctas_per_sm() == bare.ctas_per_sm()
             staged_rows += [n] * staged
     assert 262144 in staged_rows  # the long rows, one CTA per SM
-    assert 4096 in staged_rows  # LayerNorm's share of 4096 columns
+    # LayerNorm's share of 4096 columns (held in registers instead by 16-bit rows)
+    assert (4096 in staged_rows) == (dtype.itemsize == 4)
 
 
 def test_backward_weight_staging_cases():
@@ -439,7 +441,7 @@ def test_backward_weight_staging_cases():
         return default_backward(n, rms, dtype, weight_dtype)[1].weight_staged
 
     assert staged(262144, True, bf16, bf16) and staged(262144, False, bf16, bf16)
-    assert staged(4096, False, bf16, bf16) and not staged(4096, True, bf16, bf16)
+    assert staged(4096, False, fp32, fp32) and not staged(4096, True, bf16, bf16)
     # the clustered share of fp32 65536 (a register share by default): staging it would
     # cost a resident CTA (2 -> 1)
     clustered = ops.backward_config(65536, fp32, fp32, (fp32,), fp32, 2,
@@ -448,6 +450,26 @@ def test_backward_weight_staging_cases():
                                            fp32).weight_staged
     assert staged(65536, False, fp32, fp32)  # one 512-thread CTA per SM: nothing to lose
     assert not staged(262145, True, bf16, bf16)  # one-element vectors
+
+
+def test_backward_holds_the_weight_of_16bit_layer_norm_register_shares():
+    """16-bit LayerNorm rows held in registers as one chunk load weight + offset into
+    registers once (NormBackward.holds_weight), neither staged nor re-read per block;
+    RMSNorm, fp32 rows and shares of several chunks do not (measured to lose or not
+    measured)."""
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    for dtype in (bf16, fp16):
+        for n in (1024, 4096, 16384, 65536):
+            cfg, kernel = default_backward(n, False, dtype, dtype)
+            assert (cfg.staging, cfg.num_chunks) == ("registers", 1), n
+            assert kernel.holds_weight and not kernel.weight_staged, (n, dtype)
+            bare = ops._backward_kernel_object(cfg, False, dtype, dtype, True, True)
+            assert kernel.smem_bytes() == bare.smem_bytes()  # no staged copy
+        # the mixed case holds too: the rule follows the rows' dtype
+        assert default_backward(65536, False, dtype, fp32)[1].holds_weight
+    for n, rms, dtype in ((4096, True, bf16), (65536, True, bf16), (65536, False, fp32),
+                          (262144, False, bf16)):
+        assert not default_backward(n, rms, dtype, dtype)[1].holds_weight, (n, rms, dtype)
 
 
 def test_backward_prefetches_row_stats_for_layer_norm_and_lone_rms_ctas():

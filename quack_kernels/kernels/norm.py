@@ -34,12 +34,11 @@ from cutlass.memory import SmemAllocator
 
 from ..primitives import reduce as red
 from ..primitives import tiling
-from ..primitives.config import (MAX_CLUSTER_SIZE, RowConfig, cluster_class, loop_ctas_per_sm,
-                                 late_columns_together,
+from ..primitives.config import (MAX_CLUSTER_SIZE, REGISTER_SHARE_THREADS, RowConfig,
+                                 cluster_class, late_columns_together, loop_ctas_per_sm,
                                  norm_forward_columns_before_reduction,
                                  norm_forward_early_columns, prefetch_row_stats,
-                                 row_stats_a_block_ahead,
-                                 stage_columns_once)
+                                 row_stats_a_block_ahead, stage_columns_once)
 from ..primitives.rows import ReductionSlot, RowKernel, RowTiles
 
 ZERO = (Float32(0.0),)
@@ -284,10 +283,12 @@ class NormBackward(RowKernel):
         elif cluster_class(cfg) == MAX_CLUSTER_SIZE and cfg.threads_per_block == 128 \
                 and h_dtype.width == dy_dtype.width == 32 and self.accumulators:
             self.loop_registers = self.FULL_CLUSTER_LOOP_REGISTERS
-        # The weight is read for every row block: staged once in shared memory where
-        # config.stage_columns_once says so (not with vectors under 4 bytes, which
-        # cp.async cannot zero-fill past the row end).
-        if weight_dtype is not None and tiling.copies_async(weight_dtype, cfg):
+        # The weight is read for every row block: held in registers by a share of one
+        # chunk in registers (its columns are the same in every block), else staged once
+        # in shared memory where config.stage_columns_once says so (not with vectors
+        # under 4 bytes, which cp.async cannot zero-fill past the row end).
+        if weight_dtype is not None and tiling.copies_async(weight_dtype, cfg) \
+                and not self.holds_weight:
             alone = loop_ctas_per_sm(cfg, self.smem_bytes(), self.loop_registers)
             self.column_dtypes = (weight_dtype,)
             smem_with = self.smem_bytes()
@@ -300,6 +301,22 @@ class NormBackward(RowKernel):
         """Whether each row block's rstd / mean are loaded during the block before
         (config.prefetch_row_stats)."""
         return prefetch_row_stats(self.rms, self.ctas_per_sm())
+
+    @property
+    def holds_weight(self) -> bool:
+        """Whether weight + offset is loaded once into registers before the loop over row
+        blocks (a share of one chunk in registers has the same columns in every block):
+        saves each value's weight load and add of the offset. 16-bit LayerNorm only, the
+        one measured to gain: H200, kernel alone, against the same code with the weight
+        read per block (results/norm_backward_fewer_instructions_H200_20261203.txt):
+        bf16 2048x65536 74.6% -> 79.4% of the copy ceiling, 4096x32768 82.6 -> 83.4,
+        8192x16384 87.1 -> 88.5; it lost on RMSNorm bf16 32768x4096 (87.7 -> 69.3) and
+        LayerNorm fp32 2048x65536 (95.7 -> 86.8). Not on 1024-thread CTAs, whose 64
+        registers a thread it overflows (RMSNorm bf16 65536 spilled 8 bytes, sm_90a)."""
+        cfg = self.cfg
+        return not self.rms and self.staged_dtypes[0].width == 16 \
+            and cfg.staging == "registers" and cfg.num_chunks == 1 \
+            and cfg.threads_per_block <= REGISTER_SHARE_THREADS
 
     @property
     def weight_staged(self) -> bool:
@@ -327,7 +344,9 @@ class NormBackward(RowKernel):
         acc_b = [home.accumulator(smem, c, self.sums_in_registers)
                  for c in range(cfg.num_chunks)] if self.need_dbias else []
         sW = mW
-        if cutlass.const_expr(mW is not None and self.weight_staged):
+        if cutlass.const_expr(mW is not None and self.holds_weight):
+            sW = home.kept_in_registers(self._weight(home, mW, 0, weight_offset), 0)
+        elif cutlass.const_expr(mW is not None and self.weight_staged):
             sW = home.stage_columns(smem, mW)
         if cutlass.const_expr(cfg.cluster_size > 1):
             cute.arch.cluster_wait()
@@ -400,7 +419,8 @@ class NormBackward(RowKernel):
             dot, g_sum = slot.allreduce((dot, g_sum), red.sum_combine,
                                         (Float32(0.0), Float32(0.0)), iteration=iteration)
         c1 = dot * inv_n
-        c2 = g_sum * inv_n
+        scale = -c1 * rstd
+        shift = -(g_sum * inv_n) * rstd
         if cutlass.const_expr(self.prefetches_stats and not early):
             next_stats = self._row_stats(home.at_block(block_row + grid_rows), mMean, mRstd)
 
@@ -411,8 +431,8 @@ class NormBackward(RowKernel):
                 xhat, g = self._xhat_g(tiles, c, mW, mean, rstd, weight_offset, None, None)
             if cutlass.const_expr(self.rms):
                 dh = (g - xhat * c1) * rstd
-            else:
-                dh = (g - xhat * c1 - c2) * rstd
+            else:  # rstd * (g - xhat * c1 - c2) as two FMAs a value
+                dh = (g * rstd + shift) + xhat * scale
             if cutlass.const_expr(mdResOut is not None):
                 dh = dh + tiles.load(mdResOut, c)
             if cutlass.const_expr(mdX is not None):
@@ -421,21 +441,34 @@ class NormBackward(RowKernel):
                 tiles.store(mdRes, c, dh)
         return next_stats
 
+    def _weight(self, tiles: RowTiles, mW, c: int, weight_offset):
+        """weight + offset in chunk ``c``, read from shared memory where staged."""
+        if cutlass.const_expr(self.weight_staged):
+            w = tiles.column_values(mW, c)
+        else:
+            w = tiles.load(tiles.broadcast_rows(mW), c, guard_rows=False)
+        return w + weight_offset
+
     def _xhat_g(self, tiles: RowTiles, c: int, mW, mean, rstd, weight_offset, acc_w, acc_b):
         """xhat and g = dy * (w + offset) of chunk ``c``, both 0 past the row end and on
         rows past M; adds this chunk's dw / db terms when accumulators are given."""
         h = tiles.values(0, c, fill=0.0, mask_rows=True)
         dy = tiles.values(1, c, fill=0.0, mask_rows=True)
-        xhat = (h - mean) * rstd
+        if cutlass.const_expr(self.rms or self.staged_dtypes[0].width == 32):
+            xhat = (h - mean) * rstd
+        else:
+            # one FMA a value: the rounding of mean * rstd, at most |mean| / std of 2^-24,
+            # stays far under the 2^-8 of a 16-bit h (not so for fp32 rows of a large
+            # mean: mean 300, std 1e-3 would lose 2% of xhat)
+            xhat = h * rstd + (-mean * rstd)
         if cutlass.const_expr(self.cfg.needs_col_predicate):
             xhat = tiling.mask_out_of_row(xhat, tiles.coords[c], self.cfg.n_cols, 0.0)
         g = dy
         if cutlass.const_expr(mW is not None):
-            if cutlass.const_expr(self.weight_staged):
-                w = tiles.column_values(mW, c)
+            if cutlass.const_expr(self.holds_weight):
+                g = dy * mW.load()
             else:
-                w = tiles.load(tiles.broadcast_rows(mW), c, guard_rows=False)
-            g = dy * (w + weight_offset)
+                g = dy * self._weight(tiles, mW, c, weight_offset)
         if cutlass.const_expr(acc_w is not None and self.need_dweight):
             acc_w[c].store(acc_w[c].load() + dy * xhat)
         if cutlass.const_expr(acc_b is not None and self.need_dbias):

@@ -542,16 +542,27 @@ class RowTiles:
         row blocks: in registers, or in shared memory when the share's sums would not
         fit there (each thread only touches its own elements, so no barrier is needed).
         Zero-initialised."""
-        thr = self.copy_vec[0].get_slice(self.tidx)
-        tile_shape = tiling.chunk_tiler(self.cfg)
         if in_registers:
-            acc = cute.make_rmem_tensor(thr.partition_S(self._gmem_tile(self.staged[0], chunk)).shape, Float32)
+            acc = self._register_fragment(chunk)
         else:
             sAcc = smem.allocate_tensor(
-                Float32, cute.make_ordered_layout(tile_shape, order=(1, 0)), byte_alignment=16)
-            acc = thr.partition_S(sAcc)
+                Float32, cute.make_ordered_layout(tiling.chunk_tiler(self.cfg), order=(1, 0)),
+                byte_alignment=16)
+            acc = self.copy_vec[0].get_slice(self.tidx).partition_S(sAcc)
         acc.fill(0.0)
         return acc
+
+    def kept_in_registers(self, values: cute.TensorSSA, chunk: int) -> cute.Tensor:
+        """fp32 ``values`` of this thread's part of ``chunk`` kept in registers across
+        row blocks (e.g. a per-column vector that every block reads); ``.load()`` them."""
+        fragment = self._register_fragment(chunk)
+        fragment.store(values)
+        return fragment
+
+    def _register_fragment(self, chunk: int) -> cute.Tensor:
+        thr = self.copy_vec[0].get_slice(self.tidx)
+        return cute.make_rmem_tensor(
+            thr.partition_S(self._gmem_tile(self.staged[0], chunk)).shape, Float32)
 
     @cute.jit
     def store(self, mY: cute.Tensor, chunk: cutlass.Constexpr[int], values: cute.TensorSSA,
