@@ -469,7 +469,10 @@ def test_backward_holds_the_weight_of_16bit_layer_norm_register_shares():
         assert default_backward(65536, False, dtype, fp32)[1].holds_weight
     for n, rms, dtype in ((4096, True, bf16), (65536, True, bf16), (65536, False, fp32),
                           (262144, False, bf16)):
-        assert not default_backward(n, rms, dtype, dtype)[1].holds_weight, (n, rms, dtype)
+        kernel = default_backward(n, rms, dtype, dtype)[1]
+        assert not kernel.holds_weight, (n, rms, dtype)
+        # xhat and dh in FMA form: 16-bit LayerNorm at every share
+        assert kernel.fma_form == (not rms and dtype.itemsize == 2), (n, rms, dtype)
 
 
 def test_backward_prefetches_row_stats_for_layer_norm_and_lone_rms_ctas():

@@ -303,6 +303,16 @@ class NormBackward(RowKernel):
         return prefetch_row_stats(self.rms, self.ctas_per_sm())
 
     @property
+    def fma_form(self) -> bool:
+        """Whether xhat and dh take one and two FMAs a value (16-bit LayerNorm, where
+        the LayerNorm loop was issue-bound: bf16 2048x65536 70.6% -> 74.6% of the copy
+        ceiling, results/norm_backward_fewer_instructions_H200_20261203.txt). The
+        rounding of mean * rstd, at most |mean| / std times 2^-24, stays far under the
+        2^-8 of a 16-bit h; for fp32 rows of a large mean (300, std 1e-3) it would cost
+        2% of xhat, and fp32 rows of 256 columns spilled with it (sm_90a)."""
+        return not self.rms and self.staged_dtypes[0].width == 16
+
+    @property
     def holds_weight(self) -> bool:
         """Whether weight + offset is loaded once into registers before the loop over row
         blocks (a share of one chunk in registers has the same columns in every block):
@@ -314,8 +324,7 @@ class NormBackward(RowKernel):
         LayerNorm fp32 2048x65536 (95.7 -> 86.8). Not on 1024-thread CTAs, whose 64
         registers a thread it overflows (RMSNorm bf16 65536 spilled 8 bytes, sm_90a)."""
         cfg = self.cfg
-        return not self.rms and self.staged_dtypes[0].width == 16 \
-            and cfg.staging == "registers" and cfg.num_chunks == 1 \
+        return self.fma_form and cfg.staging == "registers" and cfg.num_chunks == 1 \
             and cfg.threads_per_block <= REGISTER_SHARE_THREADS
 
     @property
@@ -419,8 +428,7 @@ class NormBackward(RowKernel):
             dot, g_sum = slot.allreduce((dot, g_sum), red.sum_combine,
                                         (Float32(0.0), Float32(0.0)), iteration=iteration)
         c1 = dot * inv_n
-        scale = -c1 * rstd
-        shift = -(g_sum * inv_n) * rstd
+        c2 = g_sum * inv_n
         if cutlass.const_expr(self.prefetches_stats and not early):
             next_stats = self._row_stats(home.at_block(block_row + grid_rows), mMean, mRstd)
 
@@ -431,8 +439,10 @@ class NormBackward(RowKernel):
                 xhat, g = self._xhat_g(tiles, c, mW, mean, rstd, weight_offset, None, None)
             if cutlass.const_expr(self.rms):
                 dh = (g - xhat * c1) * rstd
-            else:  # rstd * (g - xhat * c1 - c2) as two FMAs a value
-                dh = (g * rstd + shift) + xhat * scale
+            elif cutlass.const_expr(self.fma_form):  # two FMAs a value
+                dh = (g * rstd + (-c2 * rstd)) + xhat * (-c1 * rstd)
+            else:
+                dh = (g - xhat * c1 - c2) * rstd
             if cutlass.const_expr(mdResOut is not None):
                 dh = dh + tiles.load(mdResOut, c)
             if cutlass.const_expr(mdX is not None):
@@ -454,13 +464,10 @@ class NormBackward(RowKernel):
         rows past M; adds this chunk's dw / db terms when accumulators are given."""
         h = tiles.values(0, c, fill=0.0, mask_rows=True)
         dy = tiles.values(1, c, fill=0.0, mask_rows=True)
-        if cutlass.const_expr(self.rms or self.staged_dtypes[0].width == 32):
-            xhat = (h - mean) * rstd
-        else:
-            # one FMA a value: the rounding of mean * rstd, at most |mean| / std of 2^-24,
-            # stays far under the 2^-8 of a 16-bit h (not so for fp32 rows of a large
-            # mean: mean 300, std 1e-3 would lose 2% of xhat)
+        if cutlass.const_expr(self.fma_form):
             xhat = h * rstd + (-mean * rstd)
+        else:
+            xhat = (h - mean) * rstd
         if cutlass.const_expr(self.cfg.needs_col_predicate):
             xhat = tiling.mask_out_of_row(xhat, tiles.coords[c], self.cfg.n_cols, 0.0)
         g = dy
