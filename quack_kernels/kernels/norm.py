@@ -321,11 +321,13 @@ class NormBackward(RowKernel):
         read per block (results/norm_backward_fewer_instructions_H200_20261203.txt):
         bf16 2048x65536 74.6% -> 79.4% of the copy ceiling, 4096x32768 82.6 -> 83.4,
         8192x16384 87.1 -> 88.5; it lost on RMSNorm bf16 32768x4096 (87.7 -> 69.3) and
-        LayerNorm fp32 2048x65536 (95.7 -> 86.8). Not on 1024-thread CTAs, whose 64
-        registers a thread it overflows (RMSNorm bf16 65536 spilled 8 bytes, sm_90a)."""
+        LayerNorm fp32 2048x65536 (95.7 -> 86.8). On the 512-thread register shares
+        (config.register_share) only: the smaller CTAs of short rows spilled with it
+        (sm_90a, fp16 256 and 1024 columns, 8-32 bytes), 1024-thread CTAs have 64
+        registers a thread (RMSNorm bf16 65536 spilled 8 bytes)."""
         cfg = self.cfg
         return self.fma_form and cfg.staging == "registers" and cfg.num_chunks == 1 \
-            and cfg.threads_per_block <= REGISTER_SHARE_THREADS
+            and cfg.threads_per_block == REGISTER_SHARE_THREADS
 
     @property
     def weight_staged(self) -> bool:
@@ -415,7 +417,8 @@ class NormBackward(RowKernel):
         g_sum = Float32(0.0)  # sum(g), LayerNorm
         for c in range(cfg.num_chunks):
             tiles.wait_chunk(c)
-            xhat, g = self._xhat_g(tiles, c, mW, mean, rstd, weight_offset, acc_w, acc_b)
+            xhat, g = self._xhat_g(tiles, c, mW, mean, rstd, weight_offset, acc_w, acc_b,
+                                   self._masks_rows(mdResOut))
             dot = dot + red.thread_reduce(g * xhat, cute.ReductionOp.ADD, 0.0)
             if cutlass.const_expr(not self.rms):
                 g_sum = g_sum + red.thread_reduce(g, cute.ReductionOp.ADD, 0.0)
@@ -429,6 +432,7 @@ class NormBackward(RowKernel):
                                         (Float32(0.0), Float32(0.0)), iteration=iteration)
         c1 = dot * inv_n
         c2 = g_sum * inv_n
+        scale, shift = -c1 * rstd, -c2 * rstd  # (the FMA form's)
         if cutlass.const_expr(self.prefetches_stats and not early):
             next_stats = self._row_stats(home.at_block(block_row + grid_rows), mMean, mRstd)
 
@@ -436,11 +440,12 @@ class NormBackward(RowKernel):
             if cutlass.const_expr(cfg.staging == "registers"):
                 xhat, g = kept[c]
             else:
-                xhat, g = self._xhat_g(tiles, c, mW, mean, rstd, weight_offset, None, None)
+                xhat, g = self._xhat_g(tiles, c, mW, mean, rstd, weight_offset, None, None,
+                                       self._masks_rows(mdResOut))
             if cutlass.const_expr(self.rms):
                 dh = (g - xhat * c1) * rstd
             elif cutlass.const_expr(self.fma_form):  # two FMAs a value
-                dh = (g * rstd + (-c2 * rstd)) + xhat * (-c1 * rstd)
+                dh = (g * rstd + shift) + xhat * scale
             else:
                 dh = (g - xhat * c1 - c2) * rstd
             if cutlass.const_expr(mdResOut is not None):
@@ -459,11 +464,22 @@ class NormBackward(RowKernel):
             w = tiles.load(tiles.broadcast_rows(mW), c, guard_rows=False)
         return w + weight_offset
 
-    def _xhat_g(self, tiles: RowTiles, c: int, mW, mean, rstd, weight_offset, acc_w, acc_b):
+    def _masks_rows(self, mdResOut) -> bool:
+        """Whether the staged rows past M are read as 0. A block of one row is always
+        inside M (the loop visits no block past it): the shares that hold the weight,
+        without a residual gradient to add, read their rows unmasked. Elsewhere the
+        loads then moved earlier and held more registers (sm_90a, 8 bytes spilled:
+        RMSNorm bf16 65536 on 1024 threads, LayerNorm bf16 262144 in two chunks, and
+        LayerNorm bf16 8192 with the residual gradient)."""
+        return not (self.holds_weight and self.cfg.rows_per_block == 1 and mdResOut is None)
+
+    def _xhat_g(self, tiles: RowTiles, c: int, mW, mean, rstd, weight_offset, acc_w, acc_b,
+                mask_rows: bool):
         """xhat and g = dy * (w + offset) of chunk ``c``, both 0 past the row end and on
-        rows past M; adds this chunk's dw / db terms when accumulators are given."""
-        h = tiles.values(0, c, fill=0.0, mask_rows=True)
-        dy = tiles.values(1, c, fill=0.0, mask_rows=True)
+        rows past M (where ``mask_rows``); adds this chunk's dw / db terms when
+        accumulators are given."""
+        h = tiles.values(0, c, fill=0.0, mask_rows=mask_rows)
+        dy = tiles.values(1, c, fill=0.0, mask_rows=mask_rows)
         if cutlass.const_expr(self.fma_form):
             xhat = h * rstd + (-mean * rstd)
         else:
