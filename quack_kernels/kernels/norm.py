@@ -304,13 +304,16 @@ class NormBackward(RowKernel):
 
     @property
     def fma_form(self) -> bool:
-        """Whether xhat and dh take one and two FMAs a value (16-bit LayerNorm, where
-        the LayerNorm loop was issue-bound: bf16 2048x65536 70.6% -> 74.6% of the copy
-        ceiling, results/norm_backward_fewer_instructions_H200_20261203.txt). The
-        rounding of mean * rstd, at most |mean| / std times 2^-24, stays far under the
-        2^-8 of a 16-bit h; for fp32 rows of a large mean (300, std 1e-3) it would cost
-        2% of xhat, and fp32 rows of 256 columns spilled with it (sm_90a)."""
-        return not self.rms and self.staged_dtypes[0].width == 16
+        """Whether xhat and dh take one and two FMAs a value: 16-bit LayerNorm on
+        512-thread CTAs, where its loop was issue-bound (bf16 2048x65536 70.6% -> 74.6% of
+        the copy ceiling, 512x262144 55.4 -> 57.8 with the held weight below, results/
+        norm_backward_fewer_instructions_H200_20261203.txt). The rounding of mean * rstd,
+        at most |mean| / std times 2^-24, stays far under the 2^-8 of a 16-bit h (for fp32
+        rows of a large mean, 300 with std 1e-3, it would cost 2% of xhat). At the
+        128-register edge it spilled elsewhere (sm_90a, 8-32 bytes: fp32 and 16-bit
+        LayerNorm of 256 and 1024 columns with a residual gradient)."""
+        return not self.rms and self.staged_dtypes[0].width == 16 \
+            and self.cfg.threads_per_block == REGISTER_SHARE_THREADS
 
     @property
     def holds_weight(self) -> bool:
@@ -321,13 +324,11 @@ class NormBackward(RowKernel):
         read per block (results/norm_backward_fewer_instructions_H200_20261203.txt):
         bf16 2048x65536 74.6% -> 79.4% of the copy ceiling, 4096x32768 82.6 -> 83.4,
         8192x16384 87.1 -> 88.5; it lost on RMSNorm bf16 32768x4096 (87.7 -> 69.3) and
-        LayerNorm fp32 2048x65536 (95.7 -> 86.8). On the 512-thread register shares
-        (config.register_share) only: the smaller CTAs of short rows spilled with it
-        (sm_90a, fp16 256 and 1024 columns, 8-32 bytes), 1024-thread CTAs have 64
-        registers a thread (RMSNorm bf16 65536 spilled 8 bytes)."""
+        LayerNorm fp32 2048x65536 (95.7 -> 86.8); on CTAs other than 512 threads it
+        spilled (sm_90a: short rows' smaller CTAs, fp16 256 and 1024 columns; RMSNorm bf16
+        65536 on 1024 threads, 64 registers a thread)."""
         cfg = self.cfg
-        return self.fma_form and cfg.staging == "registers" and cfg.num_chunks == 1 \
-            and cfg.threads_per_block == REGISTER_SHARE_THREADS
+        return self.fma_form and cfg.staging == "registers" and cfg.num_chunks == 1
 
     @property
     def weight_staged(self) -> bool:
