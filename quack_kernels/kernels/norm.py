@@ -304,15 +304,15 @@ class NormBackward(RowKernel):
 
     @property
     def fma_form(self) -> bool:
-        """Whether xhat and dh take one and two FMAs a value: 16-bit LayerNorm on
-        512-thread CTAs, where its loop was issue-bound (bf16 2048x65536 70.6% -> 74.6% of
-        the copy ceiling, 512x262144 55.4 -> 57.8 with the held weight below, results/
-        norm_backward_fewer_instructions_H200_20261203.txt). The rounding of mean * rstd,
-        at most |mean| / std times 2^-24, stays far under the 2^-8 of a 16-bit h (for fp32
-        rows of a large mean, 300 with std 1e-3, it would cost 2% of xhat). At the
-        128-register edge it spilled elsewhere (sm_90a, 8-32 bytes: fp32 and 16-bit
-        LayerNorm of 256 and 1024 columns with a residual gradient)."""
-        return not self.rms and self.staged_dtypes[0].width == 16 \
+        """Whether dh = rstd * (g - xhat * c1 - c2) takes two FMAs a value: 16-bit
+        LayerNorm on 512-thread CTAs, where its loop was issue-bound (bf16 2048x65536
+        70.6% -> 74.6% of the copy ceiling with xhat as one FMA too, results/
+        norm_backward_fewer_instructions_H200_20261203.txt). xhat stays (h - mean) * rstd:
+        as h * rstd - mean * rstd it erred by |mean| * rstd * 2^-24 (fp16 rows of mean
+        1e4, std 1: dweight 20% off in an fp64 emulation). At the 128-register edge the
+        form spilled elsewhere (sm_90a, 8-32 bytes: fp32 and 16-bit LayerNorm of 256 and
+        1024 columns with a residual gradient)."""
+        return not self.rms and self.staged_dtypes[0].width == self.staged_dtypes[1].width == 16 \
             and self.cfg.threads_per_block == REGISTER_SHARE_THREADS
 
     @property
@@ -467,8 +467,9 @@ class NormBackward(RowKernel):
 
     def _masks_rows(self, mdResOut) -> bool:
         """Whether the staged rows past M are read as 0. A block of one row is always
-        inside M (the loop visits no block past it): the shares that hold the weight,
-        without a residual gradient to add, read their rows unmasked. Elsewhere the
+        inside M (the loop visits no block past it): the shares of holds_weight (with a
+        weight or without one), without a residual gradient to add, read their rows
+        unmasked. Elsewhere the
         loads then moved earlier and held more registers (sm_90a, 8 bytes spilled:
         RMSNorm bf16 65536 on 1024 threads, LayerNorm bf16 262144 in two chunks, and
         LayerNorm bf16 8192 with the residual gradient)."""
@@ -481,10 +482,7 @@ class NormBackward(RowKernel):
         accumulators are given."""
         h = tiles.values(0, c, fill=0.0, mask_rows=mask_rows)
         dy = tiles.values(1, c, fill=0.0, mask_rows=mask_rows)
-        if cutlass.const_expr(self.fma_form):
-            xhat = h * rstd + (-mean * rstd)
-        else:
-            xhat = (h - mean) * rstd
+        xhat = (h - mean) * rstd
         if cutlass.const_expr(self.cfg.needs_col_predicate):
             xhat = tiling.mask_out_of_row(xhat, tiles.coords[c], self.cfg.n_cols, 0.0)
         g = dy
