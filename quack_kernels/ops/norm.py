@@ -120,7 +120,7 @@ def backward_config(n_cols: int, h_dtype, dy_dtype, out_dtypes: tuple, weight_dt
     staged = max(staged_bytes)
     bytes_per_col = sum(staged_bytes) + 4 * accumulators
     # (LayerNorm's kernel sizes RMSNorm's configs too; where a 16-bit LayerNorm share holds
-    # its weight in registers, RMSNorm's stages it in 8-16 KiB more shared memory, which
+    # its weight in registers, RMSNorm's stages it in 16-32 KiB more shared memory, which
     # changed no config of 1344 checked: those shares take one CTA per SM either way)
     kernel_for = lambda c: _backward_kernel_object(  # noqa: E731
         c, False, h_dtype, dy_dtype, accumulators >= 1, accumulators >= 2, weight_dtype)
