@@ -464,13 +464,13 @@ def test_backward_holds_the_weight_of_16bit_layer_norm_register_shares():
             assert kernel.holds_weight and not kernel.weight_staged, (n, dtype)
             bare = ops._backward_kernel_object(cfg, False, dtype, dtype, True, True)
             assert kernel.smem_bytes() == bare.smem_bytes()  # no staged copy
-        # the mixed case holds too: the rule follows the rows' dtype
+        # an fp32 weight holds too: the rule follows the rows' dtypes (h and dy)
         assert default_backward(65536, False, dtype, fp32)[1].holds_weight
     for n, rms, dtype in ((4096, True, bf16), (65536, True, bf16), (65536, False, fp32),
                           (262144, False, bf16), (1024, False, bf16), (4096, False, fp16)):
         kernel = default_backward(n, rms, dtype, dtype)[1]
         assert not kernel.holds_weight, (n, rms, dtype)
-        # xhat and dh in FMA form: 16-bit LayerNorm on 512-thread CTAs
+        # dh in FMA form: 16-bit LayerNorm on 512-thread CTAs
         assert kernel.fma_form == (not rms and dtype.itemsize == 2 and n >= 8192), \
             (n, rms, dtype)
 

@@ -413,13 +413,14 @@ class NormBackward(RowKernel):
         if cutlass.const_expr(early):
             next_stats = self._row_stats(home.at_block(block_row + grid_rows), mMean, mRstd)
         rstd, mean = self._in_row(tiles, stats)
+        mask_rows = self._masks_rows(mdResOut)
         kept = []
         dot = Float32(0.0)  # sum(g * xhat)
         g_sum = Float32(0.0)  # sum(g), LayerNorm
         for c in range(cfg.num_chunks):
             tiles.wait_chunk(c)
             xhat, g = self._xhat_g(tiles, c, mW, mean, rstd, weight_offset, acc_w, acc_b,
-                                   self._masks_rows(mdResOut))
+                                   mask_rows)
             dot = dot + red.thread_reduce(g * xhat, cute.ReductionOp.ADD, 0.0)
             if cutlass.const_expr(not self.rms):
                 g_sum = g_sum + red.thread_reduce(g, cute.ReductionOp.ADD, 0.0)
@@ -442,7 +443,7 @@ class NormBackward(RowKernel):
                 xhat, g = kept[c]
             else:
                 xhat, g = self._xhat_g(tiles, c, mW, mean, rstd, weight_offset, None, None,
-                                       self._masks_rows(mdResOut))
+                                       mask_rows)
             if cutlass.const_expr(self.rms):
                 dh = (g - xhat * c1) * rstd
             elif cutlass.const_expr(self.fma_form):  # two FMAs a value
@@ -469,10 +470,9 @@ class NormBackward(RowKernel):
         """Whether the staged rows past M are read as 0. A block of one row is always
         inside M (the loop visits no block past it): the shares of holds_weight (with a
         weight or without one), without a residual gradient to add, read their rows
-        unmasked. Elsewhere the
-        loads then moved earlier and held more registers (sm_90a, 8 bytes spilled:
-        RMSNorm bf16 65536 on 1024 threads, LayerNorm bf16 262144 in two chunks, and
-        LayerNorm bf16 8192 with the residual gradient)."""
+        unmasked. Elsewhere the loads then moved earlier and held more registers
+        (sm_90a, 8 bytes spilled: RMSNorm bf16 65536 on 1024 threads, LayerNorm bf16
+        262144 in two chunks, and LayerNorm bf16 8192 with the residual gradient)."""
         return not (self.holds_weight and self.cfg.rows_per_block == 1 and mdResOut is None)
 
     def _xhat_g(self, tiles: RowTiles, c: int, mW, mean, rstd, weight_offset, acc_w, acc_b,
