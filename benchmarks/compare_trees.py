@@ -26,8 +26,9 @@ import subprocess
 import sys
 import tempfile
 
-CASES = ("sm_fwd", "sm_bwd", "ce_loss", "ce_grad", "ce_loss_opts", "ce_grad_opts", "ce_mean",
-         "ce_step", "rms_fwd", "ln_fwd", "rms_fwd_res", "ln_fwd_res", "rms_bwd", "ln_bwd")
+CASES = ("sm_fwd", "sm_bwd", "lsm_bwd", "ce_loss", "ce_grad", "ce_loss_opts", "ce_grad_opts",
+         "ce_mean", "ce_step", "rms_fwd", "ln_fwd", "rms_fwd_res", "ln_fwd_res", "rms_bwd",
+         "ln_bwd")
 DEFAULT_SHAPES = "bf16:4096x128256,bf16:8192x151936,bf16:2048x65536,bf16:512x262144"
 
 
@@ -63,9 +64,10 @@ def case_call(case, x):
     m, n = x.shape
     if case == "sm_fwd":
         return (lambda: qk.softmax(x)), 2
-    if case == "sm_bwd":
-        y, dy = qk.softmax(x), torch.randn_like(x)
-        return (lambda: sm_ops._softmax_backward_cuda(y, dy, False)), 3
+    if case in ("sm_bwd", "lsm_bwd"):
+        log = case == "lsm_bwd"
+        y, dy = (qk.log_softmax if log else qk.softmax)(x), torch.randn_like(x)
+        return (lambda: sm_ops._softmax_backward_cuda(y, dy, log)), 3
     if case.startswith("ce_"):
         target = torch.randint(0, n, (m,), device=x.device)
         if case == "ce_mean":

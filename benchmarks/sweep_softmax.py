@@ -145,7 +145,7 @@ def variants(n, elem_bytes, staged, args, own_choice=lambda cfg: cfg):
             cfg = dataclasses.replace(cfg, staging="smem", register_chunks=held)
         # (the op's own share may stage fewer tensors: compile_kernel refuses what won't fit)
         too_big = cfg.staging_smem_bytes(elem_bytes * staged) > SMEM_BYTES_PER_CTA - 4096
-        if too_big and op_config and not held:
+        if too_big and op_config and held == 0:
             cfg = dataclasses.replace(cfg, staging="global")  # the share before it was held
         elif too_big and not op_config:
             continue
@@ -167,8 +167,10 @@ def main(argv=None):
             backward = direction == "bwd"
             staged = 2 if backward else 1
             if args.op_config:
-                config_for = ops.backward_config if backward else ops.forward_config
-                own_choice = lambda _: config_for(n, dtype)  # noqa: E731
+                if backward:
+                    own_choice = lambda _: ops.backward_config(n, dtype, log=args.log)  # noqa: E731
+                else:
+                    own_choice = lambda _: ops.forward_config(n, dtype)  # noqa: E731
             else:
                 own_choice = functools.partial(held_as_the_op_holds, bytes_per_col=eb * staged,
                                                backward=backward)

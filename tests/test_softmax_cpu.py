@@ -103,23 +103,48 @@ def test_kernels_compile_for_sm90a_without_spills(n, dtype, tmp_path):
         assert res["regs"] <= 255 and kernel.smem_bytes() <= 227 * 1024
 
 
-def test_backward_stages_y_alone_where_both_would_be_re_read():
-    """Rows whose y and dy would both be re-read from global memory but whose y alone
-    fits a share in shared memory stage y and re-read only dy (bf16 1M columns); rows
+def test_backward_stages_one_tensor_where_both_would_be_re_read():
+    """Rows whose y and dy would both be re-read from global memory but whose one tensor
+    fits a share in shared memory stage that one (the log_softmax of bf16 1M columns:
+    dy, y read once in the output pass; the softmax of fp32 524288: y, dy re-read); rows
     where both fit stage both, and rows where neither fits re-read both."""
     from quack_kernels.kernels.softmax import SoftmaxBackward
     from quack_kernels.ops.common import cutlass_dtype
     from quack_kernels.primitives.config import SMEM_BYTES_PER_CTA
 
-    def kernel(n, dtype):
-        cfg = ops.backward_config(n, dtype)
+    def kernel(n, dtype, log):
+        cfg = ops.backward_config(n, dtype, log=log)
         dt = cutlass_dtype(dtype)
-        return cfg, SoftmaxBackward(cfg, dt, dt, False)
+        return cfg, SoftmaxBackward(cfg, dt, dt, log)
 
-    cfg, alone = kernel(1 << 20, torch.bfloat16)
-    assert cfg.staging == "smem" and not alone.stages_dy and len(alone.staged_dtypes) == 1
-    assert alone.smem_bytes() <= SMEM_BYTES_PER_CTA
-    cfg, both = kernel(262144, torch.float32)
-    assert cfg.staging == "smem" and both.stages_dy and len(both.staged_dtypes) == 2
-    cfg, neither = kernel(1 << 20, torch.float32)
-    assert cfg.staging == "global" and neither.stages_dy
+    for n, dtype, log in ((1 << 20, torch.bfloat16, True), (524288, torch.float32, False)):
+        cfg, alone = kernel(n, dtype, log)
+        assert cfg.staging == "smem" and not alone.stages_both
+        assert alone.streams_y == log and len(alone.staged_dtypes) == 1
+        assert alone.smem_bytes() <= SMEM_BYTES_PER_CTA
+    cfg, both = kernel(262144, torch.float32, True)
+    assert cfg.staging == "smem" and both.stages_both and len(both.staged_dtypes) == 2
+    cfg, neither = kernel(1 << 20, torch.float32, True)
+    assert cfg.staging == "global" and neither.stages_both and not neither.streams_y
+
+
+def test_16bit_softmax_backward_of_a_million_columns_holds_chunks():
+    """config.held_share: the 16-bit softmax backward of rows whose y and dy would be
+    re-read stages both on 512-thread shares, its last chunks in registers so the rest
+    fits STAGING_SMEM_BYTES; the log_softmax backward stages dy alone, fp32 rows
+    re-read both, odd rows (2-byte vectors) keep theirs."""
+    from quack_kernels.primitives import config
+
+    for dtype in (torch.bfloat16, torch.float16):
+        for n in (1 << 20, 1000000):  # (1000000: the padded last chunk, held)
+            cfg = ops.backward_config(n, dtype)
+            assert (cfg.threads_per_row, cfg.register_chunks) == (512, 2)
+            assert cfg.staging == "smem" and cfg.cols_covered >= n
+            assert cfg.staging_smem_bytes(4) <= config.STAGING_SMEM_BYTES
+            held_bytes = cfg.register_chunks * cfg.thread_values_per_chunk * 4
+            assert held_bytes <= config.HELD_CHUNK_BYTES_PER_THREAD
+            assert ops.backward_config(n, dtype, log=True).register_chunks == 0
+    assert ops.backward_config(1 << 20, torch.float32).staging == "global"
+    assert ops.backward_config(1000003, torch.bfloat16).register_chunks == 0
+    assert ops.backward_config(262144, torch.bfloat16) == ops.backward_config(
+        262144, torch.bfloat16, log=True)  # both fit: the held share is not asked

@@ -76,14 +76,39 @@ def test_public_api_on_the_cpp_path(monkeypatch, log, n, dtype, grad):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [1 << 20, 1000000, 1000003])
 def test_million_columns(n, dtype):
-    """Rows of about 1M columns: 16-bit backwards with y staged alone (dy re-read; 1M
-    and the ragged 1000000 with its padded last chunk), the rest re-read both."""
+    """Rows of about 1M columns: 16-bit backwards with held chunks (the softmax) or dy
+    staged alone (the log_softmax; 1M and the ragged 1000000 with its padded last
+    chunk), the rest re-read both."""
     x = fresh((3, n), dtype)
     dy = fresh((3, n), dtype)
     for log in (False, True):
         y = ops.softmax_forward(x, log)
         assert_close(y, reference(x, log), dtype)
         check_backward(ops.softmax_backward(y, dy, log), y, dy, log)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [1 << 20, 1000000])
+def test_backward_of_million_column_rows(n, dtype):
+    """The ops' own backward shares of 16-bit rows of about 1M columns, on poisoned
+    outputs: the softmax's y and dy staged with held chunks, the log_softmax's dy staged
+    alone and y read in the output pass; y from rows with -inf entries and rows whose
+    only finite value is in a held chunk (the row's last column, the first CTA's last)."""
+    x = fresh((5, n), dtype)
+    x[1] = -float("inf")
+    x[1, n - 1] = 2.0
+    x[2, ::5] = -float("inf")
+    x[3] = -float("inf")
+    x[3, ops.backward_config(n, dtype).cols_per_cta - 1] = -3.0
+    dy = fresh((5, n), dtype)
+    for log in (False, True):
+        cfg = ops.backward_config(n, dtype, log=log)
+        kernel = ops.backward_kernel(cfg, dtype, log)[0]
+        assert (cfg.register_chunks > 0) != log and kernel.streams_y == log
+        y = ops.softmax_forward(x, log)
+        dx = torch.full_like(y, float("nan"))
+        ops.compile_backward(cfg, dtype, log)(y, dy, dx)
+        check_backward(dx, y, dy, log)
 
 
 @pytest.mark.parametrize("threads", [512, 1024])
@@ -261,7 +286,7 @@ def test_rows_prefetched_to_l2(n, dtype, ahead):
     (524288 fp32: dy prefetched beside it), several rows per block (256) and a cluster
     whose last CTA holds less than a share (262136)."""
     if n == 524288:
-        assert not ops.backward_kernel(ops.backward_config(n, dtype), dtype, False)[0].stages_dy
+        assert not ops.backward_kernel(ops.backward_config(n, dtype), dtype, False)[0].stages_both
     if n == 256:
         assert ops.forward_config(n, dtype).rows_per_block > 1
     x, dy = fresh((7, n), dtype), fresh((7, n), dtype)

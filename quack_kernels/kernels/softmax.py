@@ -90,12 +90,17 @@ class SoftmaxBackward(RowKernel):
 
     def __init__(self, cfg: RowConfig, y_dtype, dy_dtype, log: bool):
         self.cfg = cfg
-        # dy is re-read from global memory in both passes where only y fits the share's
-        # shared memory (ops.softmax.backward_config)
-        self.stages_dy = cfg.staging != "smem" or stages_in_smem(
-            cfg, (y_dtype.width + dy_dtype.width) // 8)
-        self.staged_dtypes = (y_dtype, dy_dtype) if self.stages_dy else (y_dtype,)
         self.log = log
+        # where only one of y and dy fits the share's shared memory (ops.softmax.
+        # backward_config) the other is read from global memory: the log_softmax's y,
+        # which only its output pass needs (read once), or the softmax's dy (read in both)
+        self.stages_both = cfg.staging != "smem" or stages_in_smem(
+            cfg, (y_dtype.width + dy_dtype.width) // 8)
+        self.streams_y = log and not self.stages_both
+        if self.stages_both:
+            self.staged_dtypes = (y_dtype, dy_dtype)
+        else:
+            self.staged_dtypes = (dy_dtype,) if self.streams_y else (y_dtype,)
 
     @cute.jit
     def __call__(self, mY: cute.Tensor, mdY: cute.Tensor, mdX: cute.Tensor, stream):
@@ -105,7 +110,13 @@ class SoftmaxBackward(RowKernel):
     def kernel(self, mY: cute.Tensor, mdY: cute.Tensor, mdX: cute.Tensor):
         cfg = self.cfg
         smem = SmemAllocator()
-        tiles = RowTiles(cfg, [mY, mdY] if self.stages_dy else [mY], smem, pad=0.0)
+        if cutlass.const_expr(self.stages_both):
+            staged, streamed = [mY, mdY], None
+        elif cutlass.const_expr(self.streams_y):
+            staged, streamed = [mdY], mY
+        else:
+            staged, streamed = [mY], mdY
+        tiles = RowTiles(cfg, staged, smem, pad=0.0)
         slot = ReductionSlot(smem, cfg, 1)
         tiles.issue_loads()
         if cutlass.const_expr(cfg.cluster_size > 1):
@@ -113,39 +124,46 @@ class SoftmaxBackward(RowKernel):
 
         kept = []
         partial = Float32(0.0)
-        # dy read from global memory: each chunk's loads issued a chunk ahead, before
-        # the wait for y's copies (one chunk at a time, their latency was exposed)
-        loaded_dy = self._prefetch_dy(tiles, mdY, 0, {})
+        # a streamed dy's loads issued a chunk ahead, before the wait for y's copies (one
+        # chunk at a time, their latency was exposed)
+        streams_dy = streamed is not None and not self.streams_y
+        loaded = self._prefetch(tiles, mdY, 0, {}, streams_dy)
         for c in cutlass.range_constexpr(cfg.num_chunks):
-            loaded_dy = self._prefetch_dy(tiles, mdY, c + 1, loaded_dy)
+            loaded = self._prefetch(tiles, mdY, c + 1, loaded, streams_dy)
             tiles.wait_chunk(c)
-            y = tiles.values(0, c, fill=0.0)
-            dy = loaded_dy[c] if not self.stages_dy else tiles.values(1, c, fill=0.0)
             # log_softmax needs sum(dy); softmax needs sum(y * dy)
-            term = dy if self.log else y * dy
+            if cutlass.const_expr(self.streams_y):
+                term = tiles.values(0, c, fill=0.0)
+            else:
+                y = tiles.values(0, c, fill=0.0)
+                dy = loaded[c] if streams_dy else tiles.values(1, c, fill=0.0)
+                term = dy if self.log else y * dy
+                if cutlass.const_expr(cfg.staging == "registers"):
+                    kept.append((y, dy))
             partial = partial + red.thread_reduce(term, cute.ReductionOp.ADD, 0.0)
-            if cutlass.const_expr(cfg.staging == "registers"):
-                kept.append((y, dy))
-        tiles.prefetch_ahead(also=() if self.stages_dy else (mdY,))
+        tiles.prefetch_ahead(also=() if streamed is None else (streamed,))
         (dot,) = slot.allreduce((partial,), red.sum_combine, (Float32(0.0),))
 
-        loaded_dy = self._prefetch_dy(tiles, mdY, 0, {})
+        loaded = self._prefetch(tiles, streamed, 0, {}, streamed is not None)
         for c in cutlass.range_constexpr(cfg.num_chunks):
-            loaded_dy = self._prefetch_dy(tiles, mdY, c + 1, loaded_dy)
+            loaded = self._prefetch(tiles, streamed, c + 1, loaded, streamed is not None)
             if cutlass.const_expr(cfg.staging == "registers"):
                 y, dy = kept[c]
+            elif cutlass.const_expr(self.streams_y):
+                y, dy = loaded[c], tiles.values(0, c)
             else:
                 y = tiles.values(0, c)
-                dy = loaded_dy[c] if not self.stages_dy else tiles.values(1, c)
+                dy = loaded[c] if streams_dy else tiles.values(1, c)
             if cutlass.const_expr(self.log):
                 dx = dy - cute.math.exp2(y * red.LOG2_E, fastmath=True) * dot
             else:
                 dx = y * (dy - dot)
             tiles.store(mdX, c, dx)
 
-    def _prefetch_dy(self, tiles: RowTiles, mdY: cute.Tensor, chunk: int, loaded: dict) -> dict:
-        """``loaded`` (chunk -> dy values, 0 past the row end) with ``chunk``'s dy read
-        from global memory, where dy is not staged and the chunk exists."""
-        if not self.stages_dy and chunk < self.cfg.num_chunks:
-            loaded = {**loaded, chunk: tiles.load(mdY, chunk, fill=0.0)}
+    def _prefetch(self, tiles: RowTiles, mT: cute.Tensor, chunk: int, loaded: dict,
+                  streams: bool) -> dict:
+        """``loaded`` (chunk -> values, 0 past the row end) with ``chunk``'s values of
+        ``mT`` read from global memory, where it ``streams`` and the chunk exists."""
+        if streams and chunk < self.cfg.num_chunks:
+            loaded = {**loaded, chunk: tiles.load(mT, chunk, fill=0.0)}
         return loaded

@@ -12,8 +12,8 @@ from torch import Tensor
 from ..kernels.softmax import SoftmaxBackward, SoftmaxForward
 from ..native import module as native_module
 from ..primitives.compile_cache import compile_kernel, fake_rows, kernel_handle
-from ..primitives.config import (RowConfig, copies_async, row_config, widened_16bit_share,
-                                 with_held_chunk)
+from ..primitives.config import (MAX_CLUSTER_SIZE, RowConfig, copies_async, held_share,
+                                 row_config, widened_16bit_share, with_held_chunk)
 from .common import (
     as_rows,
     check_float_dtype,
@@ -39,18 +39,25 @@ def forward_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None) 
 
 
 @functools.lru_cache(maxsize=None)
-def backward_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None) -> RowConfig:
-    """y and dy staged together; where they would be re-read from global memory but y
-    alone fits a share in shared memory, that share (SoftmaxBackward re-reads only dy:
-    16-bit rows of about 820K-1.6M columns, fp32 of 400K-780K), if y's vectors go there
-    by cp.async (odd 16-bit rows, copied by plain loads and stores, took 124-128
-    registers and 1.6x the instructions)."""
+def backward_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None,
+                    log: bool = False) -> RowConfig:
+    """y and dy staged together; where they would be re-read from global memory, the
+    16-bit softmax holds their last chunks in registers if the rest then fits
+    (config.held_share); else, where one tensor alone fits a share in shared memory,
+    that share (16-bit rows of about 820K-1.6M columns, fp32 of 400K-780K): SoftmaxBackward
+    stages the log_softmax's dy there and reads y once, in its output pass, and the
+    softmax's y, re-reading dy in both passes; if the vectors go there by cp.async (odd
+    16-bit rows, copied by plain loads and stores, took 124-128 registers and 1.6x the
+    instructions)."""
     elem = torch.finfo(dtype).bits // 8
     both = row_config(n_cols, elem, staged_tensors=2, max_vec=max_vec)
     if both.staging != "global":
         return with_held_chunk(both, 2 * elem, full_clusters_too=True)
-    y_alone = row_config(n_cols, elem, staged_tensors=2, bytes_per_col=elem, max_vec=max_vec)
-    return y_alone if y_alone.staging == "smem" and copies_async(y_alone, elem) else both
+    held = held_share(n_cols, elem, 2, MAX_CLUSTER_SIZE, max_vec) if elem == 2 and not log else None
+    if held is not None:
+        return held
+    one_staged = row_config(n_cols, elem, staged_tensors=2, bytes_per_col=elem, max_vec=max_vec)
+    return one_staged if one_staged.staging == "smem" and copies_async(one_staged, elem) else both
 
 
 def forward_kernel(cfg: RowConfig, dtype: torch.dtype, log: bool):
@@ -82,8 +89,9 @@ def report_variants(n_grid, dtypes):
                 name = "log_softmax" if log else "softmax"
                 yield (f"{name}_fwd", n, dtype, forward_config(n, dtype),
                        lambda n=n, dtype=dtype, log=log: forward_kernel(forward_config(n, dtype), dtype, log))
-                yield (f"{name}_bwd", n, dtype, backward_config(n, dtype),
-                       lambda n=n, dtype=dtype, log=log: backward_kernel(backward_config(n, dtype), dtype, log))
+                yield (f"{name}_bwd", n, dtype, backward_config(n, dtype, log=log),
+                       lambda n=n, dtype=dtype, log=log: backward_kernel(
+                           backward_config(n, dtype, log=log), dtype, log))
 
 
 # -------------------------------------------------------------------------- references
@@ -183,7 +191,7 @@ def _softmax_backward_checked(y: Tensor, dy: Tensor, log: bool, key) -> Tensor:
     y_rows, dy_rows = as_rows(y), as_rows(dy)
     dx = torch.empty(y_rows.shape, dtype=dy.dtype, device=dy.device)
     if dx.numel() > 0:
-        cfg = backward_config(y_rows.shape[1], y.dtype, vector_limit(y_rows, dy_rows))
+        cfg = backward_config(y_rows.shape[1], y.dtype, vector_limit(y_rows, dy_rows), log)
         kernel = compile_backward(cfg, y.dtype, log)
         kernel(y_rows, dy_rows, dx)
         if y.is_contiguous() and dy.is_contiguous():
@@ -268,7 +276,7 @@ def _native_plan(native, x: Tensor, log: bool) -> bool:
     backward = None
     if x.requires_grad and torch.is_grad_enabled():
         # y, dy and dx as the C++ backward hands them over: contiguous and aligned
-        backward = compile_backward(backward_config(n_cols, x.dtype, max_vec), x.dtype, log)
+        backward = compile_backward(backward_config(n_cols, x.dtype, max_vec, log), x.dtype, log)
     native.register_softmax_plan(x, log, kernel_handle(forward), kernel_handle(backward))
     return True
 

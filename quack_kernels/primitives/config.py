@@ -334,6 +334,44 @@ def with_held_chunk(cfg: RowConfig, bytes_per_col: int, full_clusters_too: bool)
     return cfg
 
 
+# The 16-bit softmax backward of rows of about 1M columns (y and dy re-read from global
+# memory, or dy alone) stages both on shares of HELD_SHARE_THREADS threads x
+# HELD_SHARE_VALUES values (of y and dy together) whose last chunks are held in registers
+# so that the rest fits STAGING_SMEM_BYTES. H200, kernels alone, % of the copy ceiling
+# (results/softmax_1m_held_shares_H200_20261203.txt), y staged alone and dy re-read ->
+# held: bf16 128x1048576 68.7 -> 70.6, 256x1048576 71.1 -> 73.1, 128x1000000 66.5 -> 70.0,
+# fp16 128x1048576 69.1 -> 70.5 (4 chunks with one held: within 0.3 of 8 with two). The
+# forward on such shares over 8 CTAs (16 clusters resident against 7) was mixed: bf16
+# 71.3 -> 71.5, 256x1048576 74.4 -> 78.2, fp16 73.9 -> 67.3; it keeps its 16-CTA shares.
+# The log_softmax backward, which needs only dy before its reduction, stages dy alone
+# instead (SoftmaxBackward.streams_y). At 1024 threads (16 values) the backward spilled 24
+# bytes (sm_90a).
+HELD_SHARE_THREADS = 512
+HELD_SHARE_VALUES = 32
+
+
+def held_share(n_cols: int, elem_bytes: int, staged_tensors: int, cluster: int,
+               max_vec: int | None = None) -> RowConfig | None:
+    """Shares of ``n_cols`` over ``cluster`` CTAs of HELD_SHARE_THREADS threads staged in
+    shared memory but for the fewest last chunks held in registers (at most
+    HELD_CHUNK_BYTES_PER_THREAD) that bring the rest within STAGING_SMEM_BYTES; None where
+    no such share exists or its accesses are narrower than ACCESS_BYTES."""
+    bytes_per_col = staged_tensors * elem_bytes
+    share = row_config(n_cols, elem_bytes, staged_tensors, max_vec=max_vec,
+                       values_per_thread=HELD_SHARE_VALUES,
+                       cta_row_bytes=math.ceil(n_cols * bytes_per_col / cluster),
+                       max_threads_per_row=HELD_SHARE_THREADS, wide_clusters=True)
+    if share.staging == "registers" or not whole_vectors(share, elem_bytes):
+        return None
+    chunk_bytes = share.thread_values_per_chunk * bytes_per_col  # per thread
+    for chunks in range(min(HELD_CHUNK_BYTES_PER_THREAD // chunk_bytes, share.num_chunks - 1) + 1):
+        held = dataclasses.replace(share, staging="smem", register_chunks=chunks)
+        if held.smem_chunks <= MAX_CHUNKS_PER_SHARE \
+                and held.staging_smem_bytes(bytes_per_col) <= STAGING_SMEM_BYTES:
+            return held
+    return None
+
+
 def row_config(n_cols: int, elem_bytes: int, staged_tensors: int = 1,
                bytes_per_col: int | None = None, max_vec: int | None = None,
                values_per_thread: int | None = None,
