@@ -106,8 +106,9 @@ def test_kernels_compile_for_sm90a_without_spills(n, dtype, tmp_path):
 def test_backward_stages_one_tensor_where_both_would_be_re_read():
     """Rows whose y and dy would both be re-read from global memory but whose one tensor
     fits a share in shared memory stage that one (the log_softmax of bf16 1M columns:
-    dy, y read once in the output pass; the softmax of fp32 524288: y, dy re-read); rows
-    where both fit stage both, and rows where neither fits re-read both."""
+    dy, y read once in the output pass; the softmax of fp32 524288: y, dy re-read; the
+    log_softmax of fp32 1M: dy, a chunk of it held in registers); rows where both fit
+    stage both, and rows where neither fits re-read both."""
     from quack_kernels.kernels.softmax import SoftmaxBackward
     from quack_kernels.ops.common import cutlass_dtype
     from quack_kernels.primitives.config import SMEM_BYTES_PER_CTA
@@ -117,14 +118,15 @@ def test_backward_stages_one_tensor_where_both_would_be_re_read():
         dt = cutlass_dtype(dtype)
         return cfg, SoftmaxBackward(cfg, dt, dt, log)
 
-    for n, dtype, log in ((1 << 20, torch.bfloat16, True), (524288, torch.float32, False)):
+    for n, dtype, log in ((1 << 20, torch.bfloat16, True), (524288, torch.float32, False),
+                          (1 << 20, torch.float32, True)):  # (the last with a held chunk)
         cfg, alone = kernel(n, dtype, log)
         assert cfg.staging == "smem" and not alone.stages_both
         assert alone.streams_y == log and len(alone.staged_dtypes) == 1
         assert alone.smem_bytes() <= SMEM_BYTES_PER_CTA
     cfg, both = kernel(262144, torch.float32, True)
     assert cfg.staging == "smem" and both.stages_both and len(both.staged_dtypes) == 2
-    cfg, neither = kernel(1 << 20, torch.float32, True)
+    cfg, neither = kernel(1 << 21, torch.float32, True)
     assert cfg.staging == "global" and neither.stages_both and not neither.streams_y
 
 

@@ -87,13 +87,14 @@ def test_million_columns(n, dtype):
         check_backward(ops.softmax_backward(y, dy, log), y, dy, log)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("n", [1 << 20, 1000000])
 def test_backward_of_million_column_rows(n, dtype):
-    """The ops' own backward shares of 16-bit rows of about 1M columns, on poisoned
-    outputs: the softmax's y and dy staged with held chunks, the log_softmax's dy staged
-    alone and y read in the output pass; y from rows with -inf entries and rows whose
-    only finite value is in a held chunk (the row's last column, the first CTA's last)."""
+    """The ops' own backward shares of rows of about 1M columns, on poisoned outputs:
+    the 16-bit softmax's y and dy staged with held chunks (fp32: both re-read), the
+    log_softmax's dy staged alone (fp32: a chunk of it held) and y read in the output
+    pass; y from rows with -inf entries and rows whose only finite value is in a held
+    chunk (the row's last column, the first CTA's last)."""
     x = fresh((5, n), dtype)
     x[1] = -float("inf")
     x[1, n - 1] = 2.0
@@ -104,7 +105,8 @@ def test_backward_of_million_column_rows(n, dtype):
     for log in (False, True):
         cfg = ops.backward_config(n, dtype, log=log)
         kernel = ops.backward_kernel(cfg, dtype, log)[0]
-        assert (cfg.register_chunks > 0) != log and kernel.streams_y == log
+        assert (cfg.register_chunks > 0) == (log == (dtype == torch.float32))
+        assert kernel.streams_y == log
         y = ops.softmax_forward(x, log)
         dx = torch.full_like(y, float("nan"))
         ops.compile_backward(cfg, dtype, log)(y, dy, dx)

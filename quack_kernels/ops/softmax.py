@@ -48,7 +48,8 @@ def backward_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None,
     stages the log_softmax's dy there and reads y once, in its output pass, and the
     softmax's y, re-reading dy in both passes; if the vectors go there by cp.async (odd
     16-bit rows, copied by plain loads and stores, took 124-128 registers and 1.6x the
-    instructions)."""
+    instructions). An fp32 log_softmax whose dy alone does not fit holds dy's last chunk in
+    registers (config.held_share)."""
     elem = torch.finfo(dtype).bits // 8
     both = row_config(n_cols, elem, staged_tensors=2, max_vec=max_vec)
     if both.staging != "global":
@@ -57,7 +58,10 @@ def backward_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None,
     if held is not None:
         return held
     one_staged = row_config(n_cols, elem, staged_tensors=2, bytes_per_col=elem, max_vec=max_vec)
-    return one_staged if one_staged.staging == "smem" and copies_async(one_staged, elem) else both
+    if one_staged.staging == "smem" and copies_async(one_staged, elem):
+        return one_staged
+    dy_held = held_share(n_cols, elem, 1, MAX_CLUSTER_SIZE, max_vec) if log and elem == 4 else None
+    return dy_held or both
 
 
 def forward_kernel(cfg: RowConfig, dtype: torch.dtype, log: bool):

@@ -344,8 +344,11 @@ def with_held_chunk(cfg: RowConfig, bytes_per_col: int, full_clusters_too: bool)
 # forward on such shares over 8 CTAs (16 clusters resident against 7) was mixed: bf16
 # 71.3 -> 71.5, 256x1048576 74.4 -> 78.2, fp16 73.9 -> 67.3; it keeps its 16-CTA shares.
 # The log_softmax backward, which needs only dy before its reduction, stages dy alone
-# instead (SoftmaxBackward.streams_y). At 1024 threads (16 values) the backward spilled 24
-# bytes (sm_90a).
+# instead (SoftmaxBackward.streams_y), and for fp32 rows whose dy alone would be re-read
+# holds dy's last chunk here too (one tensor of 1M fp32 columns on 16 CTAs: 192 KiB
+# staged + one chunk of 32 values a thread): fp32 128x1048576 75.3 -> 91.7, 128x1000000
+# 74.8 -> 91.1, 256x1048576 76.5 -> 94.1 (16-bit rows of 2M columns spilled 64 bytes so).
+# At 1024 threads (16 values) the softmax backward spilled 24 bytes (sm_90a).
 HELD_SHARE_THREADS = 512
 HELD_SHARE_VALUES = 32
 
