@@ -117,17 +117,19 @@ def apply_wide_cluster_option(args):
 
 
 def held_as_the_op_holds(cfg, bytes_per_col, backward):
-    """The chunks ops.softmax would hold of ``cfg`` (a backward re-read from global
-    memory holds none: its op stages y alone there instead)."""
+    """The chunks config.with_held_chunk would hold of ``cfg`` (a backward re-read from
+    global memory holds none: its op takes other shares there, ops.softmax.
+    backward_config)."""
     if backward and cfg.staging == "global":
         return cfg
     return config.with_held_chunk(cfg, bytes_per_col, full_clusters_too=backward)
 
 
-def variants(n, elem_bytes, staged, args, own_choice=lambda cfg: cfg):
+def variants(n, elem_bytes, staged, args, own_choice=lambda cfg: cfg, staged_bytes_of=None):
     """(vpt, kib, tpr, cfg) of each distinct config the options ask for; ``own_choice``
     maps a share to the op's default (its register chunks) where --register-chunks
-    leaves them to the op."""
+    leaves them to the op; ``staged_bytes_of(cfg)``: the bytes per column its kernel
+    stages (default ``staged`` tensors of ``elem_bytes``)."""
     seen = set()
     op_config = getattr(args, "op_config", False)  # (the norm sweep has no such option)
     for vpt, kib, tpr, held in itertools.product(args.vpt, args.kib, args.tpr,
@@ -143,8 +145,8 @@ def variants(n, elem_bytes, staged, args, own_choice=lambda cfg: cfg):
             if held >= cfg.num_chunks or cfg.staging == "registers":
                 continue
             cfg = dataclasses.replace(cfg, staging="smem", register_chunks=held)
-        # (the op's own share may stage fewer tensors: compile_kernel refuses what won't fit)
-        too_big = cfg.staging_smem_bytes(elem_bytes * staged) > SMEM_BYTES_PER_CTA - 4096
+        staged_bytes = staged_bytes_of(cfg) if staged_bytes_of else elem_bytes * staged
+        too_big = cfg.staging_smem_bytes(staged_bytes) > SMEM_BYTES_PER_CTA - 4096
         if too_big and op_config and held == 0:
             cfg = dataclasses.replace(cfg, staging="global")  # the share before it was held
         elif too_big and not op_config:
@@ -174,7 +176,15 @@ def main(argv=None):
             else:
                 own_choice = functools.partial(held_as_the_op_holds, bytes_per_col=eb * staged,
                                                backward=backward)
-            for vpt, kib, tpr, cfg in variants(n, eb, staged, args, own_choice):
+            kernel_for = ops.backward_kernel if backward else ops.forward_kernel
+
+            def staged_bytes_of(cfg):
+                """Bytes per column ``cfg``'s kernel stages (an op's own share may stage
+                fewer tensors than ``staged``)."""
+                kernel = kernel_for(cfg, dtype, args.log)[0]
+                return sum(t.width // 8 for t in kernel.staged_dtypes)
+
+            for vpt, kib, tpr, cfg in variants(n, eb, staged, args, own_choice, staged_bytes_of):
                 try:
                     if backward:
                         fn = ops.compile_backward(cfg, dtype, args.log)

@@ -95,9 +95,11 @@ def test_kernels_compile_for_sm90a_without_spills(n, dtype, tmp_path):
     cuobjdump = find_cuobjdump()
     if cuobjdump is None:
         pytest.skip("cuobjdump not installed")
-    fwd, bwd = ops.forward_config(n, dtype), ops.backward_config(n, dtype)
+    fwd = ops.forward_config(n, dtype)
+    bwd, log_bwd = (ops.backward_config(n, dtype, log=log) for log in (False, True))
     variants = [("fwd", n, dtype, fwd, lambda: ops.forward_kernel(fwd, dtype, True)),
-                ("bwd", n, dtype, bwd, lambda: ops.backward_kernel(bwd, dtype, False))]
+                ("bwd", n, dtype, bwd, lambda: ops.backward_kernel(bwd, dtype, False)),
+                ("log bwd", n, dtype, log_bwd, lambda: ops.backward_kernel(log_bwd, dtype, True))]
     for name, _, _, cfg, kernel, res in measure(variants, str(tmp_path), cuobjdump):
         assert spills(res) == 0, f"{name} n={n}: {res}"
         assert res["regs"] <= 255 and kernel.smem_bytes() <= 227 * 1024
@@ -133,20 +135,20 @@ def test_backward_stages_one_tensor_where_both_would_be_re_read():
 def test_16bit_softmax_backward_of_a_million_columns_holds_chunks():
     """config.held_share: the 16-bit softmax backward of rows whose y and dy would be
     re-read stages both on 512-thread shares, its last chunks in registers so the rest
-    fits STAGING_SMEM_BYTES; the log_softmax backward stages dy alone, fp32 rows
-    re-read both, odd rows (2-byte vectors) keep theirs."""
+    fits STAGING_SMEM_BYTES; the log_softmax backward stages dy alone, fp32 softmax
+    rows re-read both, odd rows (2-byte vectors) keep theirs."""
     from quack_kernels.primitives import config
 
     for dtype in (torch.bfloat16, torch.float16):
         for n in (1 << 20, 1000000):  # (1000000: the padded last chunk, held)
-            cfg = ops.backward_config(n, dtype)
+            cfg = ops.backward_config(n, dtype, log=False)
             assert (cfg.threads_per_row, cfg.register_chunks) == (512, 2)
             assert cfg.staging == "smem" and cfg.cols_covered >= n
             assert cfg.staging_smem_bytes(4) <= config.STAGING_SMEM_BYTES
             held_bytes = cfg.register_chunks * cfg.thread_values_per_chunk * 4
             assert held_bytes <= config.HELD_CHUNK_BYTES_PER_THREAD
             assert ops.backward_config(n, dtype, log=True).register_chunks == 0
-    assert ops.backward_config(1 << 20, torch.float32).staging == "global"
-    assert ops.backward_config(1000003, torch.bfloat16).register_chunks == 0
-    assert ops.backward_config(262144, torch.bfloat16) == ops.backward_config(
+    assert ops.backward_config(1 << 20, torch.float32, log=False).staging == "global"
+    assert ops.backward_config(1000003, torch.bfloat16, log=False).register_chunks == 0
+    assert ops.backward_config(262144, torch.bfloat16, log=False) == ops.backward_config(
         262144, torch.bfloat16, log=True)  # both fit: the held share is not asked

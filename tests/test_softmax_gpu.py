@@ -78,7 +78,8 @@ def test_public_api_on_the_cpp_path(monkeypatch, log, n, dtype, grad):
 def test_million_columns(n, dtype):
     """Rows of about 1M columns: 16-bit backwards with held chunks (the softmax) or dy
     staged alone (the log_softmax; 1M and the ragged 1000000 with its padded last
-    chunk), the rest re-read both."""
+    chunk), the fp32 log_softmax's dy staged with a held chunk; the fp32 softmax's
+    backward and the odd 1000003 re-read both."""
     x = fresh((3, n), dtype)
     dy = fresh((3, n), dtype)
     for log in (False, True):
@@ -93,14 +94,15 @@ def test_backward_of_million_column_rows(n, dtype):
     """The ops' own backward shares of rows of about 1M columns, on poisoned outputs:
     the 16-bit softmax's y and dy staged with held chunks (fp32: both re-read), the
     log_softmax's dy staged alone (fp32: a chunk of it held) and y read in the output
-    pass; y from rows with -inf entries and rows whose only finite value is in a held
-    chunk (the row's last column, the first CTA's last)."""
+    pass; y from rows with -inf entries and rows whose only finite value is the row's
+    last column or the first CTA's last (in a held chunk where the share ends on the row's
+    end: 1M)."""
     x = fresh((5, n), dtype)
     x[1] = -float("inf")
     x[1, n - 1] = 2.0
     x[2, ::5] = -float("inf")
     x[3] = -float("inf")
-    x[3, ops.backward_config(n, dtype).cols_per_cta - 1] = -3.0
+    x[3, ops.backward_config(n, dtype, log=False).cols_per_cta - 1] = -3.0
     dy = fresh((5, n), dtype)
     for log in (False, True):
         cfg = ops.backward_config(n, dtype, log=log)
@@ -284,11 +286,12 @@ def test_more_than_2_31_elements():
 def test_rows_prefetched_to_l2(n, dtype, ahead):
     """Shares that ask L2 for the rows ``ahead`` row blocks on (RowConfig.l2_prefetch),
     the last blocks past M (the prefetch skips them), on poisoned outputs: rows re-read
-    from global memory (1M fp32), the backward staging y alone and re-reading dy
-    (524288 fp32: dy prefetched beside it), several rows per block (256) and a cluster
+    from global memory (1M fp32), the softmax backward's share staging y alone and
+    re-reading dy (524288 fp32: dy prefetched beside it), several rows per block (256) and a cluster
     whose last CTA holds less than a share (262136)."""
     if n == 524288:
-        assert not ops.backward_kernel(ops.backward_config(n, dtype), dtype, False)[0].stages_both
+        softmax_cfg = ops.backward_config(n, dtype, log=False)
+        assert not ops.backward_kernel(softmax_cfg, dtype, False)[0].stages_both
     if n == 256:
         assert ops.forward_config(n, dtype).rows_per_block > 1
     x, dy = fresh((7, n), dtype), fresh((7, n), dtype)
@@ -297,7 +300,9 @@ def test_rows_prefetched_to_l2(n, dtype, ahead):
         y = torch.full_like(x, float("nan"))
         ops.compile_forward(fwd_cfg, dtype, log)(x, y)
         assert_close(y, reference(x, log), dtype)
-        bwd_cfg = dataclasses.replace(ops.backward_config(n, dtype), l2_prefetch=ahead)
+        # (the softmax's share, run by both ops)
+        bwd_cfg = dataclasses.replace(ops.backward_config(n, dtype, log=False),
+                                      l2_prefetch=ahead)
         dx = torch.full_like(x, float("nan"))
         ops.compile_backward(bwd_cfg, dtype, log)(y, dy, dx)
         check_backward(dx, y, dy, log)

@@ -97,6 +97,7 @@ class SoftmaxBackward(RowKernel):
         self.stages_both = cfg.staging != "smem" or stages_in_smem(
             cfg, (y_dtype.width + dy_dtype.width) // 8)
         self.streams_y = log and not self.stages_both
+        self.streams_dy = not log and not self.stages_both
         if self.stages_both:
             self.staged_dtypes = (y_dtype, dy_dtype)
         else:
@@ -126,7 +127,7 @@ class SoftmaxBackward(RowKernel):
         partial = Float32(0.0)
         # a streamed dy's loads issued a chunk ahead, before the wait for y's copies (one
         # chunk at a time, their latency was exposed)
-        streams_dy = streamed is not None and not self.streams_y
+        streams_dy = self.streams_dy
         loaded = self._prefetch(tiles, mdY, 0, {}, streams_dy)
         for c in cutlass.range_constexpr(cfg.num_chunks):
             loaded = self._prefetch(tiles, mdY, c + 1, loaded, streams_dy)

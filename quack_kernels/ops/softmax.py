@@ -39,17 +39,20 @@ def forward_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None) 
 
 
 @functools.lru_cache(maxsize=None)
-def backward_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None,
-                    log: bool = False) -> RowConfig:
-    """y and dy staged together; where they would be re-read from global memory, the
-    16-bit softmax holds their last chunks in registers if the rest then fits
-    (config.held_share); else, where one tensor alone fits a share in shared memory,
-    that share (16-bit rows of about 820K-1.6M columns, fp32 of 400K-780K): SoftmaxBackward
-    stages the log_softmax's dy there and reads y once, in its output pass, and the
-    softmax's y, re-reading dy in both passes; if the vectors go there by cp.async (odd
-    16-bit rows, copied by plain loads and stores, took 124-128 registers and 1.6x the
-    instructions). An fp32 log_softmax whose dy alone does not fit holds dy's last chunk in
-    registers (config.held_share)."""
+def backward_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None, *,
+                    log: bool) -> RowConfig:
+    """The share of the softmax (``log`` False) or log_softmax backward, in the order
+    checked:
+    - y and dy staged together, where they fit;
+    - 16-bit softmax rows: both staged on config.held_share's shares, their last chunks
+      held in registers, where the rest then fits;
+    - one tensor staged alone, where it fits shared memory (16-bit rows of about
+      820K-1.6M columns, fp32 of 400K-780K) and its vectors go there by cp.async (odd
+      16-bit rows, copied by plain loads and stores, took 124-128 registers and 1.6x the
+      instructions): SoftmaxBackward stages the log_softmax's dy and reads y once, in its
+      output pass, and the softmax's y, re-reading dy in both passes;
+    - fp32 log_softmax rows: dy alone on config.held_share's shares, its last chunk held;
+    - else y and dy both re-read from global memory."""
     elem = torch.finfo(dtype).bits // 8
     both = row_config(n_cols, elem, staged_tensors=2, max_vec=max_vec)
     if both.staging != "global":
@@ -195,7 +198,7 @@ def _softmax_backward_checked(y: Tensor, dy: Tensor, log: bool, key) -> Tensor:
     y_rows, dy_rows = as_rows(y), as_rows(dy)
     dx = torch.empty(y_rows.shape, dtype=dy.dtype, device=dy.device)
     if dx.numel() > 0:
-        cfg = backward_config(y_rows.shape[1], y.dtype, vector_limit(y_rows, dy_rows), log)
+        cfg = backward_config(y_rows.shape[1], y.dtype, vector_limit(y_rows, dy_rows), log=log)
         kernel = compile_backward(cfg, y.dtype, log)
         kernel(y_rows, dy_rows, dx)
         if y.is_contiguous() and dy.is_contiguous():
@@ -280,7 +283,8 @@ def _native_plan(native, x: Tensor, log: bool) -> bool:
     backward = None
     if x.requires_grad and torch.is_grad_enabled():
         # y, dy and dx as the C++ backward hands them over: contiguous and aligned
-        backward = compile_backward(backward_config(n_cols, x.dtype, max_vec, log), x.dtype, log)
+        backward = compile_backward(backward_config(n_cols, x.dtype, max_vec, log=log), x.dtype,
+                                    log)
     native.register_softmax_plan(x, log, kernel_handle(forward), kernel_handle(backward))
     return True
 

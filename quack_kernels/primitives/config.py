@@ -295,7 +295,8 @@ def rows_alone_in_smem(cfg: RowConfig, row_bytes_per_col: int) -> RowConfig:
 # 86.7 / 77.7 -> 82.8 / 76.0 (120 KiB); nor did two or three chunks held on the forward's
 # 16-CTA clusters (bf16 1M at 99 KiB: 68.1%, 128 registers), nor the bf16 1M backward (y
 # and dy staged with 2-4 chunks held instead of dy re-read: 69.0 / 67.8 -> 69.1-73.2 /
-# 69.7-78.2, at 200-255 registers). The held chunks are at most
+# 69.7-78.2, at 200-255 registers on 256-thread shares; on 512-thread ones it paid:
+# held_share). The held chunks are at most
 # HELD_CHUNK_BYTES_PER_THREAD (as measured) so that they never spill. The norm forward
 # did not gain (RMSNorm fp32 512x262144 88.9% with its early columns, 88.8% with a held
 # chunk instead).
@@ -334,13 +335,14 @@ def with_held_chunk(cfg: RowConfig, bytes_per_col: int, full_clusters_too: bool)
     return cfg
 
 
-# The 16-bit softmax backward of rows of about 1M columns (y and dy re-read from global
-# memory, or dy alone) stages both on shares of HELD_SHARE_THREADS threads x
-# HELD_SHARE_VALUES values (of y and dy together) whose last chunks are held in registers
-# so that the rest fits STAGING_SMEM_BYTES. H200, kernels alone, % of the copy ceiling
-# (results/softmax_1m_held_shares_H200_20261203.txt), y staged alone and dy re-read ->
-# held: bf16 128x1048576 68.7 -> 70.6, 256x1048576 71.1 -> 73.1, 128x1000000 66.5 -> 70.0,
-# fp16 128x1048576 69.1 -> 70.5 (4 chunks with one held: within 0.3 of 8 with two). The
+# The 16-bit softmax backward of rows of about 1M columns (y and dy both re-read, or y
+# staged alone and dy re-read) stages both on shares of HELD_SHARE_THREADS threads x
+# HELD_SHARE_VALUES values (of y and dy together, or of dy alone) whose last chunks are
+# held in registers so that the rest fits STAGING_SMEM_BYTES. H200, kernels alone, % of
+# the copy ceiling (results/softmax_1m_held_shares_H200_20261203.txt), y staged alone and
+# dy re-read -> held: bf16 128x1048576 68.7 -> 70.6, 256x1048576 71.1 -> 73.1, 128x1000000
+# 66.5 -> 70.0, fp16 128x1048576 69.1 -> 70.5 (4 chunks with one held: within 0.3 of 8
+# with two). The
 # forward on such shares over 8 CTAs (16 clusters resident against 7) was mixed: bf16
 # 71.3 -> 71.5, 256x1048576 74.4 -> 78.2, fp16 73.9 -> 67.3; it keeps its 16-CTA shares.
 # The log_softmax backward, which needs only dy before its reduction, stages dy alone
