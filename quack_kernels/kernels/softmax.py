@@ -127,17 +127,16 @@ class SoftmaxBackward(RowKernel):
         partial = Float32(0.0)
         # a streamed dy's loads issued a chunk ahead, before the wait for y's copies (one
         # chunk at a time, their latency was exposed)
-        streams_dy = self.streams_dy
-        loaded = self._prefetch(tiles, mdY, 0, {}, streams_dy)
+        loaded = self._prefetch(tiles, mdY, 0, {}, self.streams_dy)
         for c in cutlass.range_constexpr(cfg.num_chunks):
-            loaded = self._prefetch(tiles, mdY, c + 1, loaded, streams_dy)
+            loaded = self._prefetch(tiles, mdY, c + 1, loaded, self.streams_dy)
             tiles.wait_chunk(c)
             # log_softmax needs sum(dy); softmax needs sum(y * dy)
             if cutlass.const_expr(self.streams_y):
                 term = tiles.values(0, c, fill=0.0)
             else:
                 y = tiles.values(0, c, fill=0.0)
-                dy = loaded[c] if streams_dy else tiles.values(1, c, fill=0.0)
+                dy = loaded[c] if self.streams_dy else tiles.values(1, c, fill=0.0)
                 term = dy if self.log else y * dy
                 if cutlass.const_expr(cfg.staging == "registers"):
                     kept.append((y, dy))
@@ -154,7 +153,7 @@ class SoftmaxBackward(RowKernel):
                 y, dy = loaded[c], tiles.values(0, c)
             else:
                 y = tiles.values(0, c)
-                dy = loaded[c] if streams_dy else tiles.values(1, c)
+                dy = loaded[c] if self.streams_dy else tiles.values(1, c)
             if cutlass.const_expr(self.log):
                 dx = dy - cute.math.exp2(y * red.LOG2_E, fastmath=True) * dot
             else:

@@ -308,6 +308,27 @@ HELD_CHUNK_BYTES_PER_THREAD = 128
 HELD_CHUNK_REGISTERS = 128
 
 
+def _fewest_held(cfg: RowConfig, bytes_per_col: int, fits: Callable[[RowConfig], bool],
+                 first: int = 1) -> RowConfig | None:
+    """``cfg`` staged in shared memory but for the fewest of its last chunks, ``first`` or
+    more, held in registers (at most HELD_CHUNK_BYTES_PER_THREAD a thread; at least one
+    chunk stays staged) that ``fits``; None where no such count does."""
+    chunk_bytes = cfg.thread_values_per_chunk * bytes_per_col  # per thread
+    most = min(HELD_CHUNK_BYTES_PER_THREAD // chunk_bytes, cfg.num_chunks - 1)
+    for chunks in range(first, most + 1):
+        held = dataclasses.replace(cfg, staging="smem", register_chunks=chunks)
+        if fits(held):
+            return held
+    return None
+
+
+def _within_staging(cfg: RowConfig, bytes_per_col: int) -> bool:
+    """Whether a share's staged chunks are at most MAX_CHUNKS_PER_SHARE and fit
+    STAGING_SMEM_BYTES."""
+    return cfg.smem_chunks <= MAX_CHUNKS_PER_SHARE \
+        and cfg.staging_smem_bytes(bytes_per_col) <= STAGING_SMEM_BYTES
+
+
 def with_held_chunk(cfg: RowConfig, bytes_per_col: int, full_clusters_too: bool) -> RowConfig:
     """``cfg`` with its last chunks held in registers where that pays (see
     TWO_CTA_STAGING_BYTES): the fewest that bring the rest within TWO_CTA_STAGING_BYTES,
@@ -320,19 +341,13 @@ def with_held_chunk(cfg: RowConfig, bytes_per_col: int, full_clusters_too: bool)
         # (as measured: whole 16-byte vectors, within the chunks a staged share may have)
         held = dataclasses.replace(cfg, staging="smem", register_chunks=1)
         fits = chunk_bytes <= HELD_CHUNK_BYTES_PER_THREAD \
-            and whole_vectors(cfg, bytes_per_col) \
-            and held.smem_chunks <= MAX_CHUNKS_PER_SHARE \
-            and held.staging_smem_bytes(bytes_per_col) <= STAGING_SMEM_BYTES
+            and whole_vectors(cfg, bytes_per_col) and _within_staging(held, bytes_per_col)
         return held if fits else cfg
     if cluster_class(cfg) == MAX_CLUSTER_SIZE and not full_clusters_too \
             or cfg.staging_smem_bytes(bytes_per_col) <= TWO_CTA_STAGING_BYTES:
         return cfg
-    # (at least one chunk stays staged)
-    for chunks in range(1, min(HELD_CHUNK_BYTES_PER_THREAD // chunk_bytes, cfg.num_chunks - 1) + 1):
-        held = dataclasses.replace(cfg, register_chunks=chunks)
-        if held.staging_smem_bytes(bytes_per_col) <= TWO_CTA_STAGING_BYTES:
-            return held
-    return cfg
+    return _fewest_held(cfg, bytes_per_col, lambda held: held.staging_smem_bytes(
+        bytes_per_col) <= TWO_CTA_STAGING_BYTES) or cfg
 
 
 # The 16-bit softmax backward of rows of about 1M columns (y and dy both re-read, or y
@@ -342,9 +357,9 @@ def with_held_chunk(cfg: RowConfig, bytes_per_col: int, full_clusters_too: bool)
 # the copy ceiling (results/softmax_1m_held_shares_H200_20261203.txt), y staged alone and
 # dy re-read -> held: bf16 128x1048576 68.7 -> 70.6, 256x1048576 71.1 -> 73.1, 128x1000000
 # 66.5 -> 70.0, fp16 128x1048576 69.1 -> 70.5 (4 chunks with one held: within 0.3 of 8
-# with two). The
-# forward on such shares over 8 CTAs (16 clusters resident against 7) was mixed: bf16
-# 71.3 -> 71.5, 256x1048576 74.4 -> 78.2, fp16 73.9 -> 67.3; it keeps its 16-CTA shares.
+# with two). The forward on such shares over 8 CTAs (16 clusters resident against 7) was
+# mixed: bf16 71.3 -> 71.5, 256x1048576 74.4 -> 78.2, fp16 73.9 -> 67.3; it keeps its
+# 16-CTA shares.
 # The log_softmax backward, which needs only dy before its reduction, stages dy alone
 # instead (SoftmaxBackward.streams_y), and for fp32 rows whose dy alone would be re-read
 # holds dy's last chunk here too (one tensor of 1M fp32 columns on 16 CTAs: 192 KiB
@@ -368,13 +383,8 @@ def held_share(n_cols: int, elem_bytes: int, staged_tensors: int, cluster: int,
                        max_threads_per_row=HELD_SHARE_THREADS, wide_clusters=True)
     if share.staging == "registers" or not whole_vectors(share, elem_bytes):
         return None
-    chunk_bytes = share.thread_values_per_chunk * bytes_per_col  # per thread
-    for chunks in range(min(HELD_CHUNK_BYTES_PER_THREAD // chunk_bytes, share.num_chunks - 1) + 1):
-        held = dataclasses.replace(share, staging="smem", register_chunks=chunks)
-        if held.smem_chunks <= MAX_CHUNKS_PER_SHARE \
-                and held.staging_smem_bytes(bytes_per_col) <= STAGING_SMEM_BYTES:
-            return held
-    return None
+    return _fewest_held(share, bytes_per_col,
+                        lambda held: _within_staging(held, bytes_per_col), first=0)
 
 
 def row_config(n_cols: int, elem_bytes: int, staged_tensors: int = 1,
