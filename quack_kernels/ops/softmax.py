@@ -46,12 +46,13 @@ def backward_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None,
     - y and dy staged together, where they fit;
     - 16-bit softmax rows: both staged on config.held_share's shares, their last chunks
       held in registers, where the rest then fits;
+    - log_softmax rows: dy alone on config.held_share's shares (SoftmaxBackward stages
+      the log_softmax's dy and reads y once, in its output pass), its last chunks held
+      in registers where the rest would not fit (fp32 only: 16-bit rows so spilled);
     - one tensor staged alone, where it fits shared memory (16-bit rows of about
       820K-1.6M columns, fp32 of 400K-780K) and its vectors go there by cp.async (odd
       16-bit rows, copied by plain loads and stores, took 124-128 registers and 1.6x the
-      instructions): SoftmaxBackward stages the log_softmax's dy and reads y once, in its
-      output pass, and the softmax's y, re-reading dy in both passes;
-    - fp32 log_softmax rows: dy alone on config.held_share's shares, its last chunk held;
+      instructions): the softmax's y, re-reading dy in both passes;
     - else y and dy both re-read from global memory."""
     elem = torch.finfo(dtype).bits // 8
     both = row_config(n_cols, elem, staged_tensors=2, max_vec=max_vec)
@@ -60,11 +61,13 @@ def backward_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None,
     held = held_share(n_cols, elem, 2, MAX_CLUSTER_SIZE, max_vec) if elem == 2 and not log else None
     if held is not None:
         return held
+    dy_share = held_share(n_cols, elem, 1, MAX_CLUSTER_SIZE, max_vec) if log else None
+    if dy_share is not None and (elem == 4 or dy_share.register_chunks == 0):
+        return dy_share
     one_staged = row_config(n_cols, elem, staged_tensors=2, bytes_per_col=elem, max_vec=max_vec)
     if one_staged.staging == "smem" and copies_async(one_staged, elem):
         return one_staged
-    dy_held = held_share(n_cols, elem, 1, MAX_CLUSTER_SIZE, max_vec) if log and elem == 4 else None
-    return dy_held or both
+    return both
 
 
 def forward_kernel(cfg: RowConfig, dtype: torch.dtype, log: bool):
