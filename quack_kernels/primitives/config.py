@@ -366,6 +366,10 @@ def with_held_chunk(cfg: RowConfig, bytes_per_col: int, full_clusters_too: bool)
 # staged + one chunk of 32 values a thread): fp32 128x1048576 75.3 -> 91.7, 128x1000000
 # 74.8 -> 91.1, 256x1048576 76.5 -> 94.1 (16-bit rows of 2M columns spilled 64 bytes so).
 # At 1024 threads (16 values) the softmax backward spilled 24 bytes (sm_90a).
+# The 16-bit log_softmax backward takes such dy shares too where none of its chunks is
+# held (results/log_softmax_bwd_dy_share_H200_20261203.txt, y-alone 256-thread shares ->
+# these): bf16 128x1048576 77.6 -> 85.2, 256x1048576 79.6 -> 88.1; fp32 256x524288 82.9 ->
+# 89.6 (dy alone on 256 threads before).
 HELD_SHARE_THREADS = 512
 HELD_SHARE_VALUES = 32
 
