@@ -217,6 +217,7 @@ class NormForward(RowKernel):
                                              red.sum_combine, ZERO)
             variance = centered * inv_n
         rstd = cute.math.rsqrt(variance + eps)
+        offset_scale = weight_offset * rstd
 
         for c in cutlass.range_constexpr(cfg.num_chunks):
             h = kept[c] if cutlass.const_expr(cfg.staging == "registers") else self._stream(tiles, c)
@@ -228,11 +229,13 @@ class NormForward(RowKernel):
             # (an explicit FMA for the bias saved one instruction per value, but held
             # the weight and bias of a registers share live: fp32 128256 80 -> 127
             # registers)
-            y = (h - mean) * rstd
+            scale = rstd
             if cutlass.const_expr(mW is not None):
                 if cutlass.const_expr(weight is None):
                     weight = self._column(tiles, mW, c)
-                y = y * (weight + weight_offset)
+                # (weight + offset) * rstd as one FMA a value
+                scale = weight * rstd + offset_scale
+            y = (h - mean) * scale
             if cutlass.const_expr(mB is not None):
                 if cutlass.const_expr(bias is None):
                     bias = self._column(tiles, mB, c)

@@ -406,7 +406,7 @@ class RowTiles:
         src = thr.partition_S(sV[None, None, chunk])
         values = cute.make_fragment_like(src)
         cute.autovec_copy(src, values)
-        return values.load().to(Float32)
+        return tiling.to_fp32(values.load())
 
     @cute.jit
     def _pad_row_end(self, i: cutlass.Constexpr[int], chunk: cutlass.Constexpr[int]):
@@ -439,7 +439,7 @@ class RowTiles:
             x = self.load(self.staged[i], chunk)
         elif cutlass.const_expr(self.in_registers(chunk)):
             assert not mask_rows, "a register chunk's rows past M read as the pad"
-            x = self.held[i, chunk].to(Float32)
+            x = tiling.to_fp32(self.held[i, chunk])
         else:
             thr = self.copy_vec[i].get_slice(self.tidx)
             tXrX = cute.make_fragment_like(thr.partition_S(self._gmem_tile(self.staged[i], chunk)))
@@ -449,7 +449,7 @@ class RowTiles:
                     cute.autovec_copy(thr.partition_S(self._smem_slot(i, chunk)), tXrX)
             else:
                 cute.autovec_copy(thr.partition_S(self._smem_slot(i, chunk)), tXrX)
-            x = tXrX.load().to(Float32)
+            x = tiling.to_fp32(tXrX.load())
         if cutlass.const_expr(fill is not None and cfg.needs_col_predicate):
             if cutlass.const_expr(self.pad is None):
                 x = tiling.mask_out_of_row(x, self.coords[chunk], cfg.n_cols, fill)
@@ -535,7 +535,7 @@ class RowTiles:
                 cute.copy(tiled, tXgX, tXrX, pred=self.chunk_predicate(chunk))
         else:
             cute.copy(tiled, tXgX, tXrX, pred=self.chunk_predicate(chunk))
-        return tXrX.load() if cutlass.const_expr(raw) else tXrX.load().to(Float32)
+        return tXrX.load() if cutlass.const_expr(raw) else tiling.to_fp32(tXrX.load())
 
     def accumulator(self, smem, chunk: int, in_registers: bool) -> cute.Tensor:
         """fp32 per-column sums of this thread's values in ``chunk`` that live across
