@@ -430,16 +430,19 @@ class RowTiles:
 
     @cute.jit
     def values(self, i: cutlass.Constexpr[int], chunk: cutlass.Constexpr[int], fill: cutlass.Constexpr = None,
-               mask_rows: cutlass.Constexpr[bool] = False) -> cute.TensorSSA:
-        """fp32 values of staged tensor ``i`` in ``chunk``; past the row end they are
-        ``fill`` when given (else unspecified). ``mask_rows``: rows past M read as 0
-        (the staging buffer of a row never loaded may hold anything, NaN included)."""
+               mask_rows: cutlass.Constexpr[bool] = False,
+               raw: cutlass.Constexpr[bool] = False) -> cute.TensorSSA:
+        """fp32 values (``raw``: in the tensor's own dtype) of staged tensor ``i`` in
+        ``chunk``; past the row end they are ``fill`` when given (else unspecified; not
+        with ``raw``). ``mask_rows``: rows past M read as 0 (the staging buffer of a row
+        never loaded may hold anything, NaN included)."""
         cfg = self.cfg
+        assert not (raw and fill is not None), "raw values are not filled"
         if cutlass.const_expr(cfg.staging == "global"):
-            x = self.load(self.staged[i], chunk)
+            x = self.load(self.staged[i], chunk, raw=True)
         elif cutlass.const_expr(self.in_registers(chunk)):
             assert not mask_rows, "a register chunk's rows past M read as the pad"
-            x = tiling.to_fp32(self.held[i, chunk])
+            x = self.held[i, chunk]
         else:
             thr = self.copy_vec[i].get_slice(self.tidx)
             tXrX = cute.make_fragment_like(thr.partition_S(self._gmem_tile(self.staged[i], chunk)))
@@ -449,7 +452,10 @@ class RowTiles:
                     cute.autovec_copy(thr.partition_S(self._smem_slot(i, chunk)), tXrX)
             else:
                 cute.autovec_copy(thr.partition_S(self._smem_slot(i, chunk)), tXrX)
-            x = tiling.to_fp32(tXrX.load())
+            x = tXrX.load()
+        if cutlass.const_expr(raw):
+            return x
+        x = tiling.to_fp32(x)
         if cutlass.const_expr(fill is not None and cfg.needs_col_predicate):
             if cutlass.const_expr(self.pad is None):
                 x = tiling.mask_out_of_row(x, self.coords[chunk], cfg.n_cols, fill)
