@@ -233,6 +233,18 @@ def whole_vectors(cfg: RowConfig, elem_bytes: int) -> bool:
     return cfg.vec * elem_bytes == ACCESS_BYTES
 
 
+# bf16 values widened to fp32 by integer ops (tiling.to_fp32) rather than the DSL's
+# conversion: shares staged in shared memory over a cluster. H200, kernels alone, % of
+# the copy ceiling, DSL -> integer ops (results/bf16_widening_H200_20261203.txt): RMSNorm
+# bwd 512x262144 63.4 -> 87.6, LayerNorm bwd 58.2 -> 66.3, RMSNorm fwd 90.3 -> 91.2,
+# cross-entropy gradient 128x1048576 61.8 -> 64.1. Elsewhere the kernels lost though
+# they ran fewer instructions (not understood; the same occupancy): RMSNorm bwd on
+# register shares 32768x4096 87.5 -> 68.8, 2048x65536 93.3 -> 88.5, LayerNorm fwd on one
+# CTA 8192x16384 91.3 -> 83.3.
+def widens_by_integer_ops(cfg: RowConfig) -> bool:
+    return cfg.staging == "smem" and cfg.cluster_size > 1
+
+
 def copies_async(cfg: RowConfig, elem_bytes: int) -> bool:
     """Whether vectors of ``elem_bytes``-byte elements go global -> shared with
     cp.async, which moves 4, 8 or 16 bytes (and zero-fills a predicated-off vector); a

@@ -406,7 +406,7 @@ class RowTiles:
         src = thr.partition_S(sV[None, None, chunk])
         values = cute.make_fragment_like(src)
         cute.autovec_copy(src, values)
-        return tiling.to_fp32(values.load())
+        return tiling.to_fp32(values.load(), self.cfg)
 
     @cute.jit
     def _pad_row_end(self, i: cutlass.Constexpr[int], chunk: cutlass.Constexpr[int]):
@@ -455,7 +455,7 @@ class RowTiles:
             x = tXrX.load()
         if cutlass.const_expr(raw):
             return x
-        x = tiling.to_fp32(x)
+        x = tiling.to_fp32(x, cfg)
         if cutlass.const_expr(fill is not None and cfg.needs_col_predicate):
             if cutlass.const_expr(self.pad is None):
                 x = tiling.mask_out_of_row(x, self.coords[chunk], cfg.n_cols, fill)
@@ -541,7 +541,7 @@ class RowTiles:
                 cute.copy(tiled, tXgX, tXrX, pred=self.chunk_predicate(chunk))
         else:
             cute.copy(tiled, tXgX, tXrX, pred=self.chunk_predicate(chunk))
-        return tXrX.load() if cutlass.const_expr(raw) else tiling.to_fp32(tXrX.load())
+        return tXrX.load() if cutlass.const_expr(raw) else tiling.to_fp32(tXrX.load(), self.cfg)
 
     def accumulator(self, smem, chunk: int, in_registers: bool) -> cute.Tensor:
         """fp32 per-column sums of this thread's values in ``chunk`` that live across

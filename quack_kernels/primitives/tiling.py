@@ -124,17 +124,18 @@ def is_column(tXcX: cute.Tensor, col: Int32, relative: cutlass.Constexpr[bool]) 
     return flags.load()
 
 
+
 # A bf16 value is the high half of the fp32 of the same value, so a packed pair widens
-# by one integer op each (shift the low one up, mask the high one). The DSL's
-# conversion first unpacked each pair (PRMT, then a shift: 1.5 instructions a value;
-# LayerNorm bf16 forward of 262144 columns: 24.9 -> ? per value).
+# by one integer op a value (shift the low one up, mask the high one); the DSL's
+# conversion first unpacks each pair (PRMT, then a shift: 1.5 instructions a value).
+# Where config.widens_by_integer_ops says so.
 BF16_HIGH_MASK = -65536  # 0xFFFF0000 as an Int32
 
 
-def to_fp32(values: cute.TensorSSA) -> cute.TensorSSA:
+def to_fp32(values: cute.TensorSSA, cfg: RowConfig) -> cute.TensorSSA:
     """``values`` converted to fp32 (the same shape)."""
     count = cute.size(values.shape)
-    if values.dtype is not cutlass.BFloat16 or count % 2:
+    if values.dtype is not cutlass.BFloat16 or count % 2 or not config.widens_by_integer_ops(cfg):
         return values.to(Float32)
     words = values.bitcast(Int32)
     i32 = Int32.mlir_type
