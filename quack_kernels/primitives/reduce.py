@@ -55,9 +55,11 @@ def centered_moments_combine(a: Values, b: Values) -> Values:
     finite mean still moves the result by rounding; callers pass 0). The mean is the
     midpoint moved by delta times a weight that changes sign with it, so the two lanes
     of a butterfly (which merge (a, b) and (b, a)) round alike, whichever products the
-    compiler fuses."""
+    compiler fuses. 1 / count is the approximate reciprocal (an error of an ulp or two
+    in the update terms, where an IEEE division took a dozen instructions and a branch
+    on the reduction's critical path)."""
     count = a[0] + b[0]
-    inv_count = Float32(1.0) / cute.arch.fmax(count, Float32(1.0))
+    inv_count = cute.arch.rcp_approx(cute.arch.fmax(count, Float32(1.0)))
     delta = b[1] - a[1]
     mean = cute.math.fma(delta, (b[0] - a[0]) * Float32(0.5) * inv_count,
                          (a[1] + b[1]) * Float32(0.5))
