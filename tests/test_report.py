@@ -445,3 +445,36 @@ def test_cluster_barriers_in_the_sass(tmp_path):
         sass = disassembly(str(cubin), find_cuobjdump())
         found = collections.Counter(re.findall(r"\b(SYNCS\.EXCH\.64|UCGABAR_ARV)\b", sass))
         assert (found["SYNCS.EXCH.64"], found["UCGABAR_ARV"]) == (2, 1), cubin
+
+
+def test_bf16_widened_by_integer_ops_where_the_config_says(tmp_path):
+    """config.widens_by_integer_ops: the RMSNorm bf16 backward of 262144 columns (shares
+    in shared memory over a cluster) widens its bf16 pairs with a mask of the high half
+    (LOP3 0xffff0000) and unpacks none (PRMT); on register shares (4096 columns) it keeps
+    the DSL's conversion, which unpacks every pair."""
+    import re
+
+    from quack_kernels.ops import norm
+    from quack_kernels.primitives.config import widens_by_integer_ops
+    from quack_kernels.report import disassembly, measure
+
+    if find_cuobjdump() is None:
+        pytest.skip("cuobjdump not installed")
+    bf16 = torch.bfloat16
+    configs = {n: norm.backward_config(n, bf16, bf16, (bf16,), bf16, 1, rms=True)
+               for n in (4096, 262144)}
+    assert [widens_by_integer_ops(cfg) for cfg in configs.values()] == [False, True]
+    for n, cfg in configs.items():
+        variant = (str(n), n, bf16, cfg, lambda cfg=cfg: norm.backward_kernel(
+            cfg, True, bf16, bf16, bf16, False, None, bf16, None, True, False))
+        (tmp_path / str(n)).mkdir()
+        list(measure([variant], str(tmp_path / str(n)), find_cuobjdump()))
+        cubin = next((tmp_path / str(n)).rglob("*.cubin"))  # (the DSL may keep two copies)
+        sass = disassembly(str(cubin), find_cuobjdump())
+        masks = len(re.findall(r"LOP3\.LUT [^;]*0xffff0000", sass))
+        unpacks = sass.count("PRMT")
+        values = cfg.thread_values_per_chunk * cfg.num_chunks
+        if widens_by_integer_ops(cfg):
+            assert masks >= values // 2 and unpacks < values // 8, (n, masks, unpacks)
+        else:
+            assert masks == 0 and unpacks >= values // 2, (n, masks, unpacks)

@@ -127,7 +127,8 @@ def is_column(tXcX: cute.Tensor, col: Int32, relative: cutlass.Constexpr[bool]) 
 
 # A bf16 value is the high half of the fp32 of the same value, so a packed pair widens
 # by one integer op a value (shift the low one up, mask the high one); the DSL's
-# conversion first unpacks each pair (PRMT, then a shift: 1.5 instructions a value).
+# conversion first unpacks each pair (PRMT, then a shift: 1.5 instructions a value;
+# LayerNorm bf16 forward of 262144 columns 1592 -> 1464 SASS instructions a thread).
 # Where config.widens_by_integer_ops says so.
 BF16_HIGH_MASK = -65536  # 0xFFFF0000 as an Int32
 
