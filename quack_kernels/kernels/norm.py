@@ -238,7 +238,8 @@ class NormForward(RowKernel):
             h = kept[c] if cutlass.const_expr(cfg.staging == "registers") else self._stream(tiles, c)
             weight, bias = None, None
             if cutlass.const_expr(self.holds_columns):
-                weight, bias = (None if v is None else tiling.to_fp32(v, cfg) for v in held_columns[c])
+                weight, bias = (None if v is None else tiling.to_fp32(v, cfg)
+                                for v in held_columns[c])
             elif cutlass.const_expr(self.late_columns_together):
                 weight, bias = self._column(tiles, mW, c), self._column(tiles, mB, c)
             # (an explicit FMA for the bias saved one instruction per value, but held

@@ -137,7 +137,8 @@ class SoftmaxBackward(RowKernel):
                 term = tiles.values(0, c, fill=0.0)
             else:
                 y = tiles.values(0, c, fill=0.0)
-                dy = tiling.to_fp32(loaded[c], cfg) if self.streams_dy else tiles.values(1, c, fill=0.0)
+                dy = tiling.to_fp32(loaded[c], cfg) if self.streams_dy \
+                    else tiles.values(1, c, fill=0.0)
                 term = dy if self.log else y * dy
                 if cutlass.const_expr(cfg.staging == "registers"):
                     kept.append((y, dy))

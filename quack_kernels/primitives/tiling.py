@@ -124,7 +124,6 @@ def is_column(tXcX: cute.Tensor, col: Int32, relative: cutlass.Constexpr[bool]) 
     return flags.load()
 
 
-
 # A bf16 value is the high half of the fp32 of the same value, so a packed pair widens
 # by one integer op a value (shift the low one up, mask the high one); the DSL's
 # conversion first unpacks each pair (PRMT, then a shift: 1.5 instructions a value;
