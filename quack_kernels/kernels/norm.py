@@ -64,7 +64,7 @@ class NormForward(RowKernel):
         self.residual_dtype = residual_dtype  # dtype of the stream h (rounding)
         self.staged_dtypes = (x_dtype, residual_in_dtype) if has_residual else (x_dtype,)
         # x + residual rounded to a 16-bit stream dtype of both is their sum in that
-        # dtype (fp32 carries more than twice its precision + 2 bits, so rounding twice
+        # dtype (fp32 carries at least twice its precision + 2 bits, so rounding twice
         # is exact), two values an instruction
         self.adds_in_stream_dtype = has_residual and residual_dtype.width == 16 \
             and x_dtype == residual_in_dtype == residual_dtype

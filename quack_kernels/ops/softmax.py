@@ -52,7 +52,8 @@ def backward_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None,
     - one tensor staged alone, where it fits shared memory (16-bit rows of about
       820K-1.6M columns, fp32 of 400K-780K) and its vectors go there by cp.async (odd
       16-bit rows, copied by plain loads and stores, took 124-128 registers and 1.6x the
-      instructions): the softmax's y, re-reading dy in both passes;
+      instructions): the softmax's y, re-reading dy in both passes, and the 16-bit
+      log_softmax's dy where its held share would hold chunks (about 1.57M-1.6M);
     - else y and dy both re-read from global memory."""
     elem = torch.finfo(dtype).bits // 8
     both = row_config(n_cols, elem, staged_tensors=2, max_vec=max_vec)
