@@ -581,6 +581,40 @@ def test_fp32_backward_of_many_row_blocks_launched_back_to_back(m, n, rms):
         assert torch.equal(a, c)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_prenorm_stream_is_exact_for_every_16bit_value(dtype):
+    """h = x + residual, stored as the prenorm stream, is exactly torch's 16-bit sum for
+    every finite value of the dtype: rows of 65536 columns with a residual take shares
+    in shared memory over a cluster, where bf16 is widened by integer ops
+    (tiling.to_fp32) and x + residual is added in the 16-bit dtype (NormForward.
+    adds_in_stream_dtype). A pair widened in the wrong order or by a wrong shift, or a
+    sum rounded twice, moves values. Outputs poisoned."""
+    from quack_kernels.primitives.config import widens_by_integer_ops
+
+    n, m = 65536, 4
+    cfg = ops.forward_config(n, True, dtype, dtype, True, dtype)
+    assert widens_by_integer_ops(cfg) and cfg.cluster_size > 1
+    bits = torch.arange(-32768, 32768, dtype=torch.int32, device="cuda").to(torch.int16)
+    values = bits.view(dtype)
+    values = values[torch.isfinite(values)]  # every finite value, -0 included
+    rows = []
+    for _ in range(m):  # each row every value once, in its own order, then filled up
+        order = torch.randperm(values.numel(), device="cuda")
+        fill = torch.randint(values.numel(), (n - values.numel(),), device="cuda")
+        rows.append(torch.cat([values[order], values[fill]]))
+    x = torch.stack(rows)
+    residual = torch.where(torch.rand(m, n, device="cuda") < 0.5, 0.0,
+                           torch.randn(m, n, device="cuda")).to(dtype)
+    poison_allocator(x, x)
+    _, h = qk.rms_norm(x, None, residual=residual, prenorm=True)
+    expected = (x.float() + residual.float()).to(dtype)
+    mismatch = (h.view(torch.int16) != expected.view(torch.int16)).nonzero()
+    assert mismatch.numel() == 0, (
+        f"{mismatch.shape[0]} values differ, first at {mismatch[0].tolist()}: "
+        f"{x[tuple(mismatch[0])].item()} + {residual[tuple(mismatch[0])].item()} -> "
+        f"{h[tuple(mismatch[0])].item()}, torch {expected[tuple(mismatch[0])].item()}")
+
+
 def test_torch_compile_fullgraph():
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), qk.nn.RMSNorm(512),
                                 qk.nn.LayerNorm(512)).cuda()
