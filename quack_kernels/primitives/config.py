@@ -234,16 +234,16 @@ def whole_vectors(cfg: RowConfig, elem_bytes: int) -> bool:
 
 
 # bf16 values widened to fp32 by integer ops (tiling.to_fp32) rather than the DSL's
-# conversion: on shares staged in shared memory over a cluster, and on rows re-read from
-# global memory. H200, kernels alone, % of the copy ceiling, DSL -> integer ops
-# (results/bf16_widening_H200_20261203.txt): RMSNorm bwd 512x262144 63.7 -> 87.4,
-# LayerNorm bwd 53.7 -> 61.7, RMSNorm fwd 90.3 -> 90.9; cross-entropy loss alone (rows
-# re-read) 512x262144 79.4 -> 80.2, 4096x128256 92.3 -> 93.2. Elsewhere the kernels lost,
-# though they ran fewer instructions at the same occupancy (not understood): RMSNorm bwd
-# on register shares 32768x4096 87.5 -> 68.8, 2048x65536 93.3 -> 88.5, LayerNorm fwd on
-# one CTA 8192x16384 91.3 -> 83.3.
+# conversion: on shares staged in shared memory over a cluster. H200, kernels alone, % of
+# the copy ceiling, DSL -> integer ops (results/bf16_widening_H200_20261203.txt): RMSNorm
+# bwd 512x262144 63.7 -> 87.4, LayerNorm bwd 53.7 -> 61.7, RMSNorm fwd 90.3 -> 90.9.
+# Elsewhere the kernels lost, though they ran fewer instructions at the same occupancy
+# (not understood): RMSNorm bwd on register shares 32768x4096 87.5 -> 68.8, 2048x65536
+# 93.3 -> 88.5, LayerNorm fwd on one CTA 8192x16384 91.3 -> 83.3. Rows re-read from
+# global memory gained a little (cross-entropy loss alone 512x262144 79.4 -> 80.2,
+# 4096x128256 92.3 -> 93.2) but its bf16 rows of 524288 columns spilled 8 bytes (sm_90a).
 def widens_by_integer_ops(cfg: RowConfig) -> bool:
-    return cfg.staging == "smem" and cfg.cluster_size > 1 or cfg.staging == "global"
+    return cfg.staging == "smem" and cfg.cluster_size > 1
 
 
 def copies_async(cfg: RowConfig, elem_bytes: int) -> bool:
