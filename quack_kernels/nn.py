@@ -107,6 +107,14 @@ def _shape(normalized_shape) -> tuple:
     return shape
 
 
+def _check_normalized(x: Tensor, normalized_shape: tuple) -> None:
+    """As torch's norm modules: the last dimension must be the normalized one (the ops
+    check it against a weight; without one they would normalize any length)."""
+    if x.dim() == 0 or x.shape[-1] != normalized_shape[0]:
+        raise ValueError(f"quack_kernels: normalized_shape={list(normalized_shape)} expects "
+                         f"input of shape [*, {normalized_shape[0]}], got {list(x.shape)}")
+
+
 class RMSNorm(torch.nn.Module):
     """Drop-in for ``torch.nn.RMSNorm`` (same parameter name ``weight``, ones-initialised),
     normalizing the last dimension; ``weight_offset=1.0`` gives the Gemma form
@@ -121,11 +129,17 @@ class RMSNorm(torch.nn.Module):
         self.elementwise_affine = elementwise_affine
         self.weight_offset = weight_offset
         if elementwise_affine:
-            self.weight = torch.nn.Parameter(torch.ones(self.normalized_shape, device=device, dtype=dtype))
+            self.weight = torch.nn.Parameter(torch.empty(self.normalized_shape, device=device, dtype=dtype))
         else:
             self.register_parameter("weight", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            torch.nn.init.ones_(self.weight)
 
     def forward(self, x: Tensor, residual: Tensor | None = None, prenorm: bool = False):
+        _check_normalized(x, self.normalized_shape)
         return rms_norm(x, self.weight, eps=self.eps, residual=residual,
                         weight_offset=self.weight_offset, prenorm=prenorm)
 
@@ -145,16 +159,24 @@ class LayerNorm(torch.nn.Module):
         self.eps = eps
         self.elementwise_affine = elementwise_affine
         if elementwise_affine:
-            self.weight = torch.nn.Parameter(torch.ones(self.normalized_shape, device=device, dtype=dtype))
+            self.weight = torch.nn.Parameter(torch.empty(self.normalized_shape, device=device, dtype=dtype))
             if bias:
-                self.bias = torch.nn.Parameter(torch.zeros(self.normalized_shape, device=device, dtype=dtype))
+                self.bias = torch.nn.Parameter(torch.empty(self.normalized_shape, device=device, dtype=dtype))
             else:
                 self.register_parameter("bias", None)
         else:
             self.register_parameter("weight", None)
             self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            torch.nn.init.ones_(self.weight)
+        if self.bias is not None:
+            torch.nn.init.zeros_(self.bias)
 
     def forward(self, x: Tensor, residual: Tensor | None = None, prenorm: bool = False):
+        _check_normalized(x, self.normalized_shape)
         return layer_norm(x, self.weight, self.bias, eps=self.eps, residual=residual,
                           prenorm=prenorm)
 

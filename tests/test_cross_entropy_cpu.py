@@ -245,6 +245,17 @@ def test_errors():
         qk.cross_entropy(x, t.to("meta"))
     # ignore_index inside [0, C) is a legal ignore, not a bad target
     assert torch.isfinite(qk.cross_entropy(x, t, ignore_index=2))
+    # torch ops would wrap it to 0 against int32 targets (every row ignored), the
+    # kernels would not
+    with pytest.raises(ValueError, match="outside the range of the int32"):
+        qk.cross_entropy(x, t.int(), ignore_index=2**32)
+    assert torch.isfinite(qk.cross_entropy(x, t.int(), ignore_index=-2**31))
+    # class weights take no gradient (as in torch): refused, not silently dropped
+    weight = torch.rand(10, requires_grad=True)
+    with pytest.raises(RuntimeError, match="not differentiable with respect to the class"):
+        qk.cross_entropy(x.requires_grad_(), t, weight)
+    with torch.no_grad():
+        assert torch.isfinite(qk.cross_entropy(x, t, weight))
 
 
 def _op_args(x, target, weight, compute_grad=True):

@@ -37,8 +37,8 @@ def losses_and_grads(fn, hidden, weight, bias, target, upstream):
     return loss.detach(), grads
 
 
-@pytest.mark.parametrize("reduction,with_bias,weighted,options", itertools.product(
-    ["mean", "sum", "none"], [False, True], [False, True], range(len(OPTIONS))))
+@pytest.mark.parametrize("reduction,with_bias,weighted,options", list(itertools.product(
+    ["mean", "sum", "none"], [False, True], [False, True], range(len(OPTIONS)))))
 def test_matches_torch_linear_and_cross_entropy(reduction, with_bias, weighted, options):
     """Chunks of 6 of 29 rows (a short last one) against the unchunked definition; a
     non-uniform upstream gradient for "none" (the backward runs the chunks again)."""
@@ -269,6 +269,11 @@ def test_errors():
         qk.linear_cross_entropy(hidden, weight, target, class_weight=bias.to("meta"))
     with pytest.raises(ValueError, match="chunk_rows"):
         qk.linear_cross_entropy(hidden, weight, target, chunk_rows=0)
+    with pytest.raises(RuntimeError, match="class weights"):
+        qk.linear_cross_entropy(hidden, weight, target,
+                                class_weight=torch.rand(weight.shape[0], requires_grad=True))
+    with pytest.raises(ValueError, match="int32"):
+        qk.linear_cross_entropy(hidden, weight, target.int(), ignore_index=-2**31 - 1)
     with pytest.raises(TypeError, match="grad_accum_dtype"):
         qk.linear_cross_entropy(hidden, weight, target, grad_accum_dtype=torch.float16)
     with pytest.raises(ValueError, match="reduction"):

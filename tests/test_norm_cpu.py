@@ -176,6 +176,29 @@ def test_modules_are_state_dict_compatible():
     assert set(qk.nn.RMSNorm(8, elementwise_affine=False).state_dict()) == set()
 
 
+@pytest.mark.parametrize("module", [qk.nn.RMSNorm, qk.nn.LayerNorm])
+@pytest.mark.parametrize("affine", [True, False])
+def test_modules_check_the_normalized_length_and_reset(module, affine):
+    """As torch's: an input whose last dimension is not normalized_shape is refused, with
+    or without a weight; reset_parameters (called by meta-device initialisation) brings
+    the parameters back to ones and zeros."""
+    layer = module(8, elementwise_affine=affine)
+    with pytest.raises(ValueError, match=r"expects input of shape \[\*, 8\]"):
+        layer(rand(4, 16))
+    if affine:
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.normal_()
+        layer.reset_parameters()
+        assert torch.equal(layer.weight, torch.ones(8))
+        if module is qk.nn.LayerNorm:
+            assert torch.equal(layer.bias, torch.zeros(8))
+    x = rand(3, 8)
+    meta = module(8, elementwise_affine=affine, device="meta").to_empty(device="cpu")
+    meta.reset_parameters()
+    assert torch.equal(meta(x), module(8, elementwise_affine=affine)(x))
+
+
 # -------------------------------------------------------------------------- errors
 def test_bad_inputs():
     x = rand(4, 8)

@@ -80,6 +80,12 @@ def test_rejects_unsupported_dtypes(bad):
 def test_rejects_bad_dim_and_non_tensor():
     with pytest.raises(IndexError, match="out of range"):
         qk.softmax(torch.ones(3, 4), dim=2)
+    # a 0-d tensor takes dim -1 or 0, as torch's
+    assert qk.log_softmax(torch.tensor(2.0), 0).item() == 0.0
+    with pytest.raises(IndexError, match="out of range"):
+        qk.softmax(torch.tensor(1.0), 3)
+    with pytest.raises(TypeError, match="dim must be an int"):
+        qk.nn.Softmax(None)(torch.ones(3, 4))
     with pytest.raises(TypeError, match="torch.Tensor"):
         qk.softmax([1.0, 2.0])
 

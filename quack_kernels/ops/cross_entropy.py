@@ -912,6 +912,18 @@ def check_loss_options(reduction: str, label_smoothing: float, lse_square_scale:
         raise ValueError(f"quack_kernels: lse_square_scale must be finite, got {lse_square_scale}")
 
 
+def check_target_options(target: Tensor, class_weight: Optional[Tensor],
+                         ignore_index: int) -> None:
+    """The public losses' ignore_index and class weights, against their targets."""
+    if target.dtype == torch.int32 and not -2**31 <= ignore_index < 2**31:
+        # (compared with int32 targets it would wrap in torch ops, not in the kernels)
+        raise ValueError(f"quack_kernels: ignore_index {ignore_index} is outside the range "
+                         "of the int32 targets")
+    if class_weight is not None and class_weight.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError("quack_kernels: the loss is not differentiable with respect to "
+                           "the class weights (nor is torch's); pass them detached")
+
+
 def cross_entropy(logits: Tensor, target: Tensor, weight: Optional[Tensor] = None, *,
                   ignore_index: int = -100, reduction: str = "mean",
                   label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
@@ -953,6 +965,7 @@ def cross_entropy(logits: Tensor, target: Tensor, weight: Optional[Tensor] = Non
         raise ValueError(f"quack_kernels: target shape {tuple(target.shape)} must equal the "
                          f"logits shape without its last (class) dimension, "
                          f"{tuple(logits.shape[:-1])}")
+    check_target_options(target, weight, ignore_index)
     n_cols = logits.shape[-1]
     rows = as_rows(logits)
     target_rows = target if target.dim() == 1 else target.reshape(-1)

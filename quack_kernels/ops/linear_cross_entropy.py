@@ -40,6 +40,7 @@ from .cross_entropy import (
     GPU_DTYPES,
     _loss_dtype,
     check_loss_options,
+    check_target_options,
     check_target_rows,
     cross_entropy_forward,
     cross_entropy_forward_inplace,
@@ -275,6 +276,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor,
         raise ValueError(f"quack_kernels: target shape {tuple(target.shape)} must equal the "
                          f"hidden states' shape without its last dimension, "
                          f"{tuple(hidden.shape[:-1])}")
+    check_target_options(target, class_weight, ignore_index)
     if torch.is_autocast_enabled(hidden.device.type):  # the head's GEMM as autocast casts it
         dtype = torch.get_autocast_dtype(hidden.device.type)
         hidden, weight = hidden.to(dtype), weight.to(dtype)

@@ -307,10 +307,13 @@ def _softmax_last_dim(x: Tensor, log: bool) -> Tensor:
 def _along_last(x: Tensor, dim: int, log: bool) -> Tensor:
     if not isinstance(x, Tensor):
         raise TypeError(f"quack_kernels: expected a torch.Tensor, got {type(x).__name__}")
+    if not isinstance(dim, int):  # (torch.nn.Softmax's deprecated dim=None guesses one)
+        raise TypeError(f"quack_kernels: dim must be an int, got {dim!r}")
+    rank = max(x.dim(), 1)  # (a 0-d tensor takes dim -1 or 0, as in torch)
+    if not -rank <= dim < rank:
+        raise IndexError(f"quack_kernels: dim {dim} is out of range for a {x.dim()}-d tensor")
     if x.dim() == 0:
         return _softmax_last_dim(x.reshape(1), log).reshape(())
-    if not -x.dim() <= dim < x.dim():
-        raise IndexError(f"quack_kernels: dim {dim} is out of range for a {x.dim()}-d tensor")
     if dim % x.dim() == x.dim() - 1:
         return _softmax_last_dim(x, log)
     return _softmax_last_dim(x.movedim(dim, -1), log).movedim(-1, dim)
