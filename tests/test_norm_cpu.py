@@ -151,6 +151,30 @@ def test_opcheck():
                            None))
 
 
+def test_fake_kernels():
+    """Under FakeTensorMode the ops give every output's shape and dtype without running:
+    y in out_dtype, the stream h only when stored, mean only for LayerNorm, fp32 stats;
+    the backward's outputs empty where not asked for."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x, w = torch.empty(3, 5, 24, dtype=torch.bfloat16), torch.empty(24)
+        r = torch.empty(3, 5, 24, dtype=torch.float16)
+        y, h, mean, rstd = torch.ops.quack_kernels.norm_forward(
+            x, w, None, r, 1e-5, 0.0, False, torch.float32, torch.float32, True)
+        assert (y.shape, y.dtype, h.shape, h.dtype) == (x.shape, torch.float32, x.shape,
+                                                        torch.float32)
+        assert mean.shape == rstd.shape == (3, 5) and rstd.dtype == torch.float32
+        y, h, mean, rstd = torch.ops.quack_kernels.norm_forward(
+            x, None, None, None, 1e-6, 0.0, True, None, None, False)
+        assert y.dtype == torch.bfloat16 and h.numel() == mean.numel() == 0
+        dx, dres, dw, db = torch.ops.quack_kernels.norm_backward(
+            x, x, w, None, rstd, None, 0.0, True, torch.float32, None, True, None)
+        assert (dx.shape, dx.dtype, dw.shape, dw.dtype) == (x.shape, torch.float32, (24,),
+                                                            torch.float32)
+        assert dres.numel() == db.numel() == 0
+
+
 def test_torch_compile_fullgraph():
     model = torch.nn.Sequential(torch.nn.Linear(32, 48), qk.nn.RMSNorm(48), qk.nn.LayerNorm(48))
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
