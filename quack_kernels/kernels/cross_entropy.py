@@ -141,6 +141,11 @@ class CrossEntropyForward(RowKernel):
         assert softcap or not fixed_max, "only capped logits have a fixed bound"
         self.fixed_max = fixed_max
         self.combine = _fixed_max_combine if fixed_max else _combine
+        # Capped logits past the fixed bound (the running max) keep the DSL's bf16
+        # conversion: widened by integer ops (config.widens_by_integer_ops), the share of
+        # 524288 columns with the gradient, smoothing and z-loss was held to 80 registers
+        # by ptxas and spilled 8 bytes (sm_90a; converted: 102 registers, no spill).
+        self.integer_widening = not (softcap and not fixed_max)
         # "sum" / "mean": the loss also reduced over the rows by the grid's last CTA
         # (_reduce_rows) instead of by two more launches after this one
         assert reduce in ("none", "sum", "mean")
@@ -253,7 +258,7 @@ class CrossEntropyForward(RowKernel):
         # smoothing's sum of z
         pad = -math.inf if self.capped_placeholders or not (self.softcap or self.smoothing) \
             else None
-        home = RowTiles(cfg, staged, smem, pad=pad)
+        home = RowTiles(cfg, staged, smem, pad=pad, integer_widening=self.integer_widening)
         slot = ReductionSlot(smem, cfg, self.values_per_reduction, buffers=self.scratch_buffers)
         if cutlass.const_expr(cfg.stages == 2):
             home.issue_loads()  # the first block; each iteration prefetches the next

@@ -101,8 +101,7 @@ class NormForward(RowKernel):
     def _stream(self, tiles: RowTiles, chunk: int):
         """h = x (+ residual) of ``chunk``, 0 past the row end."""
         if cutlass.const_expr(self.adds_in_stream_dtype):
-            h = tiling.to_fp32(tiles.values(0, chunk, raw=True) + tiles.values(1, chunk, raw=True),
-                                self.cfg)
+            h = tiles.to_fp32(tiles.values(0, chunk, raw=True) + tiles.values(1, chunk, raw=True))
             if cutlass.const_expr(self.cfg.needs_col_predicate):
                 h = tiling.mask_out_of_row(h, tiles.coords[chunk], self.cfg.n_cols, 0.0)
             return h
@@ -238,8 +237,7 @@ class NormForward(RowKernel):
             h = kept[c] if cutlass.const_expr(cfg.staging == "registers") else self._stream(tiles, c)
             weight, bias = None, None
             if cutlass.const_expr(self.holds_columns):
-                weight, bias = (None if v is None else tiling.to_fp32(v, cfg)
-                                for v in held_columns[c])
+                weight, bias = (None if v is None else tiles.to_fp32(v) for v in held_columns[c])
             elif cutlass.const_expr(self.late_columns_together):
                 weight, bias = self._column(tiles, mW, c), self._column(tiles, mB, c)
             # (an explicit FMA for the bias saved one instruction per value, but held

@@ -137,8 +137,7 @@ class SoftmaxBackward(RowKernel):
                 term = tiles.values(0, c, fill=0.0)
             else:
                 y = tiles.values(0, c, fill=0.0)
-                dy = tiling.to_fp32(loaded[c], cfg) if self.streams_dy \
-                    else tiles.values(1, c, fill=0.0)
+                dy = tiles.to_fp32(loaded[c]) if self.streams_dy else tiles.values(1, c, fill=0.0)
                 term = dy if self.log else y * dy
                 if cutlass.const_expr(cfg.staging == "registers"):
                     kept.append((y, dy))
@@ -152,10 +151,10 @@ class SoftmaxBackward(RowKernel):
             if cutlass.const_expr(cfg.staging == "registers"):
                 y, dy = kept[c]
             elif cutlass.const_expr(self.streams_y):
-                y, dy = tiling.to_fp32(loaded[c], cfg), tiles.values(0, c)
+                y, dy = tiles.to_fp32(loaded[c]), tiles.values(0, c)
             else:
                 y = tiles.values(0, c)
-                dy = tiling.to_fp32(loaded[c], cfg) if self.streams_dy else tiles.values(1, c)
+                dy = tiles.to_fp32(loaded[c]) if self.streams_dy else tiles.values(1, c)
             if cutlass.const_expr(self.log):
                 dx = dy - cute.math.exp2(y * red.LOG2_E, fastmath=True) * dot
             else:

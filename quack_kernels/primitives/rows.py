@@ -28,7 +28,8 @@ from cutlass import Boolean, Float32, Int32, Int64
 from . import reduce as red
 from . import tiling
 from .config import (HELD_CHUNK_REGISTERS, LOOP_REGS_PER_THREAD, MAX_FENCED_CTAS_PER_SM, RowConfig,
-                     fenced_smem_bytes, loop_ctas_per_sm, sums_in_registers, whole_vectors)
+                     fenced_smem_bytes, loop_ctas_per_sm, sums_in_registers, whole_vectors,
+                     widens_by_integer_ops)
 from .grid_sum import GridSum
 
 
@@ -210,10 +211,15 @@ class RowTiles:
     ``values(..., fill=pad)`` needs no per-value select: the identity of the reduction
     the kernel runs first (-inf for a max, 0 for a sum). Written once the chunk's copies
     landed, since a predicated-off cp.async zero-fills its vector. Not for one-value
-    vectors (odd rows), where a store per vector costs as much as a select per value."""
+    vectors (odd rows), where a store per vector costs as much as a select per value.
 
-    def __init__(self, cfg: RowConfig, staged: list, smem, pad: float | None = None):
+    ``integer_widening``: whether bf16 values may be widened by integer ops where
+    config.widens_by_integer_ops says so (to_fp32); False keeps the DSL's conversion."""
+
+    def __init__(self, cfg: RowConfig, staged: list, smem, pad: float | None = None,
+                 integer_widening: bool = True):
         self.cfg = cfg
+        self.widens_by_integer_ops = integer_widening and widens_by_integer_ops(cfg)
         padded = cfg.staging != "global" and cfg.needs_col_predicate and cfg.vec > 1
         self.pad = pad if padded else None
         tidx = cute.arch.thread_idx()[0]
@@ -406,7 +412,7 @@ class RowTiles:
         src = thr.partition_S(sV[None, None, chunk])
         values = cute.make_fragment_like(src)
         cute.autovec_copy(src, values)
-        return tiling.to_fp32(values.load(), self.cfg)
+        return self.to_fp32(values.load())
 
     @cute.jit
     def _pad_row_end(self, i: cutlass.Constexpr[int], chunk: cutlass.Constexpr[int]):
@@ -416,6 +422,11 @@ class RowTiles:
         padding.fill(self.pad)
         outside = tiling.vector_predicate(self.coords[chunk], self.cfg.n_cols, inside=False)
         cute.copy(self.copy_vec[i], padding, tXsX, pred=outside)
+
+    def to_fp32(self, values: cute.TensorSSA) -> cute.TensorSSA:
+        """``values`` (a chunk's, in their own dtype) widened to fp32 as this view's
+        kernel widens them."""
+        return tiling.to_fp32(values, self.widens_by_integer_ops)
 
     def wait_chunk(self, chunk: int):
         """Wait until this thread's copies of ``chunk`` have landed; with two staging
@@ -455,7 +466,7 @@ class RowTiles:
             x = tXrX.load()
         if cutlass.const_expr(raw):
             return x
-        x = tiling.to_fp32(x, cfg)
+        x = self.to_fp32(x)
         if cutlass.const_expr(fill is not None and cfg.needs_col_predicate):
             if cutlass.const_expr(self.pad is None):
                 x = tiling.mask_out_of_row(x, self.coords[chunk], cfg.n_cols, fill)
@@ -541,7 +552,7 @@ class RowTiles:
                 cute.copy(tiled, tXgX, tXrX, pred=self.chunk_predicate(chunk))
         else:
             cute.copy(tiled, tXgX, tXrX, pred=self.chunk_predicate(chunk))
-        return tXrX.load() if cutlass.const_expr(raw) else tiling.to_fp32(tXrX.load(), self.cfg)
+        return tXrX.load() if cutlass.const_expr(raw) else self.to_fp32(tXrX.load())
 
     def accumulator(self, smem, chunk: int, in_registers: bool) -> cute.Tensor:
         """fp32 per-column sums of this thread's values in ``chunk`` that live across

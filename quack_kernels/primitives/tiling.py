@@ -128,14 +128,15 @@ def is_column(tXcX: cute.Tensor, col: Int32, relative: cutlass.Constexpr[bool]) 
 # by one integer op a value (shift the low one up, mask the high one); the DSL's
 # conversion first unpacks each pair (PRMT, then a shift: 1.5 instructions a value;
 # LayerNorm bf16 forward of 262144 columns 1592 -> 1464 SASS instructions a thread).
-# Where config.widens_by_integer_ops says so.
+# Where config.widens_by_integer_ops says so (RowTiles.to_fp32).
 BF16_HIGH_MASK = -65536  # 0xFFFF0000 as an Int32
 
 
-def to_fp32(values: cute.TensorSSA, cfg: RowConfig) -> cute.TensorSSA:
-    """``values`` converted to fp32 (the same shape)."""
+def to_fp32(values: cute.TensorSSA, by_integer_ops: bool) -> cute.TensorSSA:
+    """``values`` converted to fp32 (the same shape); bf16 pairs by integer ops where
+    ``by_integer_ops``."""
     count = cute.size(values.shape)
-    if values.dtype is not cutlass.BFloat16 or count % 2 or not config.widens_by_integer_ops(cfg):
+    if values.dtype is not cutlass.BFloat16 or count % 2 or not by_integer_ops:
         return values.to(Float32)
     words = values.bitcast(Int32)
     i32 = Int32.mlir_type
