@@ -5,6 +5,7 @@ dim there first."""
 from __future__ import annotations
 
 import functools
+import operator
 
 import torch
 from torch import Tensor
@@ -307,8 +308,10 @@ def _softmax_last_dim(x: Tensor, log: bool) -> Tensor:
 def _along_last(x: Tensor, dim: int, log: bool) -> Tensor:
     if not isinstance(x, Tensor):
         raise TypeError(f"quack_kernels: expected a torch.Tensor, got {type(x).__name__}")
-    if not isinstance(dim, int):  # (torch.nn.Softmax's deprecated dim=None guesses one)
-        raise TypeError(f"quack_kernels: dim must be an int, got {dim!r}")
+    try:  # (torch.nn.Softmax's deprecated dim=None guesses one)
+        dim = operator.index(dim)
+    except TypeError:
+        raise TypeError(f"quack_kernels: dim must be an int, got {dim!r}") from None
     rank = max(x.dim(), 1)  # (a 0-d tensor takes dim -1 or 0, as in torch)
     if not -rank <= dim < rank:
         raise IndexError(f"quack_kernels: dim {dim} is out of range for a {x.dim()}-d tensor")
