@@ -10,3 +10,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _surface_async_cuda_errors(request):
+    """Synchronize after every GPU test: an asynchronous CUDA error (a kernel fault) is
+    then reported at the teardown of the test that launched it, not at the first
+    synchronization of a later test in the same process."""
+    yield
+    if "gpu" in request.keywords and torch.cuda.is_available():
+        torch.cuda.synchronize()
