@@ -87,7 +87,7 @@ def cross_entropy_cases(ceiling):
                 qk.cross_entropy(xg, t).backward()
 
             report(f"cross_entropy loss+grad {M}x{V} {dtype}", step, 2 * nbytes, ceiling)
-            del x, xg
+            x = xg = None  # (freed before the next shape)
 
 
 def norm_cases(ceiling):

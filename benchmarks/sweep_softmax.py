@@ -204,7 +204,7 @@ def main(argv=None):
                       f"vecs={cfg.vecs_per_thread:2d} ch={cfg.num_chunks} {cfg.staging:9s} "
                       f"held={cfg.register_chunks} pf={cfg.l2_prefetch} "
                       f"{ms * 1e3:8.1f}us {pct:5.1f}%", flush=True)
-        del x, dy, y, dx
+        x = dy = y = dx = None  # (freed before the next row length)
         torch.cuda.empty_cache()
 
 

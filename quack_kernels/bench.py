@@ -780,7 +780,7 @@ def measure_copy_ceiling_gbps() -> float:
     dst = torch.empty_like(src)
     src.fill_(1)
     ms = time_device_ms(lambda: dst.copy_(src))
-    del src, dst
+    src = dst = None  # (freed for empty_cache)
     torch.cuda.empty_cache()
     return 2 * COPY_CEILING_BYTES / (ms * 1e-3) / 1e9
 

@@ -22,7 +22,6 @@ from cutlass.memory import SmemAllocator
 from cutlass import Float32
 
 from ..primitives import reduce as red
-from ..primitives import tiling
 from ..primitives.config import RowConfig, stages_in_smem
 from ..primitives.rows import ReductionSlot, RowKernel, RowTiles
 
