@@ -348,6 +348,19 @@ class NormBackward(RowKernel):
         return self.fma_form and cfg.staging == "registers" and cfg.num_chunks == 1
 
     @property
+    def rereads_unmasked(self) -> bool:
+        """Whether the dh pass re-reads h and dy from the stage unmasked (its stores past
+        the row end and M are predicated off) and takes dh = g * rstd - h * (c1 *
+        rstd^2), a multiply a value fewer than through xhat: RMSNorm on double-buffered
+        shares. H200, kernel alone, against the masked xhat pass (results/
+        norm_backward_unmasked_pass_H200_20261204.txt): RMSNorm fp16 512x262144 68.1% ->
+        88.2% of the copy ceiling (91.0 with _masks_rows), bf16 87.8 -> 89.5. The masked
+        pass branched around each chunk's reads, which then came chunk by chunk between
+        the stores. Not taken where it lost: RMSNorm fp32 262144 (single-buffered, 76.9
+        -> 73.2) and LayerNorm bf16 / fp16 262144 (66.0 -> 65.3, 64.8 -> 63.8)."""
+        return self.rms and self.cfg.staging != "registers" and self.cfg.stages == 2
+
+    @property
     def weight_staged(self) -> bool:
         """Whether the weight is read from shared memory (RowTiles.stage_columns)."""
         return bool(self.column_dtypes)
@@ -456,17 +469,22 @@ class NormBackward(RowKernel):
             next_stats = self._row_stats(home.at_block(block_row + grid_rows), mMean, mRstd)
 
         for c in range(cfg.num_chunks):
-            if cutlass.const_expr(cfg.staging == "registers"):
-                xhat, g = kept[c]
+            if cutlass.const_expr(self.rereads_unmasked):
+                h = tiles.values(0, c)
+                dh = self._g(tiles, c, mW, tiles.values(1, c), weight_offset) * rstd \
+                    + h * (scale * rstd)
             else:
-                xhat, g = self._xhat_g(tiles, c, mW, mean, rstd, weight_offset, None, None,
-                                       mask_rows)
-            if cutlass.const_expr(self.rms):
-                dh = (g - xhat * c1) * rstd
-            elif cutlass.const_expr(self.fma_form):  # two FMAs a value
-                dh = (g * rstd + shift) + xhat * scale
-            else:
-                dh = (g - xhat * c1 - c2) * rstd
+                if cutlass.const_expr(cfg.staging == "registers"):
+                    xhat, g = kept[c]
+                else:
+                    xhat, g = self._xhat_g(tiles, c, mW, mean, rstd, weight_offset, None,
+                                           None, mask_rows)
+                if cutlass.const_expr(self.rms):
+                    dh = (g - xhat * c1) * rstd
+                elif cutlass.const_expr(self.fma_form):  # two FMAs a value
+                    dh = (g * rstd + shift) + xhat * scale
+                else:
+                    dh = (g - xhat * c1 - c2) * rstd
             if cutlass.const_expr(mdResOut is not None):
                 dh = dh + tiles.load(mdResOut, c)
             if cutlass.const_expr(mdX is not None):
@@ -485,29 +503,34 @@ class NormBackward(RowKernel):
 
     def _masks_rows(self, mdResOut) -> bool:
         """Whether the staged rows past M are read as 0. A block of one row is always
-        inside M (the loop visits no block past it): the shares of holds_weight (with a
-        weight or without one), without a residual gradient to add, read their rows
-        unmasked. Elsewhere the loads then moved earlier and held more registers
-        (sm_90a, 8 bytes spilled: RMSNorm bf16 65536 on 1024 threads, LayerNorm bf16
-        262144 in two chunks, and LayerNorm bf16 8192 with the residual gradient)."""
-        return not (self.holds_weight and self.cfg.rows_per_block == 1 and mdResOut is None)
+        inside M (the loop visits no block past it): the shares of holds_weight and of
+        rereads_unmasked (with a weight or without one), without a residual gradient to
+        add, read their rows unmasked (rereads_unmasked: RMSNorm fp16 512x262144 88.2% ->
+        91.0% of the copy ceiling, bf16 89.5 -> 89.6). Elsewhere the loads then moved
+        earlier and held more registers (sm_90a, 8 bytes spilled: RMSNorm bf16 65536 on
+        1024 threads, LayerNorm bf16 262144 in two chunks, and LayerNorm bf16 8192 with
+        the residual gradient)."""
+        unmasked = self.holds_weight or self.rereads_unmasked
+        return not (unmasked and self.cfg.rows_per_block == 1 and mdResOut is None)
+
+    def _g(self, tiles: RowTiles, c: int, mW, dy, weight_offset):
+        """g = dy * (w + offset) of chunk ``c``."""
+        if cutlass.const_expr(mW is None):
+            return dy
+        if cutlass.const_expr(self.holds_weight):
+            return dy * mW.load()
+        return dy * self._weight(tiles, mW, c, weight_offset)
 
     def _xhat_g(self, tiles: RowTiles, c: int, mW, mean, rstd, weight_offset, acc_w, acc_b,
                 mask_rows: bool):
-        """xhat and g = dy * (w + offset) of chunk ``c``, both 0 past the row end and on
-        rows past M (where ``mask_rows``); adds this chunk's dw / db terms when
-        accumulators are given."""
+        """xhat and g of chunk ``c``, both 0 past the row end and on rows past M (where
+        ``mask_rows``); adds this chunk's dw / db terms when accumulators are given."""
         h = tiles.values(0, c, fill=0.0, mask_rows=mask_rows)
         dy = tiles.values(1, c, fill=0.0, mask_rows=mask_rows)
         xhat = (h - mean) * rstd
         if cutlass.const_expr(self.cfg.needs_col_predicate):
             xhat = tiling.mask_out_of_row(xhat, tiles.coords[c], self.cfg.n_cols, 0.0)
-        g = dy
-        if cutlass.const_expr(mW is not None):
-            if cutlass.const_expr(self.holds_weight):
-                g = dy * mW.load()
-            else:
-                g = dy * self._weight(tiles, mW, c, weight_offset)
+        g = self._g(tiles, c, mW, dy, weight_offset)
         if cutlass.const_expr(acc_w is not None and self.need_dweight):
             acc_w[c].store(acc_w[c].load() + dy * xhat)
         if cutlass.const_expr(acc_b is not None and self.need_dbias):

@@ -13,7 +13,7 @@ clusters, one mbarrier wait on the distributed shared memory exchange:
            bytes have landed, then every warp reduces the warps_per_row x cluster_size
            partials of its row
 
-``scratch`` is (rows_per_block, warps_per_row * cluster_size, num_values) fp32 in shared
+``scratch`` is (rows_per_block, warps_per_row * cluster_size, slot_words) fp32 in shared
 memory; allocate one per reduction (scratches are never reused, so no barrier is
 needed between consecutive reductions).
 """
@@ -146,18 +146,35 @@ def chunk_exp2(x: cute.TensorSSA, x_max: Float32, *, base2: bool):
     return x_max, cute.math.exp2((x - finite_or_zero(x_max)) * LOG2_E, fastmath=True)
 
 
+def slot_words(cfg: RowConfig, num_values: int) -> int:
+    """32-bit words a scratch slot takes. A cluster's partials travel as vector st.async
+    (each store is one packet between SMs; a 16-CTA exchange of LayerNorm's two backward
+    sums was 512 of them per CTA), so their slots round up to whole vectors of 2 or 4
+    words (store_vector)."""
+    if cfg.cluster_size == 1 or num_values == 1:
+        return num_values
+    return num_values + 1 if num_values % 4 == 3 else num_values + num_values % 2
+
+
+def store_vector(words: int) -> int:
+    """Words per st.async of a slot of ``words`` words (slot_words)."""
+    return 4 if words % 4 == 0 else min(words, 2)
+
+
 def scratch_layout(cfg: RowConfig, num_values: int, buffers: int = 1) -> cute.Layout:
-    """(row, slot, value[, buffer]); looping kernels alternate between two buffers."""
+    """(row, slot, word[, buffer]); looping kernels alternate between two buffers."""
     slots = cfg.warps_per_row * cfg.cluster_size
+    words = slot_words(cfg, num_values)
     if buffers == 1:
-        return cute.make_ordered_layout((cfg.rows_per_block, slots, num_values), order=(2, 1, 0))
-    return cute.make_ordered_layout((cfg.rows_per_block, slots, num_values, buffers),
+        return cute.make_ordered_layout((cfg.rows_per_block, slots, words), order=(2, 1, 0))
+    return cute.make_ordered_layout((cfg.rows_per_block, slots, words, buffers),
                                     order=(2, 1, 0, 3))
 
 
 def scratch_tx_bytes(cfg: RowConfig, num_values: int) -> int:
     """Bytes every CTA of a cluster receives through one reduction."""
-    return cfg.rows_per_block * cfg.warps_per_row * cfg.cluster_size * num_values * 4
+    return cfg.rows_per_block * cfg.warps_per_row * cfg.cluster_size \
+        * slot_words(cfg, num_values) * 4
 
 
 def _as_i32(value: Float32) -> Int32:
@@ -229,9 +246,13 @@ def row_allreduce(values: Values, combine: Callable, identity: Values,
         rank = cute.arch.block_idx_in_cluster()
         if lane < cfg.cluster_size:
             slot = warp_in_row + cfg.warps_per_row * rank
-            for k in cutlass.range_constexpr(len(values)):
+            words = slot_words(cfg, len(values))
+            vec = store_vector(words)
+            padded = [_as_i32(v) for v in values] + [Int32(0)] * (words - len(values))
+            for k in cutlass.range_constexpr(0, words, vec):
                 dst = scratch.iterator + cute.crd2idx((row, slot, k), scratch.layout)
-                cute.arch.store_async_dsmem(dst, _as_i32(values[k]), mbar_ptr, lane)
+                word = padded[k] if cutlass.const_expr(vec == 1) else tuple(padded[k:k + vec])
+                cute.arch.store_async_dsmem(dst, word, mbar_ptr, lane)
         cute.arch.mbarrier_wait(mbar_ptr, phase % 2)
         if cutlass.const_expr(rearm):
             if cute.arch.thread_idx()[0] == 0:

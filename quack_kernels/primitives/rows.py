@@ -71,7 +71,8 @@ class RowKernel(GridSum):
         if self.cfg.staging == "global":
             staged = 0
         scratch = self.reductions * self.cfg.rows_per_block * self.cfg.warps_per_row \
-            * self.cfg.cluster_size * self.values_per_reduction * 4 * self.scratch_buffers
+            * self.cfg.cluster_size * red.slot_words(self.cfg, self.values_per_reduction) \
+            * 4 * self.scratch_buffers
         accumulated = 0
         if not self.sums_in_registers:
             accumulated = self.accumulators * self.cfg.rows_per_block * self.cfg.cols_per_cta * 4
