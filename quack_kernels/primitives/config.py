@@ -962,6 +962,28 @@ def prefetch_row_stats(rms: bool, ctas_per_sm: int) -> bool:
     return not rms or ctas_per_sm == 1
 
 
+# Warp partials a CTA sends its peers in one cluster exchange (warps_per_row x
+# cluster_size, one packet between SMs each) from which a looping kernel merges its
+# warps first (merges_cta_first).
+MIN_PACKETS_TO_MERGE_CTA_FIRST = 256
+
+
+def merges_cta_first(cfg: RowConfig, buffers: int) -> bool:
+    """Whether a cluster reduction merges the CTA's warps before the exchange (a block
+    barrier, then one store a peer from the row's first warp) instead of sending every
+    warp's partial to every peer: for kernels looping over row blocks (``buffers`` 2)
+    on at least MIN_PACKETS_TO_MERGE_CTA_FIRST packets, one CTA per SM on long rows
+    where nothing hides the exchange. H200, kernel alone (results/
+    cluster_exchange_cta_first_H200_20261204.txt), 16-CTA clusters of 16 warps:
+    LayerNorm bwd bf16 512x262144 69.4% -> 78.7% of the copy ceiling, fp16 66.9 ->
+    73.6, RMSNorm bf16 89.3 -> 91.5, fp32 LayerNorm 68.3 -> 68.1; at 128 packets no
+    gain (RMSNorm bf16 2048x65536 93.2 -> 92.4, LayerNorm 83.0 -> 82.9, fp32
+    512x262144 76.3 -> 76.3); the one-block kernels were within a point except the
+    softmax forward bf16 512x262144, which lost 2.1."""
+    return buffers == 2 and cfg.cluster_size > 1 and cfg.warps_per_row > 1 \
+        and cfg.warps_per_row * cfg.cluster_size >= MIN_PACKETS_TO_MERGE_CTA_FIRST
+
+
 # Prefetched row statistics are loaded as the block before begins (beside its staged
 # loads of the next rows where there are two buffers) for blocks of one row; blocks of
 # several rows load them once the block's row sums are in, as before: loaded early, the

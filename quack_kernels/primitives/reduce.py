@@ -8,12 +8,12 @@ clusters, one mbarrier wait on the distributed shared memory exchange:
   warp:    butterfly shuffles over the row's lanes (threads_per_row <= 32) or the warp
   block:   lane 0 of each warp writes its partial to ``scratch``; after a barrier each
            warp reads all partials of its row and reduces them again with shuffles
-  cluster: lane r of each warp st.async's its warp partial into CTA r's scratch (so
-           each CTA receives every warp of every CTA); the mbarrier completes when all
-           bytes have landed, then every warp reduces the warps_per_row x cluster_size
-           partials of its row
+  cluster: lane r of each warp st.async's its warp partial into CTA r's scratch (one
+           vector store a peer), or, where merges_cta_first, the CTA's partial merged
+           as in a block from the row's first warp; the mbarrier completes when every
+           CTA's bytes have landed, then every warp reduces the partials of its row
 
-``scratch`` is (rows_per_block, warps_per_row * cluster_size, slot_words) fp32 in shared
+``scratch`` is (rows_per_block, scratch_slots, slot_words) fp32 in shared
 memory; allocate one per reduction (scratches are never reused, so no barrier is
 needed between consecutive reductions).
 """
@@ -29,7 +29,7 @@ import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, Int64
 from cutlass._mlir.dialects import arith
 
-from .config import RowConfig
+from .config import RowConfig, merges_cta_first
 
 Values = Tuple[Float32, ...]
 
@@ -161,9 +161,23 @@ def store_vector(words: int) -> int:
     return 4 if words % 4 == 0 else min(words, 2)
 
 
+def scratch_slots(cfg: RowConfig, buffers: int = 1) -> int:
+    """Partials a row's scratch holds: one per warp of the row (of every CTA of a
+    cluster, the peers' sent by themselves); where merges_cta_first, one per CTA
+    (slots 0 .. cluster_size - 1) and after them the CTA's own warps."""
+    if merges_cta_first(cfg, buffers):
+        return cfg.cluster_size + cfg.warps_per_row
+    return cfg.warps_per_row * cfg.cluster_size
+
+
+def scratch_words(cfg: RowConfig, num_values: int, buffers: int = 1) -> int:
+    """32-bit words of one scratch buffer."""
+    return cfg.rows_per_block * scratch_slots(cfg, buffers) * slot_words(cfg, num_values)
+
+
 def scratch_layout(cfg: RowConfig, num_values: int, buffers: int = 1) -> cute.Layout:
     """(row, slot, word[, buffer]); looping kernels alternate between two buffers."""
-    slots = cfg.warps_per_row * cfg.cluster_size
+    slots = scratch_slots(cfg, buffers)
     words = slot_words(cfg, num_values)
     if buffers == 1:
         return cute.make_ordered_layout((cfg.rows_per_block, slots, words), order=(2, 1, 0))
@@ -171,10 +185,10 @@ def scratch_layout(cfg: RowConfig, num_values: int, buffers: int = 1) -> cute.La
                                     order=(2, 1, 0, 3))
 
 
-def scratch_tx_bytes(cfg: RowConfig, num_values: int) -> int:
+def scratch_tx_bytes(cfg: RowConfig, num_values: int, buffers: int = 1) -> int:
     """Bytes every CTA of a cluster receives through one reduction."""
-    return cfg.rows_per_block * cfg.warps_per_row * cfg.cluster_size \
-        * slot_words(cfg, num_values) * 4
+    senders = cfg.cluster_size * (1 if merges_cta_first(cfg, buffers) else cfg.warps_per_row)
+    return cfg.rows_per_block * senders * slot_words(cfg, num_values) * 4
 
 
 def _as_i32(value: Float32) -> Int32:
@@ -194,8 +208,9 @@ def _shuffle_allreduce(values: Values, combine: Callable, width: cutlass.Constex
 
 @cute.jit
 def _reduce_slots(scratch: cute.Tensor, row: Int32, slots: cutlass.Constexpr[int],
-                  combine: Callable, identity: Values) -> Values:
-    """Reduce the ``slots`` partials of ``row`` so that every lane holds the result.
+                  combine: Callable, identity: Values, first: cutlass.Constexpr[int] = 0) -> Values:
+    """Reduce the ``slots`` partials of ``row`` from slot ``first`` so that every lane
+    holds the result.
     Lanes are split into groups of ``width`` (a power of two covering min(slots, 32));
     each group reads all slots (lane l takes slots l mod width, + width, ...) and
     reduces them with a butterfly inside the group."""
@@ -206,13 +221,34 @@ def _reduce_slots(scratch: cute.Tensor, row: Int32, slots: cutlass.Constexpr[int
         slot = base + lane_in_group
         valid = slot < slots
         slot = cutlass.select_(valid, slot, 0)
-        part = tuple(scratch[row, slot, k] for k in range(len(identity)))
+        part = tuple(scratch[row, first + slot, k] for k in range(len(identity)))
         part = tuple(Float32(cutlass.select_(valid, p, i)) for p, i in zip(part, identity))
         if cutlass.const_expr(base == 0 and _two_phase(combine)):
             acc = part  # (merging it into the identity would cost an online combine's exp2)
         else:
             acc = combine(acc, part)
     return warp_allreduce(acc, combine, width)
+
+
+@cute.jit
+def _send_to_peers(values: Values, scratch: cute.Tensor, row: Int32, warp_in_row,
+                   cfg: cutlass.Constexpr, mbar_ptr, lane: Int32):
+    """Lane r stores ``values`` into CTA r's scratch, completing on its mbarrier, as
+    one vector st.async (slot_words): into this warp's slot there (``warp_in_row`` +
+    warps_per_row x this CTA's rank), or this CTA's (its rank) for ``warp_in_row``
+    None."""
+    rank = cute.arch.block_idx_in_cluster()
+    if lane < cfg.cluster_size:
+        slot = rank
+        if cutlass.const_expr(warp_in_row is not None):
+            slot = warp_in_row + cfg.warps_per_row * rank
+        words = slot_words(cfg, len(values))
+        vec = store_vector(words)
+        padded = [_as_i32(v) for v in values] + [Int32(0)] * (words - len(values))
+        for k in cutlass.range_constexpr(0, words, vec):
+            dst = scratch.iterator + cute.crd2idx((row, slot, k), scratch.layout)
+            word = padded[k] if cutlass.const_expr(vec == 1) else tuple(padded[k:k + vec])
+            cute.arch.store_async_dsmem(dst, word, mbar_ptr, lane)
 
 
 @cute.jit
@@ -228,7 +264,10 @@ def row_allreduce(values: Values, combine: Callable, identity: Values,
     iterations is needed: a warp can only write a buffer again after every warp of the
     row contributed to the exchange between, i.e. after it finished reading the buffer;
     for the same reason a barrier's next bytes arrive only after its exchange completed
-    (before thread 0's re-arm they are legal: the tx-count goes transiently negative)."""
+    (before thread 0's re-arm they are legal: the tx-count goes transiently negative).
+    Where merges_cta_first, a CTA's slots of its own warps are written again only
+    after the block barrier of the exchange between, which every warp reaches after
+    reading them."""
     values = warp_allreduce(values, combine, min(32, cfg.threads_per_row))
     if cutlass.const_expr(cfg.warps_per_row == 1 and cfg.cluster_size == 1):
         return values
@@ -236,28 +275,30 @@ def row_allreduce(values: Values, combine: Callable, identity: Values,
     warp = cute.arch.warp_idx()
     row = warp // cfg.warps_per_row
     warp_in_row = warp % cfg.warps_per_row
-    slots = cfg.warps_per_row * cfg.cluster_size
     if cutlass.const_expr(cfg.cluster_size == 1):
         if lane == 0:
             for k in cutlass.range_constexpr(len(values)):
                 scratch[row, warp_in_row, k] = values[k]
         cute.arch.barrier()
+        return _reduce_slots(scratch, row, cfg.warps_per_row, combine, identity)
+    cta_first = merges_cta_first(cfg, 2 if rearm else 1)  # (rearm: a looping kernel's)
+    senders = 1 if cta_first else cfg.warps_per_row  # partials each CTA sends a peer
+    if cutlass.const_expr(cta_first):
+        if lane == 0:
+            for k in cutlass.range_constexpr(len(values)):
+                scratch[row, cfg.cluster_size + warp_in_row, k] = values[k]
+        cute.arch.barrier()
+        values = _reduce_slots(scratch, row, cfg.warps_per_row, combine, identity,
+                               first=cfg.cluster_size)
+        if warp_in_row == 0:
+            _send_to_peers(values, scratch, row, None, cfg, mbar_ptr, lane)
     else:
-        rank = cute.arch.block_idx_in_cluster()
-        if lane < cfg.cluster_size:
-            slot = warp_in_row + cfg.warps_per_row * rank
-            words = slot_words(cfg, len(values))
-            vec = store_vector(words)
-            padded = [_as_i32(v) for v in values] + [Int32(0)] * (words - len(values))
-            for k in cutlass.range_constexpr(0, words, vec):
-                dst = scratch.iterator + cute.crd2idx((row, slot, k), scratch.layout)
-                word = padded[k] if cutlass.const_expr(vec == 1) else tuple(padded[k:k + vec])
-                cute.arch.store_async_dsmem(dst, word, mbar_ptr, lane)
-        cute.arch.mbarrier_wait(mbar_ptr, phase % 2)
-        if cutlass.const_expr(rearm):
-            if cute.arch.thread_idx()[0] == 0:
-                cute.arch.mbarrier_arrive_and_expect_tx(mbar_ptr, scratch_tx_bytes(cfg, len(values)))
-    return _reduce_slots(scratch, row, slots, combine, identity)
+        _send_to_peers(values, scratch, row, warp_in_row, cfg, mbar_ptr, lane)
+    cute.arch.mbarrier_wait(mbar_ptr, phase % 2)
+    if cutlass.const_expr(rearm):
+        if cute.arch.thread_idx()[0] == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(mbar_ptr, scratch_tx_bytes(cfg, len(values), 2))
+    return _reduce_slots(scratch, row, cfg.cluster_size * senders, combine, identity)
 
 
 # The high half of a grid-sum word once its CTA has written it (0: not yet, see

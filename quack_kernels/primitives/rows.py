@@ -70,9 +70,8 @@ class RowKernel(GridSum):
         staged = self.cfg.staging_smem_bytes(self.staged_bytes_per_col)
         if self.cfg.staging == "global":
             staged = 0
-        scratch = self.reductions * self.cfg.rows_per_block * self.cfg.warps_per_row \
-            * self.cfg.cluster_size * red.slot_words(self.cfg, self.values_per_reduction) \
-            * 4 * self.scratch_buffers
+        scratch = self.reductions * 4 * self.scratch_buffers \
+            * red.scratch_words(self.cfg, self.values_per_reduction, self.scratch_buffers)
         accumulated = 0
         if not self.sums_in_registers:
             accumulated = self.accumulators * self.cfg.rows_per_block * self.cfg.cols_per_cta * 4
@@ -187,7 +186,7 @@ class ReductionSlot:
             # hung in back-to-back launches on 128-thread cluster shares).
             self.mbar = smem.allocate_array(Int64, num_elems=buffers)
             red.cluster_reduction_setup(cfg, self.mbar, buffers,
-                                        red.scratch_tx_bytes(cfg, num_values), arrive)
+                                        red.scratch_tx_bytes(cfg, num_values, buffers), arrive)
 
     def allreduce(self, values, combine, identity, iteration=None):
         """``iteration``: the loop counter of a kernel looping over row blocks (needs
