@@ -659,3 +659,38 @@ def test_norm_backward_rows_alone_in_shared_memory():
         dataclasses.replace(rms, staging="global", threads_per_row=512, num_chunks=4), 8)
     assert staged.staging == "smem"
     assert config.rows_alone_in_smem(staged, 16).staging == "global"
+
+
+def test_cluster_partials_travel_as_whole_vectors():
+    """A slot of a cluster exchange rounds up to vectors of 2 or 4 words (one st.async
+    each); the bytes a CTA expects are the senders' slots."""
+    from quack_kernels.primitives import reduce as red
+
+    cluster = config.RowConfig(n_cols=262144, vec=8, threads_per_row=512, rows_per_block=1,
+                               cluster_size=16, vecs_per_thread=2, num_chunks=2,
+                               staging="smem", stages=2)
+    one_cta = dataclasses.replace(cluster, cluster_size=1)
+    words = {n: red.slot_words(cluster, n) for n in range(1, 8)}
+    assert words == {1: 1, 2: 2, 3: 4, 4: 4, 5: 6, 6: 6, 7: 8}
+    assert [red.store_vector(w) for w in (1, 2, 4, 6, 8)] == [1, 2, 4, 2, 4]
+    assert all(red.slot_words(one_cta, n) == n for n in range(1, 8))  # no st.async there
+    # one-block kernels: every warp of every CTA sends; looping ones: each CTA once
+    assert red.scratch_tx_bytes(cluster, 3, 1) == 16 * 16 * 4 * 4
+    assert red.scratch_tx_bytes(cluster, 3, 2) == 16 * 4 * 4
+    assert red.scratch_slots(cluster, 2) == 16 + 16  # the peers', then the CTA's warps
+
+
+def test_looping_kernels_merge_their_warps_before_wide_exchanges():
+    """merges_cta_first: looping kernels (two scratch buffers) whose exchange carries at
+    least MIN_PACKETS_TO_MERGE_CTA_FIRST warp partials a CTA (measured 256: gain, 128:
+    none); never one-block kernels or CTAs of one warp per row."""
+    cfg = config.RowConfig(n_cols=262144, vec=8, threads_per_row=512, rows_per_block=1,
+                           cluster_size=16, vecs_per_thread=2, num_chunks=2, staging="smem",
+                           stages=2)
+    assert cfg.warps_per_row * cfg.cluster_size == config.MIN_PACKETS_TO_MERGE_CTA_FIRST
+    assert config.merges_cta_first(cfg, 2)
+    assert not config.merges_cta_first(cfg, 1)
+    assert not config.merges_cta_first(dataclasses.replace(cfg, cluster_size=8), 2)
+    assert not config.merges_cta_first(dataclasses.replace(cfg, cluster_size=1), 2)
+    one_warp = dataclasses.replace(cfg, threads_per_row=32, vecs_per_thread=64, num_chunks=1)
+    assert not config.merges_cta_first(one_warp, 2)

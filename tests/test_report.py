@@ -2,13 +2,14 @@
 warp syncs and no register read before it is written."""
 
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from quack_kernels.report import _RES, find_cuobjdump, resource_usage
+from quack_kernels.report import _RES, _cubin_file, disassembly, find_cuobjdump, resource_usage
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -478,3 +479,34 @@ def test_bf16_widened_by_integer_ops_where_the_config_says(tmp_path):
             assert masks >= values // 2 and unpacks < values // 8, (n, masks, unpacks)
         else:
             assert masks == 0 and unpacks >= values // 2, (n, masks, unpacks)
+
+
+@pytest.mark.parametrize("kind, n, store", [
+    ("ln_bwd", 262144, "STAS.64"),   # dot and g_sum, the CTA's warps merged first
+    ("ln_bwd", 65536, "STAS.64"),    # the same from every warp
+    ("ln_fwd", 65536, "STAS.128"),   # count, mean, centered squares: padded to four
+])
+def test_cluster_partials_are_one_vector_store(tmp_path, kind, n, store):
+    """Each exchange of a cluster reduction sends a slot as one vector st.async (one
+    packet between SMs), however many values it carries (reduce.slot_words)."""
+    from quack_kernels.ops import norm
+    from quack_kernels.primitives.compile_cache import compile_kernel
+
+    cuobjdump = find_cuobjdump()
+    if cuobjdump is None:
+        pytest.skip("cuobjdump not installed")
+    bf16 = torch.bfloat16
+    if kind == "ln_bwd":
+        cfg = norm.backward_config(n, bf16, bf16, (bf16,), bf16, 2, rms=False)
+        kernel, *fakes = norm.backward_kernel(cfg, False, bf16, bf16, bf16, False, None, bf16,
+                                              None, True, True)
+    else:
+        cfg = norm.forward_config(n, False, bf16, bf16, False, bf16, bf16, bf16)
+        kernel, *fakes = norm.forward_kernel(cfg, False, bf16, bf16, False, False, bf16, bf16,
+                                             bf16)
+        assert kernel.moments
+    assert cfg.cluster_size > 1
+    fn = compile_kernel(kernel, *fakes, keep_cubin_in=str(tmp_path))
+    sass = disassembly(_cubin_file(fn.__cubin__, str(tmp_path)), cuobjdump)
+    stores = re.findall(r"\bSTAS(?:\.\w+)*", sass)
+    assert stores == [store], stores
