@@ -161,13 +161,19 @@ def store_vector(words: int) -> int:
     return 4 if words % 4 == 0 else min(words, 2)
 
 
+def peer_slots(cfg: RowConfig, buffers: int = 1) -> int:
+    """Partials of a row every CTA of a cluster receives (slots 0 .. peer_slots - 1):
+    one per warp of every CTA, or one per CTA where merges_cta_first."""
+    return cfg.cluster_size * (1 if merges_cta_first(cfg, buffers) else cfg.warps_per_row)
+
+
 def scratch_slots(cfg: RowConfig, buffers: int = 1) -> int:
-    """Partials a row's scratch holds: one per warp of the row (of every CTA of a
-    cluster, the peers' sent by themselves); where merges_cta_first, one per CTA
-    (slots 0 .. cluster_size - 1) and after them the CTA's own warps."""
-    if merges_cta_first(cfg, buffers):
-        return cfg.cluster_size + cfg.warps_per_row
-    return cfg.warps_per_row * cfg.cluster_size
+    """Partials a row's scratch holds: in a CTA one per warp of the row; in a cluster
+    the peer_slots, and after them the CTA's own warps where merges_cta_first."""
+    if cfg.cluster_size == 1:
+        return cfg.warps_per_row
+    own = cfg.warps_per_row if merges_cta_first(cfg, buffers) else 0
+    return peer_slots(cfg, buffers) + own
 
 
 def scratch_words(cfg: RowConfig, num_values: int, buffers: int = 1) -> int:
@@ -187,8 +193,7 @@ def scratch_layout(cfg: RowConfig, num_values: int, buffers: int = 1) -> cute.La
 
 def scratch_tx_bytes(cfg: RowConfig, num_values: int, buffers: int = 1) -> int:
     """Bytes every CTA of a cluster receives through one reduction."""
-    senders = cfg.cluster_size * (1 if merges_cta_first(cfg, buffers) else cfg.warps_per_row)
-    return cfg.rows_per_block * senders * slot_words(cfg, num_values) * 4
+    return cfg.rows_per_block * peer_slots(cfg, buffers) * slot_words(cfg, num_values) * 4
 
 
 def _as_i32(value: Float32) -> Int32:
@@ -281,9 +286,8 @@ def row_allreduce(values: Values, combine: Callable, identity: Values,
                 scratch[row, warp_in_row, k] = values[k]
         cute.arch.barrier()
         return _reduce_slots(scratch, row, cfg.warps_per_row, combine, identity)
-    cta_first = merges_cta_first(cfg, 2 if rearm else 1)  # (rearm: a looping kernel's)
-    senders = 1 if cta_first else cfg.warps_per_row  # partials each CTA sends a peer
-    if cutlass.const_expr(cta_first):
+    buffers = 2 if rearm else 1  # (rearm: a looping kernel's reduction)
+    if cutlass.const_expr(merges_cta_first(cfg, buffers)):
         if lane == 0:
             for k in cutlass.range_constexpr(len(values)):
                 scratch[row, cfg.cluster_size + warp_in_row, k] = values[k]
@@ -297,8 +301,9 @@ def row_allreduce(values: Values, combine: Callable, identity: Values,
     cute.arch.mbarrier_wait(mbar_ptr, phase % 2)
     if cutlass.const_expr(rearm):
         if cute.arch.thread_idx()[0] == 0:
-            cute.arch.mbarrier_arrive_and_expect_tx(mbar_ptr, scratch_tx_bytes(cfg, len(values), 2))
-    return _reduce_slots(scratch, row, cfg.cluster_size * senders, combine, identity)
+            cute.arch.mbarrier_arrive_and_expect_tx(mbar_ptr,
+                                                    scratch_tx_bytes(cfg, len(values), buffers))
+    return _reduce_slots(scratch, row, peer_slots(cfg, buffers), combine, identity)
 
 
 # The high half of a grid-sum word once its CTA has written it (0: not yet, see
