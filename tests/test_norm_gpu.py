@@ -291,6 +291,24 @@ def test_many_row_blocks_per_cta(m, n):
                        need_db=True)
 
 
+@pytest.mark.parametrize("n, dtype", [(262144, torch.float32), (131073, torch.bfloat16)])
+@pytest.mark.parametrize("rms", [True, False])
+def test_refilled_chunks_over_many_row_blocks(n, dtype, rms):
+    """Single-buffered shares that load each chunk of the next row block once the dh pass
+    has read it (NormBackward.refills_chunks), over several blocks a CTA, the last ones
+    refilled from past M, with and without the residual gradient."""
+    m = 30
+    cfg = ops.backward_config(n, dtype, dtype, (dtype,), dtype, 1 if rms else 2, rms=rms)
+    assert ops._backward_kernel_object(cfg, rms, dtype, dtype, True, not rms,
+                                       dtype).refills_chunks
+    x, w, b = fresh((m, n), dtype), fresh(n, dtype, 0.5, 1.0), fresh(n, dtype)
+    _, _, mean, rstd = ops.norm_forward(x, w, None if rms else b, None, 1e-5, 0.0, rms, None,
+                                        None, False)
+    dy = fresh((m, n), dtype)
+    check_backward(dy, x, w, None if rms else mean, rstd, 0.0, rms, need_db=not rms)
+    check_backward(dy, x, w, None if rms else mean, rstd, 0.0, rms, fresh((m, n), dtype))
+
+
 @pytest.mark.parametrize("dtype, mean_value", [(torch.float16, 1e4), (torch.bfloat16, 1e3)])
 @pytest.mark.parametrize("n", [8192, 65536])
 def test_layer_norm_backward_of_16bit_rows_far_from_zero(n, dtype, mean_value):

@@ -361,6 +361,15 @@ class NormBackward(RowKernel):
         return self.rms and self.cfg.staging != "registers" and self.cfg.stages == 2
 
     @property
+    def refills_chunks(self) -> bool:
+        """Whether a single-buffered shared-memory share loads each chunk of the next row
+        block as soon as the dh pass has read it (RowTiles.refill_chunk), instead of the
+        whole block at the next iteration's start: the next block's bytes are in flight
+        while this one's later chunks are computed and stored (fp32 262144 columns: two
+        buffers do not fit)."""
+        return self.cfg.staging == "smem" and self.cfg.stages == 1
+
+    @property
     def weight_staged(self) -> bool:
         """Whether the weight is read from shared memory (RowTiles.stage_columns)."""
         return bool(self.column_dtypes)
@@ -392,8 +401,8 @@ class NormBackward(RowKernel):
             sW = home.stage_columns(smem, mW)
         if cutlass.const_expr(cfg.cluster_size > 1):
             cute.arch.cluster_wait()
-        if cutlass.const_expr(cfg.stages == 2):
-            home.issue_loads()  # the first block; each iteration prefetches the next
+        if cutlass.const_expr(cfg.stages == 2 or self.refills_chunks):
+            home.issue_loads()  # the first block; each iteration loads the next
         first_stats = None
         if cutlass.const_expr(self.prefetches_stats):
             first_stats = self._row_stats(home, mMean, mRstd)
@@ -433,7 +442,7 @@ class NormBackward(RowKernel):
         otherwise they are loaded here."""
         cfg = self.cfg
         inv_n = Float32(1.0 / cfg.n_cols)
-        tiles = home.begin_block(block_row, grid_rows, iteration)
+        tiles = home.begin_block(block_row, grid_rows, iteration, self.refills_chunks)
         early = self.prefetches_stats and row_stats_a_block_ahead(cfg)
         next_stats = None
         if cutlass.const_expr(self.prefetches_stats):
@@ -485,6 +494,8 @@ class NormBackward(RowKernel):
                     dh = (g * rstd + shift) + xhat * scale
                 else:
                     dh = (g - xhat * c1 - c2) * rstd
+            if cutlass.const_expr(self.refills_chunks):
+                tiles.refill_chunk(c, grid_rows)
             if cutlass.const_expr(mdResOut is not None):
                 dh = dh + tiles.load(mdResOut, c)
             if cutlass.const_expr(mdX is not None):

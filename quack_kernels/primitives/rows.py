@@ -272,18 +272,29 @@ class RowTiles:
         view.row_in_bounds = cute.elem_less(view.row, self.num_rows)
         return view
 
-    def begin_block(self, block_row, grid_rows, iteration):
+    def begin_block(self, block_row, grid_rows, iteration, refills: bool = False):
         """The view of row block ``block_row``, iteration ``iteration`` of a looping grid
         of ``grid_rows`` blocks, with its loads under way: with two staging buffers they
         were issued an iteration earlier (the first block's before the loop) and the
-        next block's are issued here; with one buffer they are issued now."""
+        next block's are issued here; with one buffer they are issued now, or, where the
+        kernel ``refills`` each chunk once read (refill_chunk), they already were."""
         if self.cfg.stages == 2:
             tiles = self.at_block(block_row, iteration % 2)
             self.at_block(block_row + grid_rows, (iteration + 1) % 2).issue_loads()
             return tiles
         tiles = self.at_block(block_row)
-        tiles.issue_loads()
+        if not refills:
+            tiles.issue_loads()
         return tiles
+
+    def refill_chunk(self, chunk: int, grid_rows):
+        """Start the copies of ``chunk`` of the row block ``grid_rows`` after this one into
+        the one staging buffer, as one commit group: call once this thread has read the
+        chunk for the last time (its values used), in chunk order, so that the next
+        block's wait_chunk counts its groups as issue_loads' (a kernel that refills
+        issues the first block's loads before its loop and none in begin_block)."""
+        assert self.cfg.stages == 1 and self.cfg.staging == "smem"
+        self.at_block(self.block_row + grid_rows)._issue_chunk(chunk)
 
     @property
     def leads_row(self):
@@ -332,13 +343,7 @@ class RowTiles:
         cfg = self.cfg
         if cutlass.const_expr(cfg.staging != "global"):
             for c in cutlass.range_constexpr(self.load_groups):
-                for i, mX in enumerate(self.staged):
-                    thr = self.copy_g2s[i].get_slice(self.tidx)
-                    tXgX = thr.partition_S(self._gmem_tile(mX, c))
-                    tXsX = thr.partition_D(self._smem_slot(i, c))
-                    if self.row_in_bounds:
-                        cute.copy(self.copy_g2s[i], tXgX, tXsX, pred=self.preds[c])
-                cute.arch.cp_async_commit_group()
+                self._issue_chunk(c)
             for c in cutlass.range_constexpr(cfg.num_chunks):
                 if cutlass.const_expr(self.in_registers(c)):
                     for i, _ in enumerate(self.staged):
@@ -346,6 +351,18 @@ class RowTiles:
                         self.held[i, c] = self.load(
                             self.staged[i], c, fill=0.0 if self.pad is None else self.pad,
                             raw=True)
+
+    @cute.jit
+    def _issue_chunk(self, c: cutlass.Constexpr[int]):
+        """The cp.async copies of staged chunk ``c`` of this view, one commit group
+        (committed past the last row too: the groups in flight stay known)."""
+        for i, mX in enumerate(self.staged):
+            thr = self.copy_g2s[i].get_slice(self.tidx)
+            tXgX = thr.partition_S(self._gmem_tile(mX, c))
+            tXsX = thr.partition_D(self._smem_slot(i, c))
+            if self.row_in_bounds:
+                cute.copy(self.copy_g2s[i], tXgX, tXsX, pred=self.preds[c])
+        cute.arch.cp_async_commit_group()
 
     def prefetch_ahead(self, grid_rows=None, also=()):
         """Where cfg.l2_prefetch is set: prefetch_to_l2 of the block that many ahead, or,
