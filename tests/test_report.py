@@ -510,3 +510,26 @@ def test_cluster_partials_are_one_vector_store(tmp_path, kind, n, store):
     sass = disassembly(_cubin_file(fn.__cubin__, str(tmp_path)), cuobjdump)
     stores = re.findall(r"\bSTAS(?:\.\w+)*", sass)
     assert stores == [store], stores
+
+
+@pytest.mark.parametrize("rms", [True, False])
+def test_narrow_vectors_land_in_registers_before_shared_memory(tmp_path, rms):
+    """Odd 16-bit rows (2-byte vectors, no cp.async) are staged by plain loads: every
+    load of a chunk is issued before the first shared-memory store waits for one
+    (RowTiles._issue_chunk), instead of one load in flight per thread."""
+    from quack_kernels.ops import norm
+    from quack_kernels.primitives.compile_cache import compile_kernel
+
+    cuobjdump = find_cuobjdump()
+    if cuobjdump is None:
+        pytest.skip("cuobjdump not installed")
+    bf16 = torch.bfloat16
+    cfg = norm.backward_config(50257, bf16, bf16, (bf16,), bf16, 1 if rms else 2, rms=rms)
+    assert cfg.vec == 1 and cfg.staging != "global"
+    kernel, *fakes = norm.backward_kernel(cfg, rms, bf16, bf16, bf16, False, None, bf16,
+                                          None, True, not rms)
+    fn = compile_kernel(kernel, *fakes, keep_cubin_in=str(tmp_path))
+    sass = disassembly(_cubin_file(fn.__cubin__, str(tmp_path)), cuobjdump)
+    staging = sass[:sass.index("STS.U16")]
+    # h and dy: one 16-bit load per vector of the chunk each
+    assert len(re.findall(r"\bLDG\.E\.U16\b", staging)) >= 2 * cfg.vecs_per_thread
