@@ -516,7 +516,8 @@ def test_cluster_partials_are_one_vector_store(tmp_path, kind, n, store):
 def test_narrow_vectors_land_in_registers_before_shared_memory(tmp_path, rms):
     """Odd 16-bit rows (2-byte vectors, no cp.async) are staged by plain loads: every
     load of a chunk is issued before the first shared-memory store waits for one
-    (RowTiles._issue_chunk), instead of one load in flight per thread."""
+    (RowTiles._issue_chunk), instead of one load in flight per thread; and nothing
+    spills (the unmasked RMSNorm re-read did, NormBackward.rereads_unmasked)."""
     from quack_kernels.ops import norm
     from quack_kernels.primitives.compile_cache import compile_kernel
 
@@ -529,7 +530,10 @@ def test_narrow_vectors_land_in_registers_before_shared_memory(tmp_path, rms):
     kernel, *fakes = norm.backward_kernel(cfg, rms, bf16, bf16, bf16, False, None, bf16,
                                           None, True, not rms)
     fn = compile_kernel(kernel, *fakes, keep_cubin_in=str(tmp_path))
-    sass = disassembly(_cubin_file(fn.__cubin__, str(tmp_path)), cuobjdump)
+    cubin = _cubin_file(fn.__cubin__, str(tmp_path))
+    usage = resource_usage(cubin, cuobjdump)
+    assert usage["stack"] == 0 and usage["local"] == 0, usage
+    sass = disassembly(cubin, cuobjdump)
     staging = sass[:sass.index("STS.U16")]
     # h and dy: one 16-bit load per vector of the chunk each
     assert len(re.findall(r"\bLDG\.E\.U16\b", staging)) >= 2 * cfg.vecs_per_thread

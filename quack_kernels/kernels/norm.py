@@ -357,8 +357,11 @@ class NormBackward(RowKernel):
         88.2% of the copy ceiling (91.0 with _masks_rows), bf16 87.8 -> 89.5. The masked
         pass branched around each chunk's reads, which then came chunk by chunk between
         the stores. Not taken where it lost: RMSNorm fp32 262144 (single-buffered, 76.9
-        -> 73.2) and LayerNorm bf16 / fp16 262144 (66.0 -> 65.3, 64.8 -> 63.8)."""
-        return self.rms and self.cfg.staging != "registers" and self.cfg.stages == 2
+        -> 73.2) and LayerNorm bf16 / fp16 262144 (66.0 -> 65.3, 64.8 -> 63.8); nor on
+        one-value vectors (odd bf16 rows of 32001-100001 columns spilled 144-272 bytes,
+        sm_90a)."""
+        return self.rms and self.cfg.staging != "registers" and self.cfg.stages == 2 \
+            and self.cfg.vec > 1
 
     @property
     def refills_chunks(self) -> bool:
