@@ -291,12 +291,15 @@ def test_many_row_blocks_per_cta(m, n):
                        need_db=True)
 
 
-@pytest.mark.parametrize("n, dtype", [(262144, torch.float32), (131073, torch.bfloat16)])
-def test_refilled_chunks_over_many_row_blocks(n, dtype):
-    """Single-buffered LayerNorm shares that load each chunk of the next row block once
-    the dh pass has read it (NormBackward.refills_chunks), over several blocks a CTA,
-    the last ones refilled from past M, with and without the residual gradient."""
-    m, rms = 30, False
+@pytest.mark.parametrize("n, dtype, rms", [
+    (262144, torch.float32, True), (262144, torch.float32, False),
+    (131073, torch.bfloat16, True), (131073, torch.bfloat16, False),
+    (200000, torch.float32, True)])
+def test_refilled_chunks_over_many_row_blocks(n, dtype, rms):
+    """Single-buffered shares that load each chunk of the next row block once the dh pass
+    has read it (NormBackward.refills_chunks), over several blocks a CTA, the last ones
+    refilled from past M, with and without the residual gradient."""
+    m = 30
     cfg = ops.backward_config(n, dtype, dtype, (dtype,), dtype, 1 if rms else 2, rms=rms)
     assert ops._backward_kernel_object(cfg, rms, dtype, dtype, True, not rms,
                                        dtype).refills_chunks

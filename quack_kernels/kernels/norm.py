@@ -369,9 +369,11 @@ class NormBackward(RowKernel):
         block as soon as the dh pass has read it (RowTiles.refill_chunk), instead of the
         whole block at the next iteration's start: the next block's bytes are in flight
         while this one's later chunks are computed and stored (fp32 262144 columns: two
-        buffers do not fit). LayerNorm only: fp32 512x262144 68.4 -> 89.6%, ragged
-        1024x131073 +7 points; RMSNorm's lighter dh pass lost at 262144 (76.9 -> 75.1)."""
-        return not self.rms and self.cfg.staging == "smem" and self.cfg.stages == 1
+        buffers do not fit). H200, kernels alone: LayerNorm fp32 512x262144 68.4 ->
+        89.6% of the copy ceiling, RMSNorm fp32 1024x131073 48.3 -> 58.9, 640x200000
+        62.1 -> 83.7 (at 512x262144 on 256 threads 77.2 -> 76.7, but 90.4 on the 512 of
+        ops.norm's wider share)."""
+        return self.cfg.staging == "smem" and self.cfg.stages == 1
 
     @property
     def weight_staged(self) -> bool:
