@@ -359,24 +359,24 @@ class RowTiles:
         narrow for cp.async (tiling.copies_async) are loaded into registers, all of the
         chunk's before the first shared-memory store: copied vector by vector, each
         store waited for its load, one load in flight per thread (16-bit LayerNorm
-        backward of 50257 columns: 8% of the copy ceiling). Past the row end they hold
-        0, as a predicated-off cp.async leaves."""
-        landing = []
+        backward of 50257 columns: 8% of the copy ceiling)."""
+        copies = []
         for i, mX in enumerate(self.staged):
             thr = self.copy_g2s[i].get_slice(self.tidx)
             tXgX = thr.partition_S(self._gmem_tile(mX, c))
-            tXsX = thr.partition_D(self._smem_slot(i, c))
-            if cutlass.const_expr(tiling.copies_async(mX.element_type, self.cfg)):
-                if self.row_in_bounds:
-                    cute.copy(self.copy_g2s[i], tXgX, tXsX, pred=self.preds[c])
-            else:
-                tXrX = cute.make_fragment_like(tXgX)
-                tXrX.fill(0)
-                if self.row_in_bounds:
-                    cute.copy(self.copy_g2s[i], tXgX, tXrX, pred=self.preds[c])
-                landing.append((tXrX, tXsX))
-        for tXrX, tXsX in landing:
-            cute.autovec_copy(tXrX, tXsX)
+            landing = None
+            if cutlass.const_expr(not tiling.copies_async(mX.element_type, self.cfg)):
+                landing = cute.make_fragment_like(tXgX)
+            copies.append((i, tXgX, thr.partition_D(self._smem_slot(i, c)), landing))
+        if self.row_in_bounds:
+            for i, tXgX, tXsX, landing in copies:
+                if cutlass.const_expr(landing is not None):
+                    landing.fill(0)
+                cute.copy(self.copy_g2s[i], tXgX, tXsX if landing is None else landing,
+                          pred=self.preds[c])
+            for i, _, tXsX, landing in copies:
+                if cutlass.const_expr(landing is not None):
+                    cute.autovec_copy(landing, tXsX)
         cute.arch.cp_async_commit_group()
 
     def prefetch_ahead(self, grid_rows=None, also=()):
