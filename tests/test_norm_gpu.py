@@ -8,6 +8,7 @@ import torch
 
 import quack_kernels as qk
 from quack_kernels.ops import norm as ops
+from quack_kernels.primitives.config import loop_grid_rows
 
 from helpers import assert_close, poison_allocator
 
@@ -299,16 +300,19 @@ def test_refilled_chunks_over_many_row_blocks(n, dtype, rms):
     """Single-buffered shares that load each chunk of the next row block once the dh pass
     has read it (NormBackward.refills_chunks), over several blocks a CTA, the last ones
     refilled from past M, with and without the residual gradient."""
-    m = 30
     cfg = ops.backward_config(n, dtype, dtype, (dtype,), dtype, 1 if rms else 2, rms=rms)
-    assert ops._backward_kernel_object(cfg, rms, dtype, dtype, True, not rms,
-                                       dtype).refills_chunks
+    kernel = ops._backward_kernel_object(cfg, rms, dtype, dtype, True, not rms, dtype)
+    assert kernel.refills_chunks
+    resident = ops.resident_row_blocks(kernel, torch.device("cuda"))
+    m = 2 * resident + resident // 2 + 1  # two or three blocks a CTA, refills past M
+    assert loop_grid_rows(cfg, m, resident) == resident
     x, w, b = fresh((m, n), dtype), fresh(n, dtype, 0.5, 1.0), fresh(n, dtype)
     _, _, mean, rstd = ops.norm_forward(x, w, None if rms else b, None, 1e-5, 0.0, rms, None,
                                         None, False)
     dy = fresh((m, n), dtype)
     check_backward(dy, x, w, None if rms else mean, rstd, 0.0, rms, need_db=not rms)
-    check_backward(dy, x, w, None if rms else mean, rstd, 0.0, rms, fresh((m, n), dtype))
+    check_backward(dy, x, w, None if rms else mean, rstd, 0.0, rms, fresh((m, n), dtype),
+                   need_db=not rms)
 
 
 @pytest.mark.parametrize("dtype, mean_value", [(torch.float16, 1e4), (torch.bfloat16, 1e3)])

@@ -168,16 +168,18 @@ def _clustered_backward_share(n_cols: int, widest: int, staged: int, accumulator
             wider = rows_alone_in_smem(wider, bytes_per_col - 4 * accumulators)
         if sums_in_registers(wider) and wider.staging != "global":
             wider = with_prefetch(wider, kernel_for)
-            in_flight = row_blocks_in_flight(wider, kernel_for) \
+            more_in_flight = row_blocks_in_flight(wider, kernel_for) \
                 - row_blocks_in_flight(prefetched, kernel_for)
-            # a single-buffered share refills its chunks for the next block anyway
-            # (NormBackward.refills_chunks), so at the same row blocks in flight the
-            # wider one's sums leave shared memory and its loads: RMSNorm fp32
-            # 512x262144 76.7% -> 90.4% of the copy ceiling (H200, kernel alone); not
-            # with a predicated tail (fp32 RMSNorm of 200000 columns spilled 16 bytes)
-            refilled = wider.staging == prefetched.staging == "smem" and wider.stages == 1 \
-                and not wider.needs_col_predicate
-            if prefetched.staging == "global" or in_flight > 0 or (in_flight == 0 and refilled):
+            # Two single-buffered shares both refill their chunks for the next block
+            # (NormBackward.refills_chunks): at the same row blocks in flight the wider
+            # one wins by keeping its sums in registers instead of shared memory.
+            # RMSNorm fp32 512x262144 76.7% -> 90.4% of the copy ceiling (H200, kernel
+            # alone). Not with a predicated tail (fp32 RMSNorm of 200000 columns spilled
+            # 16 bytes).
+            both_refill = wider.staging == prefetched.staging == "smem" \
+                and wider.stages == prefetched.stages == 1 and not wider.needs_col_predicate
+            if prefetched.staging == "global" or more_in_flight > 0 \
+                    or (more_in_flight == 0 and both_refill):
                 prefetched = wider
     return prefetched
 

@@ -10,7 +10,8 @@ would otherwise be too short-lived (the cross-entropy forward of short rows), la
 fixed number of row blocks instead and loop: CTA x handles row blocks x, x + grid_x, ...
 (``RowTiles.begin_block``), reducing each row through a double-buffered
 ``ReductionSlot(..., buffers=2)``; with two staging buffers (``cfg.stages``) the next
-block's loads are in flight while the current block is reduced and stored. A norm
+block's loads are in flight while the current block is reduced and stored (with one,
+``RowTiles.refill_chunk`` loads each chunk once the current block has read it). A norm
 backward keeps per-column sums in an ``accumulator`` until it writes them once as a row
 of partial sums. Long shares that need each value once can instead be streamed chunk by
 chunk through a dynamic loop (``RowTiles.load`` with a runtime chunk index).
@@ -288,12 +289,14 @@ class RowTiles:
         return tiles
 
     def refill_chunk(self, chunk: int, grid_rows):
-        """Start the copies of ``chunk`` of the row block ``grid_rows`` after this one into
-        the one staging buffer, as one commit group: call once this thread has read the
-        chunk for the last time (its values used), in chunk order, so that the next
-        block's wait_chunk counts its groups as issue_loads' (a kernel that refills
-        issues the first block's loads before its loop and none in begin_block)."""
-        assert self.cfg.stages == 1 and self.cfg.staging == "smem"
+        """Start the copies of ``chunk`` of this CTA's next row block (``grid_rows``
+        blocks on) into the one staging buffer, as one commit group: call once this
+        thread has read the chunk for the last time (its values used), in chunk order,
+        so that the next block's wait_chunk counts its groups as issue_loads' (a kernel
+        that refills issues the first block's loads before its loop and none in
+        begin_block). No register chunks: issue_loads alone loads those."""
+        assert self.cfg.stages == 1 and self.cfg.staging == "smem" \
+            and self.cfg.register_chunks == 0
         self.at_block(self.block_row + grid_rows)._issue_chunk(chunk)
 
     @property
@@ -333,8 +336,8 @@ class RowTiles:
 
     @cute.jit
     def issue_loads(self):
-        """Start the cp.async copies of every staged chunk into this view's staging
-        buffer: one commit group per chunk, committed even for a block past the last
+        """Start the copies of every staged chunk into this view's staging buffer
+        (_issue_chunk): one commit group per chunk, committed even for a block past the last
         row, so the number of groups in flight is known at compile time. In "global"
         staging nothing is staged and values() loads directly. Each thread later reads
         back only what it copied, so a buffer is free again for this thread's next copy
@@ -357,26 +360,27 @@ class RowTiles:
         """The copies of staged chunk ``c`` of this view: cp.async, one commit group
         (committed past the last row too: the groups in flight stay known). Vectors too
         narrow for cp.async (tiling.copies_async) are loaded into registers, all of the
-        chunk's before the first shared-memory store: copied vector by vector, each
-        store waited for its load, one load in flight per thread (16-bit LayerNorm
-        backward of 50257 columns: 8% of the copy ceiling)."""
-        copies = []
+        chunk's before the first shared-memory store (copied vector by vector, each
+        store waited for its load: one load in flight per thread, and the 16-bit
+        LayerNorm backward of 50257 columns ran at 8% of the copy ceiling)."""
+        narrow = []
         for i, mX in enumerate(self.staged):
             thr = self.copy_g2s[i].get_slice(self.tidx)
             tXgX = thr.partition_S(self._gmem_tile(mX, c))
-            landing = None
-            if cutlass.const_expr(not tiling.copies_async(mX.element_type, self.cfg)):
-                landing = cute.make_fragment_like(tXgX)
-            copies.append((i, tXgX, thr.partition_D(self._smem_slot(i, c)), landing))
-        if self.row_in_bounds:
-            for i, tXgX, tXsX, landing in copies:
-                if cutlass.const_expr(landing is not None):
+            tXsX = thr.partition_D(self._smem_slot(i, c))
+            if cutlass.const_expr(tiling.copies_async(mX.element_type, self.cfg)):
+                if self.row_in_bounds:
+                    cute.copy(self.copy_g2s[i], tXgX, tXsX, pred=self.preds[c])
+            else:
+                narrow.append((i, tXgX, tXsX, cute.make_fragment_like(tXgX)))
+        if cutlass.const_expr(len(narrow) > 0):
+            if self.row_in_bounds:
+                # (names of their own: the DSL carries a name reassigned in a branch)
+                for tensor, src, _, landing in narrow:
                     landing.fill(0)
-                cute.copy(self.copy_g2s[i], tXgX, tXsX if landing is None else landing,
-                          pred=self.preds[c])
-            for i, _, tXsX, landing in copies:
-                if cutlass.const_expr(landing is not None):
-                    cute.autovec_copy(landing, tXsX)
+                    cute.copy(self.copy_g2s[tensor], src, landing, pred=self.preds[c])
+                for _, _, dst, landing in narrow:
+                    cute.autovec_copy(landing, dst)
         cute.arch.cp_async_commit_group()
 
     def prefetch_ahead(self, grid_rows=None, also=()):
