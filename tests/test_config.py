@@ -640,8 +640,9 @@ def test_norm_backward_rows_alone_in_shared_memory():
     """config.rows_alone_in_smem: a 512-thread share whose sums stay in registers stages
     its rows in shared memory where they fit without the sums (LayerNorm fp32 262144 and
     229376 columns: 16 B a column with the sums, 8 without), not with a predicated tail
-    (200000 spilled) nor where rows and sums fit together anyway (RMSNorm keeps its
-    256-thread share)."""
+    (200000 spilled); RMSNorm fp32 262144, whose rows and sums fit together on 256
+    threads, takes the 512-thread share too (both single-buffered and refilling, at the
+    same row blocks in flight)."""
     from quack_kernels.ops.norm import backward_config
 
     fp32 = torch.float32
@@ -654,7 +655,9 @@ def test_norm_backward_rows_alone_in_shared_memory():
             < cfg.staging_smem_bytes(16)
     assert backward_config(200000, fp32, fp32, (fp32,), fp32, 2).staging == "global"
     rms = backward_config(262144, fp32, fp32, (fp32,), fp32, 1, rms=True)
-    assert (rms.threads_per_row, rms.staging) == (256, "smem")
+    assert (rms.threads_per_row, rms.staging, rms.stages) \
+        == (config.SUM_THREADS_PER_ROW, "smem", 1)
+    assert config.sums_in_registers(rms)
     staged = config.rows_alone_in_smem(
         dataclasses.replace(rms, staging="global", threads_per_row=512, num_chunks=4), 8)
     assert staged.staging == "smem"

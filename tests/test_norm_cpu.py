@@ -363,8 +363,8 @@ def test_backward_sums_in_registers_and_prefetch():
     """Two staging buffers where the dweight sums live in registers (one chunk per CTA),
     or in shared memory while two double-buffered CTAs still fit an SM; bf16 rows of
     262144 take SUM_THREADS_PER_ROW threads, which moves their sums to registers and
-    makes room for the second buffer; fp32's 128-KiB staged share leaves no such room,
-    so it keeps 256 threads, its sums in shared memory and one buffer."""
+    makes room for the second buffer; fp32's takes them too but its 128-KiB staged share
+    leaves room for one buffer only (refilled chunk by chunk)."""
     from quack_kernels.primitives import config
 
     bf16, fp32 = torch.bfloat16, torch.float32
@@ -376,11 +376,11 @@ def test_backward_sums_in_registers_and_prefetch():
         assert cfg.num_chunks > 1 and cfg.stages == 2
         kernel = ops._backward_kernel_object(cfg, True, dtype, dtype, True, False)
         assert not kernel.sums_in_registers and kernel.ctas_per_sm() >= 2
-    for dtype, wide in ((bf16, True), (fp32, False)):
-        cfg = ops.backward_config(262144, dtype, dtype, (dtype,), dtype, 1)
+    for dtype, stages in ((bf16, 2), (fp32, 1)):
+        cfg = ops.backward_config(262144, dtype, dtype, (dtype,), dtype, 1, rms=True)
         kernel = ops._backward_kernel_object(cfg, True, dtype, dtype, True, False)
-        assert (cfg.threads_per_row == config.SUM_THREADS_PER_ROW) == wide
-        assert kernel.sums_in_registers == wide and cfg.stages == (2 if wide else 1)
+        assert cfg.threads_per_row == config.SUM_THREADS_PER_ROW
+        assert kernel.sums_in_registers and cfg.stages == stages
         assert cfg.num_chunks > 1 and kernel.ctas_per_sm() == 1
 
 
