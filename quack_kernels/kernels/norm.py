@@ -372,10 +372,12 @@ class NormBackward(RowKernel):
         buffers do not fit). H200, kernels alone: LayerNorm fp32 512x262144 68.4 ->
         89.6% of the copy ceiling, RMSNorm fp32 1024x131073 48.3 -> 58.9, 640x200000
         62.1 -> 83.7 (at 512x262144 on 256 threads 77.2 -> 76.7, but 90.4 on the 512 of
-        ops.norm's wider share). Not RMSNorm's one-value vectors (fp16 131073 columns
-        spilled 16 bytes; bf16 gained 1.8 points)."""
-        return self.cfg.staging == "smem" and self.cfg.stages == 1 \
-            and not (self.rms and self.cfg.vec == 1)
+        ops.norm's wider share). Not RMSNorm's plain-load (2-byte) vectors, which
+        cp.async cannot copy (fp16 131073 columns spilled 16 bytes; bf16 gained 1.8
+        points); its 4-byte fp32 ones (the 131073 above) do refill."""
+        cfg = self.cfg
+        plain_loads = not all(tiling.copies_async(d, cfg) for d in self.staged_dtypes)
+        return cfg.staging == "smem" and cfg.stages == 1 and not (self.rms and plain_loads)
 
     @property
     def weight_staged(self) -> bool:
