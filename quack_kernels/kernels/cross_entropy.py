@@ -53,7 +53,7 @@ from cutlass.memory import SmemAllocator
 
 from ..primitives import reduce as red
 from ..primitives import tiling
-from ..primitives.config import (KEPT_CAPPED_REGISTERS, STREAM_UNROLL,
+from ..primitives.config import (KEPT_CAPPED_REGISTERS, STREAM_LOSS_REGISTERS, STREAM_UNROLL,
                                  RowConfig, loop_ctas_per_sm, loops_over_row_blocks,
                                  whole_vectors)
 from ..primitives.rows import ReductionSlot, RowKernel, RowTiles, broadcast_rows
@@ -177,6 +177,9 @@ class CrossEntropyForward(RowKernel):
             self.block_registers = KEPT_CAPPED_REGISTERS
         # the loss alone of a share re-read from global memory: one streaming pass
         self.streams = cfg.staging == "global" and not write_grad and not self.stage_weight
+        if self.streams and dtype.width == 16 and not cfg.needs_col_predicate \
+                and not (weighted or smoothing or softcap):
+            self.block_registers = STREAM_LOSS_REGISTERS
         assert self.loops or cfg.stages == 1, "prefetching needs the looping grid"
         # Target column found by offsets from the thread's first value (see
         # tiling.is_column): the per-value coordinates held the one-block gradient
