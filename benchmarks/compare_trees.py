@@ -3,8 +3,8 @@ side. Each tree runs in its own process with its package first on sys.path, so t
 versions of a kernel are timed on the same GPU minutes apart (a sweep across sessions
 compares different machines and clocks). The trees compile at once, then take turns
 (with --abba a second turn each, in reverse order, in the same processes). Timing as
-the runner's: an L2 flush before each call hides the host time, so the numbers are the
-kernels'.
+the runner's: an L2 flush before each call (a reading one where the case only reads,
+ce_loss / ce_mean / ce_loss_opts) hides the host time, so the numbers are the kernels'.
 
     git archive main quack_kernels | tar -x -C /tmp/tree_main    # a tree of main
     python benchmarks/compare_trees.py --trees /tmp/tree_main,. --abba \\
@@ -150,7 +150,9 @@ def each_case(args, time: bool):
                     call, moved = case_call(case, x)
                     call()
                     if time:
-                        ms = time_device_ms(call)
+                        # moving one byte per element reads only: the runner's
+                        # reading flush (OpBench.reads_only), no dirty L2 to write back
+                        ms = time_device_ms(call, reading_flush=moved == 1)
                         row.update(us=ms * 1e3, pct=100 * moved * x.numel() * x.element_size()
                                    / ms / 1e6 / ceiling)
             except Exception as e:  # reported in the table, the other cases go on
