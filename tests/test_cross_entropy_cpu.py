@@ -536,30 +536,40 @@ def test_sm90a_compile_without_spills(tmp_path):
 
 
 @pytest.mark.slow
-def test_streamed_loss_of_whole_chunks_fits_four_ctas_per_sm(tmp_path):
-    """The plain streamed loss of 16-bit rows in whole chunks is held to
-    STREAM_LOSS_REGISTERS (4 CTAs of 256 threads per SM) and compiles without a spill
-    for either target dtype, reduced or not, with or without z-loss; a row with a
-    partial last chunk (128256 columns: it spilled at that bound) is not held."""
+def test_plain_streamed_loss_held_only_where_it_fits(tmp_path):
+    """The plain streamed loss of 16-bit rows in whole chunks of 16-byte vectors is held
+    to STREAM_LOSS_REGISTERS (4 CTAs of 256 threads per SM) and compiles without a spill
+    for either target dtype, reduced or not, with or without z-loss; the narrower
+    vectors of a misaligned tensor and a row with a partial last chunk (128256 columns),
+    which spilled at that bound, are not held and compile without a spill either."""
     cuobjdump = find_cuobjdump()
     if cuobjdump is None:
         pytest.skip("cuobjdump not installed")
     variants = []
-    for n, dtype, zloss, reduce, target_dtype in itertools.product(
-            (65536, 131072, 524288), (torch.bfloat16, torch.float16), (False, True),
-            ("none", "mean"), (torch.int32, torch.int64)):
-        cfg, flags = ops.variant(n, dtype, weighted=False, smoothing=False, zloss=zloss,
+
+    def add(n, dtype, max_vec, zloss, reduce, target_dtype):
+        cfg = ops.forward_config(n, dtype, False, False, max_vec)
+        flags = ops.kernel_flags(cfg, weighted=False, smoothing=False, zloss=zloss,
                                  softcap=0.0, write_grad=False, reduce=reduce)
-        variants.append((f"loss z={zloss} {reduce} {target_dtype}", n, dtype, cfg,
-                         lambda cfg=cfg, dtype=dtype, flags=flags, tt=target_dtype:
-                         ops.forward_kernel(cfg, dtype, tt, **flags)))
+        held = max_vec is None and n != 128256
+        variants.append((f"loss vec<={max_vec} z={zloss} {reduce} {target_dtype} held={held}",
+                         n, dtype, cfg, lambda: ops.forward_kernel(cfg, dtype, target_dtype,
+                                                                   **flags)))
+
+    for case in itertools.product((65536, 131072, 524288), (torch.bfloat16, torch.float16),
+                                  (None,), (False, True), ("none", "mean"),
+                                  (torch.int32, torch.int64)):
+        add(*case)
+    for max_vec in (4, 2, 1):
+        add(65536, torch.bfloat16, max_vec, False, "mean", torch.int32)
+    add(128256, torch.bfloat16, None, False, "none", torch.int32)
     for name, n, dtype, cfg, kernel, res in measure(variants, str(tmp_path), cuobjdump):
-        assert cfg.staging == "global" and kernel.block_registers == config.STREAM_LOSS_REGISTERS
-        assert spills(res) == 0 and res["regs"] <= config.STREAM_LOSS_REGISTERS, \
-            f"{name} {n} {dtype}: {res}"
-    ragged, flags = ops.variant(128256, torch.bfloat16, weighted=False, smoothing=False,
-                                zloss=False, softcap=0.0, write_grad=False)
-    assert ops.forward_kernel_object(ragged, torch.bfloat16, **flags).block_registers is None
+        held = name.endswith("held=True")
+        assert cfg.staging == "global"
+        assert kernel.block_registers == (config.STREAM_LOSS_REGISTERS if held else None), name
+        assert spills(res) == 0, f"{name} {n} {dtype}: {res}"
+        if held:
+            assert res["regs"] <= config.STREAM_LOSS_REGISTERS, f"{name} {n} {dtype}: {res}"
 
 
 def test_per_row_losses_can_be_modified_in_place():

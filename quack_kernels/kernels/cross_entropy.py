@@ -177,8 +177,10 @@ class CrossEntropyForward(RowKernel):
             self.block_registers = KEPT_CAPPED_REGISTERS
         # the loss alone of a share re-read from global memory: one streaming pass
         self.streams = cfg.staging == "global" and not write_grad and not self.stage_weight
-        if self.streams and dtype.width == 16 and not cfg.needs_col_predicate \
-                and not (weighted or smoothing or softcap):
+        plain_terms = not (weighted or smoothing or softcap)  # z-loss at most
+        # (whole 16-byte vectors: narrowed ones, of a misaligned tensor, spilled there)
+        if self.streams and plain_terms and dtype.width == 16 \
+                and whole_vectors(cfg, dtype.width // 8) and not cfg.needs_col_predicate:
             self.block_registers = STREAM_LOSS_REGISTERS
         assert self.loops or cfg.stages == 1, "prefetching needs the looping grid"
         # Target column found by offsets from the thread's first value (see
@@ -212,7 +214,7 @@ class CrossEntropyForward(RowKernel):
         self.target_aside = self.capped_placeholders or self.smoothing_aside or (
             not softcap and not smoothing and (cfg.staging != "global" or self.streams))
         self.scratch_buffers = 2 if self.loops else 1  # alternate per row block
-        plain = write_grad and reduce == "none" and not (weighted or smoothing or softcap)
+        plain = write_grad and reduce == "none" and plain_terms
         if plain and whole_vectors(cfg, dtype.width // 8) and not cfg.needs_col_predicate \
                 and cfg.num_chunks == 1 and dtype != Float16 and (dtype.width == 16 or loop_ctas_per_sm(
                     cfg, self.smem_bytes(), self.loop_registers) <= 2):

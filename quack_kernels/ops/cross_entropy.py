@@ -203,7 +203,8 @@ def variant(n_cols: int, dtype: torch.dtype, **options) -> tuple[RowConfig, dict
 # (the weight row staged), every option but class weights (the capped values kept in
 # registers, config.KEPT_CAPPED_VALUES), smoothing + softcap without the gradient,
 # with Gemma's softcap 30 (a fixed max, config.CE_FIXED_MAX_SOFTCAP), and the mean reduced
-# in the kernel (the weighted loss alone; the plain loss + gradient; "_capped" + gradient,
+# in the kernel (the weighted loss alone; the plain loss alone, held to
+# config.STREAM_LOSS_REGISTERS on long rows; the plain loss + gradient; "_capped" + gradient,
 # a Gemma training step; label smoothing alone + gradient, the set-aside target without
 # softcap, also unreduced as fp16's gradient in the backward runs it); "_capped_wide"
 # with a softcap past that bound (the running max)
@@ -216,6 +217,8 @@ REPORT_OPTIONS = {
     "_loss": dict(weighted=False, smoothing=True, zloss=False, softcap=30.0, write_grad=False),
     "_mean": dict(weighted=True, smoothing=False, zloss=False, softcap=0.0, write_grad=False,
                   reduce="mean"),
+    "_plain_mean": dict(weighted=False, smoothing=False, zloss=False, softcap=0.0,
+                        write_grad=False, reduce="mean"),
     "_grad_mean": dict(weighted=False, smoothing=False, zloss=False, softcap=0.0,
                        write_grad=True, reduce="mean"),
     "_capped_mean": dict(weighted=False, smoothing=True, zloss=True, softcap=30.0,
