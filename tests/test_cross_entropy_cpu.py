@@ -545,26 +545,26 @@ def test_plain_streamed_loss_held_only_where_it_fits(tmp_path):
     cuobjdump = find_cuobjdump()
     if cuobjdump is None:
         pytest.skip("cuobjdump not installed")
-    variants = []
+    variants, expect_held = [], []
 
-    def add(n, dtype, max_vec, zloss, reduce, target_dtype):
+    def add(held, n, dtype, max_vec, zloss, reduce, target_dtype):
         cfg = ops.forward_config(n, dtype, False, False, max_vec)
         flags = ops.kernel_flags(cfg, weighted=False, smoothing=False, zloss=zloss,
                                  softcap=0.0, write_grad=False, reduce=reduce)
-        held = max_vec is None and n != 128256
-        variants.append((f"loss vec<={max_vec} z={zloss} {reduce} {target_dtype} held={held}",
-                         n, dtype, cfg, lambda: ops.forward_kernel(cfg, dtype, target_dtype,
-                                                                   **flags)))
+        variants.append((f"loss vec<={max_vec} z={zloss} {reduce} {target_dtype}", n, dtype,
+                         cfg, lambda: ops.forward_kernel(cfg, dtype, target_dtype, **flags)))
+        expect_held.append(held)
 
     for case in itertools.product((65536, 131072, 524288), (torch.bfloat16, torch.float16),
                                   (None,), (False, True), ("none", "mean"),
                                   (torch.int32, torch.int64)):
-        add(*case)
+        add(True, *case)
     for max_vec in (4, 2, 1):
-        add(65536, torch.bfloat16, max_vec, False, "mean", torch.int32)
-    add(128256, torch.bfloat16, None, False, "none", torch.int32)
-    for name, n, dtype, cfg, kernel, res in measure(variants, str(tmp_path), cuobjdump):
-        held = name.endswith("held=True")
+        add(False, 65536, torch.bfloat16, max_vec, False, "mean", torch.int32)
+    add(False, 128256, torch.bfloat16, None, False, "none", torch.int32)
+    rows = list(measure(variants, str(tmp_path), cuobjdump))
+    assert len(rows) == len(variants)
+    for (name, n, dtype, cfg, kernel, res), held in zip(rows, expect_held):
         assert cfg.staging == "global"
         assert kernel.block_registers == (config.STREAM_LOSS_REGISTERS if held else None), name
         assert spills(res) == 0, f"{name} {n} {dtype}: {res}"

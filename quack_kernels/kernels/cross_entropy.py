@@ -178,9 +178,10 @@ class CrossEntropyForward(RowKernel):
         # the loss alone of a share re-read from global memory: one streaming pass
         self.streams = cfg.staging == "global" and not write_grad and not self.stage_weight
         plain_terms = not (weighted or smoothing or softcap)  # z-loss at most
-        # (whole 16-byte vectors: narrowed ones, of a misaligned tensor, spilled there)
-        if self.streams and plain_terms and dtype.width == 16 \
-                and whole_vectors(cfg, dtype.width // 8) and not cfg.needs_col_predicate:
+        # whole 16-byte vectors in whole chunks (narrowed vectors of a misaligned tensor
+        # and a partial last chunk spilled under the holds below)
+        whole_chunks = whole_vectors(cfg, dtype.width // 8) and not cfg.needs_col_predicate
+        if self.streams and plain_terms and dtype.width == 16 and whole_chunks:
             self.block_registers = STREAM_LOSS_REGISTERS
         assert self.loops or cfg.stages == 1, "prefetching needs the looping grid"
         # Target column found by offsets from the thread's first value (see
@@ -215,8 +216,7 @@ class CrossEntropyForward(RowKernel):
             not softcap and not smoothing and (cfg.staging != "global" or self.streams))
         self.scratch_buffers = 2 if self.loops else 1  # alternate per row block
         plain = write_grad and reduce == "none" and plain_terms
-        if plain and whole_vectors(cfg, dtype.width // 8) and not cfg.needs_col_predicate \
-                and cfg.num_chunks == 1 and dtype != Float16 and (dtype.width == 16 or loop_ctas_per_sm(
+        if plain and whole_chunks and cfg.num_chunks == 1 and dtype != Float16 and (dtype.width == 16 or loop_ctas_per_sm(
                     cfg, self.smem_bytes(), self.loop_registers) <= 2):
             self.loop_registers = self.PLAIN_GRAD_LOOP_REGISTERS
 

@@ -1187,10 +1187,11 @@ CE_STREAM_CHUNK_BYTES = 64
 # Registers per thread of the plain streamed loss (z-loss at most) of 16-bit rows in
 # whole chunks of whole 16-byte vectors: 4 CTAs of 256 threads per SM where the one-CTA
 # shares took 80 (3 CTAs).
-# H200, compare_trees, the loss alone / with its mean (results/cross_entropy_streamed_
-# loss_registers_H200_20261204.txt): bf16 2048x65536 76.3 -> 79.2% / 72.9 -> 76.6%,
-# 4096x65536 86.9 -> 90.6 / 83.8 -> 87.9, 1024x131072 75.1 -> 80.4 / 73.0 -> 77.8, fp16
-# 2048x65536 76.0 -> 79.5 / 72.9 -> 76.3; 512x262144 (2-CTA shares, 57 already) level.
+# H200, compare_trees --abba after a reading L2 flush, the loss alone / with its mean
+# (results/cross_entropy_streamed_loss_registers_H200_20261204.txt): bf16 2048x65536
+# 86.2 -> 90.4% / 81.7 -> 86.1%, 4096x65536 93.6 -> 98.6 / 89.7 -> 94.9, 1024x131072 88.5
+# -> 92.7 / 86.1 -> 89.9, fp16 2048x65536 86.3 -> 90.9 / 81.4 -> 86.4; 512x262144 (2-CTA
+# shares, 57 registers already) level.
 # Not rows with a partial last chunk: at 64 registers bf16 128256 and 151936 (+4.7 /
 # +4.2 points) spilled 8-64 bytes with int32 targets, 256000 40 bytes; nor fp32 (50257
 # and 65536 spilled 16), nor other options (softcap with smoothing spilled 40-304), nor
