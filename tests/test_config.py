@@ -595,7 +595,7 @@ def test_norm_backward_register_shares():
     512-thread CTAs (16-bit RMSNorm: 1024 where that makes two CTAs or more and pads the
     row no more), two staging buffers, no CTA past the row end; rows those shares would
     pad by a fifth or more (but 16-bit RMSNorm ones), 4096-column rows, 262144-column
-    ones, odd ones and frozen weights keep the clustered shares."""
+    ones, odd ones (see the next test) and frozen weights keep the clustered shares."""
     from quack_kernels.ops.norm import backward_config
 
     threads = config.norm_backward_register_threads
@@ -634,6 +634,33 @@ def test_norm_backward_register_shares():
                                    torch.bfloat16, 1, max_vec, rms=True)
         assert narrowed.threads_per_row <= config.SUM_THREADS_PER_ROW
     assert threads(2, 1, 65536, rms=True, max_vec=8) == 1024
+
+
+def test_norm_backward_odd_row_register_shares():
+    """config.odd_row_register_threads: odd 16-bit RMSNorm rows with the weight's sums
+    whose clustered share stages them in shared memory take one chunk of 1024 threads x
+    at most ODD_ROW_SHARE_VALUES values over the CTAs the row needs (two or more, at most
+    a cluster); LayerNorm, fp32 rows, even rows (misaligned ones too), frozen weights,
+    the residual's gradients and rows one such CTA covers or a cluster cannot do not."""
+    from quack_kernels.ops.norm import backward_config
+
+    def share(n, dtype=torch.bfloat16, rms=True, sums=None, max_vec=None, outs=1):
+        sums = (1 if rms else 2) if sums is None else sums
+        return backward_config(n, dtype, dtype, (dtype,) * outs, dtype, sums, max_vec,
+                               rms=rms)
+
+    for n, ctas in ((50257, 4), (131073, 9), (32001, 3), (200001, 14)):
+        for dtype in (torch.bfloat16, torch.float16):
+            cfg = share(n, dtype)
+            assert (cfg.threads_per_row, cfg.cluster_size, cfg.num_chunks, cfg.staging,
+                    cfg.vec) == (config.ODD_ROW_SHARE_THREADS, ctas, 1, "registers", 1), \
+                (n, dtype, cfg)
+            assert cfg.vecs_per_thread <= config.ODD_ROW_SHARE_VALUES
+            assert cfg.cols_covered >= n > cfg.cols_covered - cfg.cols_per_cta
+    for cfg in (share(131073, rms=False), share(50257, torch.float32), share(262143),
+                share(4097), share(50257, sums=0), share(50257, outs=3),
+                share(65536, max_vec=1), share(50258)):
+        assert cfg.threads_per_row != config.ODD_ROW_SHARE_THREADS, cfg
 
 
 def test_norm_backward_rows_alone_in_shared_memory():

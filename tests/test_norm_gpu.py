@@ -315,6 +315,22 @@ def test_refilled_chunks_over_many_row_blocks(n, dtype, rms):
                    need_db=not rms)
 
 
+@pytest.mark.parametrize("n, dtype", [(50257, torch.bfloat16), (32001, torch.float16),
+                                      (200001, torch.bfloat16)])
+def test_odd_rows_on_register_shares(n, dtype):
+    """Odd 16-bit RMSNorm rows (one-value vectors) on the 1024-thread register shares of
+    config.odd_row_register_threads, over two or three row blocks a CTA, the last ones
+    past M; dx and dweight on poisoned outputs."""
+    cfg = ops.backward_config(n, dtype, dtype, (dtype,), dtype, 1, rms=True)
+    assert (cfg.threads_per_row, cfg.vec, cfg.staging) == (1024, 1, "registers"), cfg
+    kernel = ops._backward_kernel_object(cfg, True, dtype, dtype, True, False, dtype)
+    resident = ops.resident_row_blocks(kernel, torch.device("cuda"))
+    m = 2 * resident + resident // 2 + 1
+    x, w = fresh((m, n), dtype), fresh(n, dtype, 0.5, 1.0)
+    _, _, _, rstd = ops.norm_forward(x, w, None, None, 1e-6, 0.0, True, None, None, False)
+    check_backward(fresh((m, n), dtype), x, w, None, rstd, 0.0, True)
+
+
 @pytest.mark.parametrize("dtype, mean_value", [(torch.float16, 1e4), (torch.bfloat16, 1e3)])
 @pytest.mark.parametrize("n", [8192, 65536])
 def test_layer_norm_backward_of_16bit_rows_far_from_zero(n, dtype, mean_value):

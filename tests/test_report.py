@@ -537,3 +537,52 @@ def test_narrow_vectors_land_in_registers_before_shared_memory(tmp_path, rms):
     staging = sass[:sass.index("STS.U16")]
     # h and dy: one 16-bit load per vector of the chunk each
     assert len(re.findall(r"\bLDG\.E\.U16\b", staging)) >= 2 * cfg.vecs_per_thread
+
+
+@pytest.mark.parametrize("dweight", [False, True])
+def test_zero_fill_past_the_row_end_takes_no_select(tmp_path, dweight):
+    """RowTiles.values(fill=0) of a ragged share reads the staging's own zeros past the row
+    end (a predicated-off cp.async zero-fills its vector, plain-load staging fills 0
+    first), and RMSNorm's xhat is 0 there too: the RMSNorm backward of odd rows, whose
+    every fill is 0, selects per row at most its statistics, not per value (66 FSEL and
+    more before)."""
+    from quack_kernels.ops import norm
+    from quack_kernels.primitives.compile_cache import compile_kernel
+
+    cuobjdump = find_cuobjdump()
+    if cuobjdump is None:
+        pytest.skip("cuobjdump not installed")
+    bf16 = torch.bfloat16
+    cfg = norm.backward_config(50257, bf16, bf16, (bf16,), bf16, int(dweight), rms=True)
+    assert cfg.needs_col_predicate and cfg.vec == 1
+    kernel, *fakes = norm.backward_kernel(cfg, True, bf16, bf16, bf16, False, None, bf16,
+                                          None, dweight, False)
+    fn = compile_kernel(kernel, *fakes, keep_cubin_in=str(tmp_path))
+    sass = disassembly(_cubin_file(fn.__cubin__, str(tmp_path)), cuobjdump)
+    selects = len(re.findall(r"\bFSEL\b", sass))
+    assert selects <= 2, f"{selects} FSEL ({cfg})"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n, dtype, weight_dtype", [
+    (16385, torch.bfloat16, torch.bfloat16), (32001, torch.bfloat16, torch.bfloat16),
+    (131073, torch.float16, torch.float16), (245759, torch.bfloat16, torch.bfloat16),
+    (50257, torch.bfloat16, torch.float32)])
+def test_odd_row_register_shares_do_not_spill(tmp_path, n, dtype, weight_dtype):
+    """The 1024-thread register shares of odd 16-bit RMSNorm rows (config.
+    odd_row_register_threads: dx and dweight, 64 registers a thread) keep every value in
+    registers, from two CTAs to a full cluster and with an fp32 weight (16 values a
+    thread spilled 32 bytes at 32001 bf16 columns)."""
+    from quack_kernels.ops import norm
+    from quack_kernels.primitives.compile_cache import compile_kernel
+
+    cuobjdump = find_cuobjdump()
+    if cuobjdump is None:
+        pytest.skip("cuobjdump not installed")
+    cfg = norm.backward_config(n, dtype, dtype, (dtype,), weight_dtype, 1, rms=True)
+    assert (cfg.threads_per_row, cfg.staging, cfg.vec) == (1024, "registers", 1), cfg
+    kernel, *fakes = norm.backward_kernel(cfg, True, dtype, dtype, weight_dtype, False, None,
+                                          dtype, None, True, False)
+    fn = compile_kernel(kernel, *fakes, keep_cubin_in=str(tmp_path))
+    usage = resource_usage(_cubin_file(fn.__cubin__, str(tmp_path)), cuobjdump)
+    assert usage["stack"] == 0 and usage["local"] == 0, (cfg, usage)

@@ -549,7 +549,8 @@ class NormBackward(RowKernel):
         h = tiles.values(0, c, fill=0.0, mask_rows=mask_rows)
         dy = tiles.values(1, c, fill=0.0, mask_rows=mask_rows)
         xhat = (h - mean) * rstd
-        if cutlass.const_expr(self.cfg.needs_col_predicate):
+        if cutlass.const_expr(self.cfg.needs_col_predicate and not self.rms):
+            # (RMSNorm's is 0 there already: h is, and its mean is 0)
             xhat = tiling.mask_out_of_row(xhat, tiles.coords[c], self.cfg.n_cols, 0.0)
         g = self._g(tiles, c, mW, dy, weight_offset)
         if cutlass.const_expr(acc_w is not None and self.need_dweight):

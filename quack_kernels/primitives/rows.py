@@ -504,10 +504,12 @@ class RowTiles:
             return x
         x = self.to_fp32(x)
         if cutlass.const_expr(fill is not None and cfg.needs_col_predicate):
-            if cutlass.const_expr(self.pad is None):
-                x = tiling.mask_out_of_row(x, self.coords[chunk], cfg.n_cols, fill)
-            else:
+            if cutlass.const_expr(self.pad is not None):
                 assert fill == self.pad, "values() past the row end are the staging pad"
+            elif cutlass.const_expr(fill != 0.0):
+                x = tiling.mask_out_of_row(x, self.coords[chunk], cfg.n_cols, fill)
+            # (0 past the row end with no select: a predicated-off cp.async zero-fills its
+            # vector, plain-load staging and load() fill 0 before their predicated copies)
         return x
 
     def holds_column(self, chunk: int, col: Int32):
