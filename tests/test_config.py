@@ -637,11 +637,12 @@ def test_norm_backward_register_shares():
 
 
 def test_norm_backward_odd_row_register_shares():
-    """config.odd_row_register_threads: odd 16-bit RMSNorm rows with the weight's sums
-    whose clustered share stages them in shared memory take one chunk of 1024 threads x
-    at most ODD_ROW_SHARE_VALUES values over the CTAs the row needs (two or more, at most
-    a cluster); LayerNorm, fp32 rows, even rows (misaligned ones too), frozen weights,
-    the residual's gradients and rows one such CTA covers or a cluster cannot do not."""
+    """config.odd_row_register_share: odd 16-bit rows with per-column sums whose clustered
+    share stages them in shared memory take one chunk of ODD_ROW_SHARES' threads x at most
+    its values (RMSNorm 1024 x 15, LayerNorm 512 x 17) over the CTAs the row needs (two
+    or more, at most a cluster); LayerNorm's 16-CTA register share of 50257 columns, fp32
+    rows, even rows (misaligned ones too), frozen weights, the residual's gradients and
+    rows one such CTA covers or a cluster cannot do not."""
     from quack_kernels.ops.norm import backward_config
 
     def share(n, dtype=torch.bfloat16, rms=True, sums=None, max_vec=None, outs=1):
@@ -649,18 +650,23 @@ def test_norm_backward_odd_row_register_shares():
         return backward_config(n, dtype, dtype, (dtype,) * outs, dtype, sums, max_vec,
                                rms=rms)
 
-    for n, ctas in ((50257, 4), (131073, 9), (32001, 3), (200001, 14)):
+    for n, rms, ctas in ((50257, True, 4), (131073, True, 9), (32001, True, 3),
+                         (200001, True, 14), (131073, False, 16), (100001, False, 12),
+                         (65537, False, 8)):
+        threads, values = config.ODD_ROW_SHARES[rms]
         for dtype in (torch.bfloat16, torch.float16):
-            cfg = share(n, dtype)
+            cfg = share(n, dtype, rms)
             assert (cfg.threads_per_row, cfg.cluster_size, cfg.num_chunks, cfg.staging,
-                    cfg.vec) == (config.ODD_ROW_SHARE_THREADS, ctas, 1, "registers", 1), \
-                (n, dtype, cfg)
-            assert cfg.vecs_per_thread <= config.ODD_ROW_SHARE_VALUES
+                    cfg.vec) == (threads, ctas, 1, "registers", 1), (n, dtype, rms, cfg)
+            assert cfg.vecs_per_thread <= values
             assert cfg.cols_covered >= n > cfg.cols_covered - cfg.cols_per_cta
-    for cfg in (share(131073, rms=False), share(50257, torch.float32), share(262143),
-                share(4097), share(50257, sums=0), share(50257, outs=3),
-                share(65536, max_vec=1), share(50258)):
-        assert cfg.threads_per_row != config.ODD_ROW_SHARE_THREADS, cfg
+    assert share(50257, rms=False).threads_per_row == 256
+    for rms, cfg in ((True, share(50257, torch.float32)), (True, share(262143)),
+                     (False, share(139265, rms=False)), (True, share(4097)),
+                     (True, share(50257, sums=0)), (True, share(50257, outs=3)),
+                     (True, share(65536, max_vec=1)), (True, share(50258))):
+        odd_share = (config.ODD_ROW_SHARES[rms][0], "registers")
+        assert (cfg.threads_per_row, cfg.staging) != odd_share, cfg
 
 
 def test_norm_backward_rows_alone_in_shared_memory():

@@ -564,25 +564,35 @@ def test_zero_fill_past_the_row_end_takes_no_select(tmp_path, dweight):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n, dtype, weight_dtype", [
-    (16385, torch.bfloat16, torch.bfloat16), (32001, torch.bfloat16, torch.bfloat16),
-    (131073, torch.float16, torch.float16), (245759, torch.bfloat16, torch.bfloat16),
-    (50257, torch.bfloat16, torch.float32)])
-def test_odd_row_register_shares_do_not_spill(tmp_path, n, dtype, weight_dtype):
-    """The 1024-thread register shares of odd 16-bit RMSNorm rows (config.
-    odd_row_register_threads: dx and dweight, 64 registers a thread) keep every value in
-    registers, from two CTAs to a full cluster and with an fp32 weight (16 values a
-    thread spilled 32 bytes at 32001 bf16 columns)."""
+@pytest.mark.parametrize("n, dtype, weight_dtype, rms, sums", [
+    (16385, torch.bfloat16, torch.bfloat16, True, 1),
+    (32001, torch.bfloat16, torch.bfloat16, True, 1),
+    (131073, torch.float16, torch.float16, True, 1),
+    (245759, torch.bfloat16, torch.bfloat16, True, 1),
+    (50257, torch.bfloat16, torch.float32, True, 1),
+    (65537, torch.bfloat16, torch.bfloat16, False, 2),
+    (139263, torch.float16, torch.float16, False, 2),
+    (131073, torch.bfloat16, torch.float32, False, 2),
+    (100001, torch.bfloat16, torch.bfloat16, False, 1)])
+def test_odd_row_register_shares_do_not_spill(tmp_path, n, dtype, weight_dtype, rms, sums):
+    """The register shares of odd 16-bit norm backward rows (config.odd_row_register_share:
+    dx and the weight's and bias' sums; RMSNorm 1024 threads, 64 registers a thread,
+    LayerNorm 512, 128) keep every value in registers, from two CTAs to a full cluster
+    and with an fp32 weight (RMSNorm at 16 values a thread spilled 32 bytes at 32001 bf16
+    columns, LayerNorm on 1024 threads 32-120 bytes)."""
     from quack_kernels.ops import norm
+    from quack_kernels.primitives import config
     from quack_kernels.primitives.compile_cache import compile_kernel
 
     cuobjdump = find_cuobjdump()
     if cuobjdump is None:
         pytest.skip("cuobjdump not installed")
-    cfg = norm.backward_config(n, dtype, dtype, (dtype,), weight_dtype, 1, rms=True)
-    assert (cfg.threads_per_row, cfg.staging, cfg.vec) == (1024, "registers", 1), cfg
-    kernel, *fakes = norm.backward_kernel(cfg, True, dtype, dtype, weight_dtype, False, None,
-                                          dtype, None, True, False)
+    cfg = norm.backward_config(n, dtype, dtype, (dtype,), weight_dtype, sums, rms=rms)
+    threads, _ = config.ODD_ROW_SHARES[rms]
+    assert (cfg.threads_per_row, cfg.staging, cfg.vec) == (threads, "registers", 1), cfg
+    need_dbias = not rms and sums == 2
+    kernel, *fakes = norm.backward_kernel(cfg, rms, dtype, dtype, weight_dtype, False, None,
+                                          dtype, None, True, need_dbias)
     fn = compile_kernel(kernel, *fakes, keep_cubin_in=str(tmp_path))
     usage = resource_usage(_cubin_file(fn.__cubin__, str(tmp_path)), cuobjdump)
     assert usage["stack"] == 0 and usage["local"] == 0, (cfg, usage)

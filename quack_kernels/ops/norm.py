@@ -38,8 +38,7 @@ from ..primitives.config import (
     norm_backward_register_threads,
     norm_backward_share,
     norm_forward_share,
-    ODD_ROW_SHARE_VALUES,
-    odd_row_register_threads,
+    odd_row_register_share,
     row_blocks_in_flight,
     register_share,
     row_config,
@@ -137,12 +136,12 @@ def backward_config(n_cols: int, h_dtype, dy_dtype, out_dtypes: tuple, weight_dt
         prefetched = _clustered_backward_share(
             n_cols, widest, staged, accumulators, bytes_per_col, max_vec, cta_row_bytes,
             values_per_thread, max_threads_per_row, kernel_for)
-        odd_row_threads = odd_row_register_threads(n_cols, staged, accumulators,
-                                                   len(out_dtypes), rms, prefetched)
-        if tuned and odd_row_threads:
+        odd_row_share = odd_row_register_share(n_cols, staged, accumulators, len(out_dtypes),
+                                               rms, prefetched)
+        if tuned and odd_row_share:
             prefetched = with_prefetch(register_share(
-                n_cols, widest, odd_row_threads, ODD_ROW_SHARE_VALUES,
-                bytes_per_col=bytes_per_col, max_vec=max_vec), kernel_for)
+                n_cols, widest, *odd_row_share, bytes_per_col=bytes_per_col,
+                max_vec=max_vec), kernel_for)
     return with_l2_prefetch(prefetched, *staged_bytes, past_two_buffers=(
         norm_backward_prefetches_past_buffers(prefetched, accumulators)))
 
