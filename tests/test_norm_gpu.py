@@ -321,7 +321,8 @@ def test_refilled_chunks_over_many_row_blocks(n, dtype, rms):
 def test_odd_rows_on_register_shares(n, dtype, rms):
     """Odd 16-bit rows (one-value vectors) on the register shares of
     config.odd_row_register_share (RMSNorm 1024 threads, LayerNorm 512), over two or three
-    row blocks a CTA, the last ones past M; dx, dweight (and dbias) on poisoned outputs."""
+    row blocks a CTA (the last block's prefetch past M skipped); dx, dweight (and dbias)
+    on poisoned outputs."""
     sums = 1 if rms else 2
     cfg = ops.backward_config(n, dtype, dtype, (dtype,), dtype, sums, rms=rms)
     assert (cfg.threads_per_row, cfg.vec, cfg.staging) == \

@@ -888,24 +888,26 @@ def norm_backward_register_threads(elem_bytes: int, accumulators: int, n_cols: i
 # them in shared memory take a one-chunk register share instead: RMSNorm 1024 threads x
 # at most 15 values, LayerNorm (two sums) 512 x at most 17 (ODD_ROW_SHARES), where the
 # row needs two such CTAs or more and a cluster holds them. H200, kernels alone, % of
-# the copy ceiling (results/norm_backward_odd_rows_H200_20261204.txt), clustered -> these:
-# RMSNorm bf16 4096x50257 25.0 -> 43.5 (torch eager 28.0 in the runner), 1024x131073
-# 22.7 -> 30.1, 2048x100001 22.5 -> 39.5, fp16 4096x32001 31.4 -> 42.6; LayerNorm bf16
-# 1024x131073 10.6 -> 34.2 (torch.compile 27.7), 2048x100001 24.2 -> 34.3, 4096x65537
-# 25.4 -> 27.0. Smaller shares lost (RMSNorm 50257 on 512 threads x 32 values 30.2, on
-# 256 x 16 26.4; LayerNorm 131073 on 1024 threads x 9 values 30.5), and where the
-# clustered share holds the row in registers it won (LayerNorm 4096x50257: 36.1 against
-# 24.0 on 1024 threads). The value caps as compiled for sm_90a: RMSNorm at 16 values
-# spilled 32 bytes (32001 bf16 columns), LayerNorm on 1024 threads (64 registers) 32-120
-# bytes; nor do the residual's gradients fit (read and written besides dx: 32-112 bytes).
+# the copy ceiling (results/norm_backward_odd_rows_H200_20261204.txt, compare_trees),
+# clustered -> these: RMSNorm bf16 4096x50257 25.0 -> 43.5 (torch eager 28.0 in the
+# runner), 1024x131073 22.7 -> 30.1, 2048x100001 22.5 -> 39.5, fp16 4096x32001 31.4 ->
+# 42.6; LayerNorm bf16 1024x131073 11.3 -> 33.9 (torch.compile 27.5), 2048x100001 21.9
+# -> 28.9, 4096x65537 22.9 -> 38.0. In the share sweeps smaller shares lost (RMSNorm
+# 50257 on 512 threads x 32 values 30.2, on 256 x 16 26.4; LayerNorm 131073 on 1024
+# threads x 9 values 30.5), and where the clustered share holds the row in registers it
+# won (LayerNorm 4096x50257: 36.1 against 24.0 on 1024 threads). The value caps as
+# compiled for sm_90a: RMSNorm at 16 values spilled 32 bytes (32001 bf16 columns),
+# LayerNorm on 1024 threads (64 registers) 32-120 bytes; nor do the residual's gradients
+# fit (read and written besides dx: 32-112 bytes).
 ODD_ROW_SHARES = {True: (1024, 15), False: (512, 17)}  # rms -> (threads, most values)
 
 
 def odd_row_register_share(n_cols: int, elem_bytes: int, accumulators: int, outputs: int,
                            rms: bool, clustered: RowConfig) -> tuple[int, int] | None:
     """(threads per CTA, most values a thread) of the one-chunk register share a norm
-    backward of odd 16-bit rows writing ``outputs`` row tensors takes instead of
-    ``clustered`` (see above), or None where it keeps that share."""
+    backward of odd 16-bit rows takes instead of ``clustered`` (see above), or None where
+    it keeps that share. ``outputs``: its row tensors besides h and dy (dx alone is 1; a
+    residual's gradient read and another written make 3)."""
     if elem_bytes != 2 or accumulators == 0 or outputs != 1 \
             or vector_width(n_cols, elem_bytes) != 1 or clustered.staging == "registers":
         return None

@@ -210,9 +210,10 @@ class RowTiles:
     ``pad``: a value written into the staging buffers past the row end (one
     shared-memory store per vector, by the few threads holding any), so that
     ``values(..., fill=pad)`` needs no per-value select: the identity of the reduction
-    the kernel runs first (-inf for a max, 0 for a sum). Written once the chunk's copies
-    landed, since a predicated-off cp.async zero-fills its vector. Not for one-value
-    vectors (odd rows), where a store per vector costs as much as a select per value.
+    the kernel runs first (-inf for a max). Written once the chunk's copies landed,
+    since a predicated-off cp.async zero-fills its vector (so a fill of 0 needs no pad:
+    values() reads those zeros). Not for one-value vectors (odd rows), where a store per
+    vector costs as much as a select per value.
 
     ``integer_widening``: whether bf16 values may be widened by integer ops where
     config.widens_by_integer_ops says so (to_fp32); False keeps the DSL's conversion."""
