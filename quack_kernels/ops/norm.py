@@ -128,20 +128,20 @@ def backward_config(n_cols: int, h_dtype, dy_dtype, out_dtypes: tuple, weight_dt
     tuned = all(v is None for v in (cta_row_bytes, values_per_thread, max_threads_per_row))
     register_threads = norm_backward_register_threads(staged, accumulators, n_cols, rms,
                                                       max_vec)
+    register = None  # (threads, values) of a one-chunk register share
     if tuned and register_threads:
-        prefetched = with_prefetch(register_share(
-            n_cols, widest, register_threads, REGISTER_SHARE_VALUES,
-            bytes_per_col=bytes_per_col, max_vec=max_vec), kernel_for)
+        register = (register_threads, REGISTER_SHARE_VALUES)
     else:
         prefetched = _clustered_backward_share(
             n_cols, widest, staged, accumulators, bytes_per_col, max_vec, cta_row_bytes,
             values_per_thread, max_threads_per_row, kernel_for)
-        odd_row_share = odd_row_register_share(n_cols, staged, accumulators, len(out_dtypes),
-                                               rms, prefetched)
-        if tuned and odd_row_share:
-            prefetched = with_prefetch(register_share(
-                n_cols, widest, *odd_row_share, bytes_per_col=bytes_per_col,
-                max_vec=max_vec), kernel_for)
+        if tuned:
+            register = odd_row_register_share(n_cols, staged, accumulators, len(out_dtypes),
+                                              rms, prefetched)
+    if register:
+        prefetched = with_prefetch(register_share(
+            n_cols, widest, *register, bytes_per_col=bytes_per_col, max_vec=max_vec),
+            kernel_for)
     return with_l2_prefetch(prefetched, *staged_bytes, past_two_buffers=(
         norm_backward_prefetches_past_buffers(prefetched, accumulators)))
 
