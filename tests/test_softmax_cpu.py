@@ -142,7 +142,8 @@ def test_16bit_softmax_backward_of_a_million_columns_holds_chunks():
     """config.held_share: the 16-bit softmax backward of rows whose y and dy would be
     re-read stages both on 512-thread shares, its last chunks in registers so the rest
     fits STAGING_SMEM_BYTES; the log_softmax backward stages dy alone, fp32 softmax
-    rows re-read both, odd rows (2-byte vectors) keep theirs."""
+    rows y alone on chunks of Y_SHARE_VALUES (dy re-read in both passes), odd rows
+    (2-byte vectors) keep theirs."""
     from quack_kernels.primitives import config
 
     for dtype in (torch.bfloat16, torch.float16):
@@ -154,7 +155,13 @@ def test_16bit_softmax_backward_of_a_million_columns_holds_chunks():
             held_bytes = cfg.register_chunks * cfg.thread_values_per_chunk * 4
             assert held_bytes <= config.HELD_CHUNK_BYTES_PER_THREAD
             assert ops.backward_config(n, dtype, log=True).register_chunks == 0
-    assert ops.backward_config(1 << 20, torch.float32, log=False).staging == "global"
+    for n in (1 << 20, 1000000, 800000, 524288):
+        cfg = ops.backward_config(n, torch.float32, log=False)
+        kernel = ops.backward_kernel(cfg, torch.float32, False)[0]
+        assert (cfg.threads_per_row, cfg.vec * cfg.vecs_per_thread, cfg.staging) == \
+            (config.HELD_SHARE_THREADS, config.Y_SHARE_VALUES, "smem"), (n, cfg)
+        assert kernel.streams_dy and cfg.staging_smem_bytes(4) <= config.STAGING_SMEM_BYTES
+    assert ops.backward_config(1600000, torch.float32, log=False).staging == "global"
     assert ops.backward_config(1000003, torch.bfloat16, log=False).register_chunks == 0
     assert ops.backward_config(262144, torch.bfloat16, log=False) == ops.backward_config(
         262144, torch.bfloat16, log=True)  # both fit: the held share is not asked

@@ -13,8 +13,8 @@ from torch import Tensor
 from ..kernels.softmax import SoftmaxBackward, SoftmaxForward
 from ..native import module as native_module
 from ..primitives.compile_cache import compile_kernel, fake_rows, kernel_handle
-from ..primitives.config import (MAX_CLUSTER_SIZE, RowConfig, copies_async, held_share,
-                                 row_config, widened_16bit_share, with_held_chunk)
+from ..primitives.config import (MAX_CLUSTER_SIZE, Y_SHARE_VALUES, RowConfig, copies_async,
+                                 held_share, row_config, widened_16bit_share, with_held_chunk)
 from .common import (
     as_rows,
     check_float_dtype,
@@ -50,6 +50,8 @@ def backward_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None,
     - log_softmax rows: dy alone on config.held_share's shares (SoftmaxBackward stages
       the log_softmax's dy and reads y once, in its output pass), its last chunks held
       in registers where the rest would not fit (fp32 only: 16-bit rows so spilled);
+    - fp32 softmax rows: y alone on such shares of config.Y_SHARE_VALUES, dy re-read in
+      both passes;
     - one tensor staged alone, where it fits shared memory (16-bit rows of about
       820K-1.6M columns, fp32 of 400K-780K) and its vectors go there by cp.async (odd
       16-bit rows, copied by plain loads and stores, took 124-128 registers and 1.6x the
@@ -66,6 +68,11 @@ def backward_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None,
     dy_share = held_share(n_cols, elem, 1, MAX_CLUSTER_SIZE, max_vec) if log else None
     if dy_share is not None and (elem == 4 or dy_share.register_chunks == 0):
         return dy_share
+    # the fp32 softmax's y alone, dy re-read in both passes (config.Y_SHARE_VALUES)
+    y_share = held_share(n_cols, elem, 1, MAX_CLUSTER_SIZE, max_vec, Y_SHARE_VALUES) \
+        if elem == 4 and not log else None
+    if y_share is not None:
+        return y_share
     one_staged = row_config(n_cols, elem, staged_tensors=2, bytes_per_col=elem, max_vec=max_vec)
     if one_staged.staging == "smem" and copies_async(one_staged, elem):
         return one_staged

@@ -387,17 +387,26 @@ def with_held_chunk(cfg: RowConfig, bytes_per_col: int, full_clusters_too: bool)
 # 89.6 (dy alone on 256 threads before).
 HELD_SHARE_THREADS = 512
 HELD_SHARE_VALUES = 32
+# The fp32 softmax backward of rows whose y and dy together outgrow a cluster's shared
+# memory (400K+ columns) stages y alone on held shares of chunks of this many values, dy
+# read from global memory in both passes (its second read mostly from L2): at 32 values
+# the held chunk, dy's chunk and the next one in flight spilled 64-72 bytes (sm_90a,
+# 800000-1048576 columns), at 16 none (126-128 registers). Before, rows of 800K+ columns
+# re-read y and dy both (60-61% of the copy ceiling at 1M). Not measured yet.
+Y_SHARE_VALUES = 16
 
 
 def held_share(n_cols: int, elem_bytes: int, staged_tensors: int, cluster: int,
-               max_vec: int | None = None) -> RowConfig | None:
-    """Shares of ``n_cols`` over ``cluster`` CTAs of HELD_SHARE_THREADS threads staged in
-    shared memory but for the fewest last chunks held in registers (at most
-    HELD_CHUNK_BYTES_PER_THREAD) that bring the rest within STAGING_SMEM_BYTES; None where
-    no such share exists or its accesses are narrower than ACCESS_BYTES."""
+               max_vec: int | None = None,
+               values_per_thread: int = HELD_SHARE_VALUES) -> RowConfig | None:
+    """Shares of ``n_cols`` over ``cluster`` CTAs of HELD_SHARE_THREADS threads, chunks of
+    ``values_per_thread``, staged in shared memory but for the fewest last chunks held in
+    registers (at most HELD_CHUNK_BYTES_PER_THREAD) that bring the rest within
+    STAGING_SMEM_BYTES; None where no such share exists or its accesses are narrower than
+    ACCESS_BYTES."""
     bytes_per_col = staged_tensors * elem_bytes
     share = row_config(n_cols, elem_bytes, staged_tensors, max_vec=max_vec,
-                       values_per_thread=HELD_SHARE_VALUES,
+                       values_per_thread=values_per_thread,
                        cta_row_bytes=math.ceil(n_cols * bytes_per_col / cluster),
                        max_threads_per_row=HELD_SHARE_THREADS, wide_clusters=True)
     if share.staging == "registers" or not whole_vectors(share, elem_bytes):
