@@ -101,7 +101,7 @@ def forward_config(n_cols: int, rms: bool, x_dtype, residual_dtype, has_residual
         return share(values_per_thread=values_per_thread)
     cfg = widened_16bit_share(share, bytes_per_col, widest) if rms \
         else staged_layer_norm_share(share, widest)
-    odd_row_share = odd_row_forward_share(n_cols, bytes_per_col, len(staged), cfg)
+    odd_row_share = odd_row_forward_share(n_cols, bytes_per_col, len(staged), rms, cfg)
     if odd_row_share:
         return register_share(n_cols, widest, *odd_row_share, bytes_per_col=bytes_per_col,
                               max_vec=max_vec)
