@@ -669,6 +669,32 @@ def test_norm_backward_odd_row_register_shares():
         assert (cfg.threads_per_row, cfg.staging) != odd_share, cfg
 
 
+def test_norm_forward_odd_row_register_shares():
+    """config.odd_row_forward_share: the RMSNorm forward of x alone on odd 16-bit rows
+    its clustered share stages in shared memory takes one chunk of 1024 threads x at most
+    15 values over the CTAs the row needs (two or more, at most a cluster); LayerNorm,
+    fp32 rows, even rows, a residual, rows one such CTA covers or a cluster cannot, and
+    shares already in registers (an fp32 weight's 4-byte accesses size the bf16 row 50257
+    so) do not."""
+    from quack_kernels.ops.norm import forward_config
+
+    def share(n, rms=True, dtype=torch.bfloat16, residual=False, weight_dtype=None):
+        return forward_config(n, rms, dtype, dtype, residual, dtype, weight_dtype or dtype,
+                              None if rms else dtype)
+
+    threads, values = config.ODD_ROW_FORWARD_SHARE
+    for n, ctas in ((50257, 4), (131073, 9), (32001, 3), (245759, 16)):
+        for cfg in (share(n), share(n, dtype=torch.float16)):
+            assert (cfg.threads_per_row, cfg.cluster_size, cfg.num_chunks, cfg.staging,
+                    cfg.vec) == (threads, ctas, 1, "registers", 1), (n, cfg)
+            assert cfg.vecs_per_thread <= values
+            assert cfg.cols_covered >= n > cfg.cols_covered - cfg.cols_per_cta
+    for cfg in (share(50257, rms=False), share(131073, rms=False),
+                share(50257, dtype=torch.float32), share(50258), share(50257, residual=True),
+                share(4097), share(262143), share(50257, weight_dtype=torch.float32)):
+        assert cfg.threads_per_row != threads, cfg
+
+
 def test_norm_backward_rows_alone_in_shared_memory():
     """config.rows_alone_in_smem: a 512-thread share whose sums stay in registers stages
     its rows in shared memory where they fit without the sums (LayerNorm fp32 262144 and

@@ -322,7 +322,8 @@ def test_odd_rows_on_register_shares(n, dtype, rms):
     """Odd 16-bit rows (one-value vectors) on the register shares of
     config.odd_row_register_share (RMSNorm 1024 threads, LayerNorm 512), over two or three
     row blocks a CTA (the last block's prefetch past M skipped); dx, dweight (and dbias)
-    on poisoned outputs."""
+    on poisoned outputs. The forward too: RMSNorm's on the register share of
+    config.odd_row_forward_share."""
     sums = 1 if rms else 2
     cfg = ops.backward_config(n, dtype, dtype, (dtype,), dtype, sums, rms=rms)
     assert (cfg.threads_per_row, cfg.vec, cfg.staging) == \
@@ -331,8 +332,15 @@ def test_odd_rows_on_register_shares(n, dtype, rms):
     resident = ops.resident_row_blocks(kernel, torch.device("cuda"))
     m = 2 * resident + resident // 2 + 1
     x, w, b = fresh((m, n), dtype), fresh(n, dtype, 0.5, 1.0), fresh(n, dtype)
-    _, _, mean, rstd = ops.norm_forward(x, w, None if rms else b, None, 1e-5, 0.0, rms, None,
-                                        None, False)
+    b = None if rms else b
+    forward_cfg = ops.forward_config(n, rms, dtype, dtype, False, dtype, dtype, None if rms else dtype)
+    assert (forward_cfg.staging == "registers") == rms, forward_cfg
+    stats = torch.empty(m, dtype=torch.float32, device="cuda")
+    poison_allocator(x, stats, stats)  # y, mean, rstd start as NaN
+    y, _, mean, rstd = ops.norm_forward(x, w, b, None, 1e-5, 0.0, rms, None, None, False)
+    ry, _, _, rrstd = forward_ref(x, w, b, None, 1e-5, 0.0, rms)
+    assert_close(y, ry, dtype)
+    assert_close(rstd, rrstd, torch.float32, name="rstd")
     check_backward(fresh((m, n), dtype), x, w, None if rms else mean, rstd, 0.0, rms,
                    need_db=not rms)
 

@@ -38,6 +38,7 @@ from ..primitives.config import (
     norm_backward_register_threads,
     norm_backward_share,
     norm_forward_share,
+    odd_row_forward_share,
     odd_row_register_share,
     row_blocks_in_flight,
     register_share,
@@ -96,11 +97,15 @@ def forward_config(n_cols: int, rms: bool, x_dtype, residual_dtype, has_residual
     share = functools.partial(row_config, n_cols, widest, staged_tensors=len(staged),
                               bytes_per_col=bytes_per_col, max_vec=max_vec,
                               cta_row_bytes=cta_row_bytes, wide_clusters=wide_clusters)
-    if rms and not has_residual:
-        return widened_16bit_share(share, bytes_per_col, widest)
-    if not has_residual:
-        return staged_layer_norm_share(share, widest)
-    return share(values_per_thread=values_per_thread)
+    if has_residual:
+        return share(values_per_thread=values_per_thread)
+    cfg = widened_16bit_share(share, bytes_per_col, widest) if rms \
+        else staged_layer_norm_share(share, widest)
+    odd_row_share = odd_row_forward_share(n_cols, bytes_per_col, len(staged), rms, cfg)
+    if odd_row_share:
+        return register_share(n_cols, widest, *odd_row_share, bytes_per_col=bytes_per_col,
+                              max_vec=max_vec)
+    return cfg
 
 
 @functools.lru_cache(maxsize=None)  # on every call

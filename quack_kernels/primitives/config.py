@@ -917,10 +917,36 @@ def odd_row_register_share(n_cols: int, elem_bytes: int, accumulators: int, outp
     backward of odd 16-bit rows takes instead of ``clustered`` (see above), or None where
     it keeps that share. ``outputs``: its row tensors besides h and dy (dx alone is 1; a
     residual's gradient read and another written make 3)."""
-    if elem_bytes != 2 or accumulators == 0 or outputs != 1 \
-            or vector_width(n_cols, elem_bytes) != 1 or clustered.staging == "registers":
+    if accumulators == 0 or outputs != 1:
         return None
-    threads, values = ODD_ROW_SHARES[rms]
+    return _odd_row_share(n_cols, elem_bytes, clustered, *ODD_ROW_SHARES[rms])
+
+
+# RMSNorm forward of x alone on odd 16-bit rows staged in shared memory: the same kind
+# of register share, 1024 threads x at most 15 values (sm_90a: no stack). H200, bf16
+# kernels alone: 4096x50257 25.8 -> 35.3%, 2048x100001 24.9 -> 33.1%, fp16 4096x32001
+# 28.9 -> 33.0%. LayerNorm lost on it (33.0 -> 26.8%, 1024x131073 34.3 -> 17.5%): its
+# staged share stays.
+ODD_ROW_FORWARD_SHARE = (1024, 15)
+
+
+def odd_row_forward_share(n_cols: int, elem_bytes: int, staged_tensors: int, rms: bool,
+                          clustered: RowConfig) -> tuple[int, int] | None:
+    """(threads per CTA, most values a thread) of the register share an RMSNorm forward
+    of ``staged_tensors`` odd 16-bit rows takes instead of ``clustered`` (x alone), or
+    None where it keeps that share."""
+    if not rms or staged_tensors != 1:
+        return None
+    return _odd_row_share(n_cols, elem_bytes, clustered, *ODD_ROW_FORWARD_SHARE)
+
+
+def _odd_row_share(n_cols: int, elem_bytes: int, clustered: RowConfig, threads: int,
+                   values: int) -> tuple[int, int] | None:
+    """(threads, values) for odd 16-bit rows whose ``clustered`` share stages them in
+    shared memory, where they make two CTAs or more and a cluster holds them."""
+    if elem_bytes != 2 or vector_width(n_cols, elem_bytes) != 1 \
+            or clustered.staging == "registers":
+        return None
     ctas = math.ceil(n_cols / (threads * values))
     return (threads, values) if 1 < ctas <= MAX_CLUSTER_SIZE else None
 
