@@ -333,7 +333,8 @@ def test_odd_rows_on_register_shares(n, dtype, rms):
     m = 2 * resident + resident // 2 + 1
     x, w, b = fresh((m, n), dtype), fresh(n, dtype, 0.5, 1.0), fresh(n, dtype)
     b = None if rms else b
-    forward_cfg = ops.forward_config(n, rms, dtype, dtype, False, dtype, dtype, None if rms else dtype)
+    forward_cfg = ops.forward_config(n, rms, dtype, dtype, False, dtype, dtype,
+                                     None if rms else dtype)
     assert (forward_cfg.staging == "registers") == rms, forward_cfg
     stats = torch.empty(m, dtype=torch.float32, device="cuda")
     poison_allocator(x, stats, stats)  # y, mean, rstd start as NaN
