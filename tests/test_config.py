@@ -1,6 +1,7 @@
 """The tiling heuristics: invariants that every kernel relies on."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -669,30 +670,43 @@ def test_norm_backward_odd_row_register_shares():
         assert (cfg.threads_per_row, cfg.staging) != odd_share, cfg
 
 
-def test_norm_forward_odd_row_register_shares():
-    """config.odd_row_forward_share: the RMSNorm forward of x alone on odd 16-bit rows
-    its clustered share stages in shared memory takes one chunk of 1024 threads x at most
-    15 values over the CTAs the row needs (two or more, at most a cluster); LayerNorm,
-    fp32 rows, even rows, a residual, rows one such CTA covers or a cluster cannot, and
-    shares already in registers (an fp32 weight's 4-byte accesses size the bf16 row 50257
-    so) do not."""
+def test_norm_forward_odd_row_shares(monkeypatch):
+    """config.odd_row_forward_share: the norm forward of x alone on odd 16-bit rows of
+    16K+ columns that its clustered share stages on chip takes chunks of 8 values on 256
+    threads, RMSNorm re-reading x from global memory with 16 KiB of the row a CTA,
+    LayerNorm staging it in shared memory with 32 KiB; fp32 rows, even rows, a residual,
+    shorter rows and shares already in registers (an fp32 weight's 4-byte accesses size
+    the RMSNorm row 50257 so) keep the share they had without the rule."""
     from quack_kernels.ops.norm import forward_config
 
     def share(n, rms=True, dtype=torch.bfloat16, residual=False, weight_dtype=None):
         return forward_config(n, rms, dtype, dtype, residual, dtype, weight_dtype or dtype,
                               None if rms else dtype)
 
-    threads, values = config.ODD_ROW_FORWARD_SHARE
-    for n, ctas in ((50257, 4), (131073, 9), (32001, 3), (245759, 16)):
-        for cfg in (share(n), share(n, dtype=torch.float16)):
-            assert (cfg.threads_per_row, cfg.cluster_size, cfg.num_chunks, cfg.staging,
-                    cfg.vec) == (threads, ctas, 1, "registers", 1), (n, cfg)
-            assert cfg.vecs_per_thread <= values
-            assert cfg.cols_covered >= n > cfg.cols_covered - cfg.cols_per_cta
-    for cfg in (share(50257, rms=False), share(131073, rms=False),
-                share(50257, dtype=torch.float32), share(50258), share(50257, residual=True),
-                share(4097), share(262143), share(50257, weight_dtype=torch.float32)):
-        assert cfg.threads_per_row != threads, cfg
+    cases = ((50257, torch.float32, False, None), (50258, torch.bfloat16, False, None),
+             (50257, torch.bfloat16, True, None), (16383, torch.bfloat16, False, None),
+             (4097, torch.float16, False, None))
+    kept = [(n, rms, dtype, residual, weight) for rms in (True, False)
+            for n, dtype, residual, weight in cases]
+    kept.append((50257, True, torch.bfloat16, False, torch.float32))  # (LayerNorm's: smem)
+    forward_config.cache_clear()
+    monkeypatch.setattr(config, "ODD_ROW_FORWARD_MIN_COLS", 1 << 30)  # the rule off
+    without_rule = [share(*case) for case in kept]
+    forward_config.cache_clear()
+    monkeypatch.undo()
+    assert [share(*case) for case in kept] == without_rule
+    assert share(50257, weight_dtype=torch.float32).staging == "registers"
+
+    threads, values = config.ODD_ROW_FORWARD_THREADS, config.ODD_ROW_FORWARD_VALUES
+    for rms in (True, False):
+        row_bytes, staging = config.ODD_ROW_FORWARD_SHARES[rms]
+        for n in (50257, 131073, 32001, 16385, 262143):
+            for cfg in (share(n, rms), share(n, rms, dtype=torch.float16)):
+                assert (cfg.threads_per_row, cfg.vecs_per_thread, cfg.staging, cfg.vec,
+                        cfg.register_chunks) == (threads, values, staging, 1, 0), (n, cfg)
+                ctas = math.ceil(2 * n / row_bytes)  # (longer rows: row_config's chunks)
+                assert cfg.cluster_size == ctas or ctas > 8, (n, cfg)
+                assert cfg.cols_covered >= n > cfg.cols_covered - cfg.cols_per_cta
 
 
 def test_norm_backward_rows_alone_in_shared_memory():

@@ -347,19 +347,19 @@ def test_forward_values_per_thread_of_wide_16bit_shares(n, dtype, rms):
     whose 16-CTA shares outgrow CTA_ROW_BYTES (rows over 256 KiB) takes
     WIDE_SHARE_VALUES per thread on a cluster of the 16-CTA class (fewer CTAs where the
     wide share leaves some past the row end); rows of exactly 256 KiB, LayerNorm and
-    misaligned tensors keep the default of 16 values (odd RMSNorm rows take the register
-    shares of config.odd_row_forward_share, at most 15)."""
+    misaligned tensors keep the default of 16 values (odd rows take the shares of
+    config.odd_row_forward_share, 8 values)."""
     from quack_kernels.primitives import config
 
     bias = None if rms else dtype
     cfg = ops.forward_config(n, rms, dtype, dtype, False, dtype, dtype, bias)
     wide = rms and n % 8 == 0 and n > 131072
-    odd = rms and n % 2 == 1
-    assert cfg.vec * cfg.vecs_per_thread == (config.WIDE_SHARE_VALUES if wide else 15 if odd
+    odd = n % 2 == 1
+    assert cfg.vec * cfg.vecs_per_thread == (config.WIDE_SHARE_VALUES if wide else 8 if odd
                                              else 16)
     assert config.cluster_class(cfg) == config.MAX_CLUSTER_SIZE or not wide
     misaligned = ops.forward_config(n, rms, dtype, dtype, False, dtype, dtype, bias, max_vec=4)
-    assert misaligned.vec * misaligned.vecs_per_thread == (15 if odd else 16)
+    assert misaligned.vec * misaligned.vecs_per_thread == (8 if odd else 16)
 
 
 def test_backward_sums_in_registers_and_prefetch():

@@ -8,7 +8,8 @@ import torch
 
 import quack_kernels as qk
 from quack_kernels.ops import norm as ops
-from quack_kernels.primitives.config import ODD_ROW_SHARES, loop_grid_rows
+from quack_kernels.primitives.config import (ODD_ROW_FORWARD_SHARES, ODD_ROW_FORWARD_VALUES,
+                                             ODD_ROW_SHARES, loop_grid_rows)
 
 from helpers import assert_close, poison_allocator
 
@@ -322,8 +323,7 @@ def test_odd_rows_on_register_shares(n, dtype, rms):
     """Odd 16-bit rows (one-value vectors) on the register shares of
     config.odd_row_register_share (RMSNorm 1024 threads, LayerNorm 512), over two or three
     row blocks a CTA (the last block's prefetch past M skipped); dx, dweight (and dbias)
-    on poisoned outputs. The forward too: RMSNorm's on the register share of
-    config.odd_row_forward_share."""
+    on poisoned outputs. The forward too, on the shares of config.odd_row_forward_share."""
     sums = 1 if rms else 2
     cfg = ops.backward_config(n, dtype, dtype, (dtype,), dtype, sums, rms=rms)
     assert (cfg.threads_per_row, cfg.vec, cfg.staging) == \
@@ -335,7 +335,8 @@ def test_odd_rows_on_register_shares(n, dtype, rms):
     b = None if rms else b
     forward_cfg = ops.forward_config(n, rms, dtype, dtype, False, dtype, dtype,
                                      None if rms else dtype)
-    assert (forward_cfg.staging == "registers") == rms, forward_cfg
+    assert (forward_cfg.vecs_per_thread, forward_cfg.staging) == \
+        (ODD_ROW_FORWARD_VALUES, ODD_ROW_FORWARD_SHARES[rms][1]), forward_cfg
     stats = torch.empty(m, dtype=torch.float32, device="cuda")
     poison_allocator(x, stats, stats)  # y, mean, rstd start as NaN
     y, _, mean, rstd = ops.norm_forward(x, w, b, None, 1e-5, 0.0, rms, None, None, False)
@@ -344,6 +345,31 @@ def test_odd_rows_on_register_shares(n, dtype, rms):
     assert_close(rstd, rrstd, torch.float32, name="rstd")
     check_backward(fresh((m, n), dtype), x, w, None if rms else mean, rstd, 0.0, rms,
                    need_db=not rms)
+
+
+@pytest.mark.parametrize("n, dtype, weight_dtype", [
+    (16385, torch.bfloat16, None), (50257, torch.float16, None), (262143, torch.bfloat16, None),
+    (100001, torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("rms", [True, False])
+def test_forward_of_odd_rows(n, dtype, weight_dtype, rms):
+    """The forward of odd 16-bit rows on the shares of config.odd_row_forward_share
+    (RMSNorm's x re-read from global memory in the output pass, LayerNorm's staged, both
+    from 2 CTAs to a full cluster; an fp32 weight), y, rstd and mean on poisoned
+    outputs, rows with a large mean among them."""
+    m = 67
+    weight_dtype = weight_dtype or dtype
+    x = fresh((m, n), dtype, 2.0, 0.5)
+    x[m // 2] += 300.0
+    w = fresh(n, weight_dtype, 0.5, 1.0)
+    b = None if rms else fresh(n, weight_dtype, 0.5)
+    stats = torch.empty(m, dtype=torch.float32, device="cuda")
+    poison_allocator(x, stats, stats)  # y, mean, rstd start as NaN
+    y, _, mean, rstd = ops.norm_forward(x, w, b, None, 1e-5, 0.0, rms, None, None, False)
+    ry, _, rmean, rrstd = forward_ref(x, w, b, None, 1e-5, 0.0, rms)
+    assert_close(y, ry, dtype)
+    assert_close(rstd, rrstd, torch.float32, name="rstd")
+    if not rms:
+        assert_close(mean, rmean, torch.float32, name="mean")
 
 
 @pytest.mark.parametrize("dtype, mean_value", [(torch.float16, 1e4), (torch.bfloat16, 1e3)])

@@ -918,38 +918,46 @@ def odd_row_register_share(n_cols: int, elem_bytes: int, accumulators: int, outp
     backward of odd 16-bit rows takes instead of ``clustered`` (see above), or None where
     it keeps that share. ``outputs``: its row tensors besides h and dy (dx alone is 1; a
     residual's gradient read and another written make 3)."""
-    if accumulators == 0 or outputs != 1:
+    if accumulators == 0 or outputs != 1 or not _narrow_staged_row(n_cols, elem_bytes,
+                                                                    clustered):
         return None
-    return _odd_row_share(n_cols, elem_bytes, clustered, *ODD_ROW_SHARES[rms])
+    threads, values = ODD_ROW_SHARES[rms]
+    ctas = math.ceil(n_cols / (threads * values))
+    return (threads, values) if 1 < ctas <= MAX_CLUSTER_SIZE else None
 
 
-# RMSNorm forward of x alone on odd 16-bit rows staged in shared memory: the same kind
-# of register share, 1024 threads x at most 15 values (sm_90a: no stack). H200, bf16
-# kernels alone: 4096x50257 25.8 -> 35.3%, 2048x100001 24.9 -> 33.1%, fp16 4096x32001
-# 28.9 -> 33.0%. LayerNorm lost on it (33.0 -> 26.8%, 1024x131073 34.3 -> 17.5%): its
-# staged share stays.
-ODD_ROW_FORWARD_SHARE = (1024, 15)
+# The norm forward of x alone on odd 16-bit rows of 16K+ columns that its clustered
+# share stages in shared memory: chunks of 8 values on 256 threads; RMSNorm re-reads x
+# from global memory (mostly L2) in its output pass, 16 KiB of the row a CTA, LayerNorm
+# stages it, 32 KiB a CTA. Smaller chunks keep more of the narrow loads in flight. H200
+# share sweep, bf16 kernels alone, % of the copy ceiling
+# (results/norm_forward_odd_rows_sweep_H200_20261204.txt), the shares before -> these:
+# RMSNorm 4096x50257 35.3 -> 52.7, 2048x100001 33.1 -> 50.0, 1024x131073 24.1 -> 50.1
+# (torch.compile 32.8-34.4); LayerNorm 4096x50257 33.0 -> 40.0, 2048x100001 35.0 ->
+# 41.8. A one-chunk register share of 1024 threads x 15 values reached 35 / 27 (RMSNorm /
+# LayerNorm at 50257); 16-value chunks, 512 or 1024 threads and the other staging lost.
+ODD_ROW_FORWARD_THREADS = 256
+ODD_ROW_FORWARD_VALUES = 8
+ODD_ROW_FORWARD_SHARES = {True: (16 * 1024, "global"), False: (32 * 1024, "smem")}
+ODD_ROW_FORWARD_MIN_COLS = 16 * 1024
 
 
 def odd_row_forward_share(n_cols: int, elem_bytes: int, staged_tensors: int, rms: bool,
-                          clustered: RowConfig) -> tuple[int, int] | None:
-    """(threads per CTA, most values a thread) of the register share an RMSNorm forward
-    of ``staged_tensors`` odd 16-bit rows takes instead of ``clustered`` (x alone), or
-    None where it keeps that share."""
-    if not rms or staged_tensors != 1:
+                          clustered: RowConfig) -> tuple[int, str] | None:
+    """(row bytes a CTA, staging) of the share a norm forward of ``staged_tensors`` odd
+    16-bit rows takes instead of ``clustered`` (x alone; see above), or None where it
+    keeps that share."""
+    if staged_tensors != 1 or n_cols < ODD_ROW_FORWARD_MIN_COLS \
+            or not _narrow_staged_row(n_cols, elem_bytes, clustered):
         return None
-    return _odd_row_share(n_cols, elem_bytes, clustered, *ODD_ROW_FORWARD_SHARE)
+    return ODD_ROW_FORWARD_SHARES[rms]
 
 
-def _odd_row_share(n_cols: int, elem_bytes: int, clustered: RowConfig, threads: int,
-                   values: int) -> tuple[int, int] | None:
-    """(threads, values) for odd 16-bit rows whose ``clustered`` share stages them in
-    shared memory, where they make two CTAs or more and a cluster holds them."""
-    if elem_bytes != 2 or vector_width(n_cols, elem_bytes) != 1 \
-            or clustered.staging == "registers":
-        return None
-    ctas = math.ceil(n_cols / (threads * values))
-    return (threads, values) if 1 < ctas <= MAX_CLUSTER_SIZE else None
+def _narrow_staged_row(n_cols: int, elem_bytes: int, clustered: RowConfig) -> bool:
+    """Whether ``clustered`` stages odd 16-bit rows (one-value vectors) on chip other
+    than in registers."""
+    return elem_bytes == 2 and vector_width(n_cols, elem_bytes) == 1 \
+        and clustered.staging != "registers"
 
 
 def register_share(n_cols: int, elem_bytes: int, threads: int, values: int, *,
