@@ -670,13 +670,15 @@ def test_norm_backward_odd_row_register_shares():
         assert (cfg.threads_per_row, cfg.staging) != odd_share, cfg
 
 
-def test_norm_forward_odd_row_shares(monkeypatch):
-    """config.odd_row_forward_share: the norm forward of x alone on odd 16-bit rows of
-    16K+ columns that its clustered share stages on chip takes chunks of 8 values on 256
-    threads, RMSNorm re-reading x from global memory with 16 KiB of the row a CTA,
-    LayerNorm staging it in shared memory with 32 KiB; fp32 rows, even rows, a residual,
-    shorter rows and shares already in registers (an fp32 weight's 4-byte accesses size
-    the RMSNorm row 50257 so) keep the share they had without the rule."""
+def test_odd_row_forward_shares(monkeypatch):
+    """config.odd_row_forward_share: the norm forward of x alone and the softmax forward
+    on odd 16-bit rows of 16K+ columns that their clustered shares stage on chip take
+    chunks of 8 values on 256 threads, RMSNorm re-reading x from global memory with
+    16 KiB of the row a CTA, LayerNorm and softmax staging it in shared memory with
+    32 KiB; fp32 rows, even rows, a residual, shorter rows and shares already in
+    registers (an fp32 weight's 4-byte accesses size the RMSNorm row 50257 so) keep the
+    share they had without the rule."""
+    from quack_kernels.ops import softmax
     from quack_kernels.ops.norm import forward_config
 
     def share(n, rms=True, dtype=torch.bfloat16, residual=False, weight_dtype=None):
@@ -689,12 +691,18 @@ def test_norm_forward_odd_row_shares(monkeypatch):
     kept = [(n, rms, dtype, residual, weight) for rms in (True, False)
             for n, dtype, residual, weight in cases]
     kept.append((50257, True, torch.bfloat16, False, torch.float32))  # (LayerNorm's: smem)
-    forward_config.cache_clear()
+    kept_softmax = [(50257, torch.float32), (50258, torch.bfloat16), (16383, torch.float16)]
+
+    def configs():
+        forward_config.cache_clear()
+        softmax.forward_config.cache_clear()
+        return ([share(*case) for case in kept],
+                [softmax.forward_config(*case) for case in kept_softmax])
+
     monkeypatch.setattr(config, "ODD_ROW_FORWARD_MIN_COLS", 1 << 30)  # the rule off
-    without_rule = [share(*case) for case in kept]
-    forward_config.cache_clear()
+    without_rule = configs()
     monkeypatch.undo()
-    assert [share(*case) for case in kept] == without_rule
+    assert configs() == without_rule
     assert share(50257, weight_dtype=torch.float32).staging == "registers"
 
     threads, values = config.ODD_ROW_FORWARD_THREADS, config.ODD_ROW_FORWARD_VALUES
@@ -707,6 +715,11 @@ def test_norm_forward_odd_row_shares(monkeypatch):
                 ctas = math.ceil(2 * n / row_bytes)  # (longer rows: row_config's chunks)
                 assert cfg.cluster_size == ctas or ctas > 8, (n, cfg)
                 assert cfg.cols_covered >= n > cfg.cols_covered - cfg.cols_per_cta
+    for n in (50257, 131073, 32001, 16385, 262143):
+        for dtype in (torch.bfloat16, torch.float16):
+            cfg = softmax.forward_config(n, dtype)
+            assert (cfg.threads_per_row, cfg.vecs_per_thread, cfg.staging, cfg.vec) == \
+                (threads, values, "smem", 1), (n, cfg)
 
 
 def test_norm_backward_rows_alone_in_shared_memory():

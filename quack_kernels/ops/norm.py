@@ -14,7 +14,6 @@ Ops (namespace ``quack_kernels``), usable directly by callers who want the stati
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import math
@@ -39,8 +38,6 @@ from ..primitives.config import (
     norm_backward_register_threads,
     norm_backward_share,
     norm_forward_share,
-    ODD_ROW_FORWARD_THREADS,
-    ODD_ROW_FORWARD_VALUES,
     odd_row_forward_share,
     odd_row_register_share,
     row_blocks_in_flight,
@@ -104,14 +101,7 @@ def forward_config(n_cols: int, rms: bool, x_dtype, residual_dtype, has_residual
         return share(values_per_thread=values_per_thread)
     cfg = widened_16bit_share(share, bytes_per_col, widest) if rms \
         else staged_layer_norm_share(share, widest)
-    odd_row_share = odd_row_forward_share(n_cols, bytes_per_col, len(staged), rms, cfg)
-    if odd_row_share is None:
-        return cfg
-    row_bytes, staging = odd_row_share
-    odd_rows = share(values_per_thread=ODD_ROW_FORWARD_VALUES, cta_row_bytes=row_bytes,
-                     max_threads_per_row=ODD_ROW_FORWARD_THREADS)
-    return dataclasses.replace(odd_rows, staging=staging, register_chunks=0) \
-        if staging != odd_rows.staging else odd_rows
+    return odd_row_forward_share(share, cfg, bytes_per_col, len(staged), rereads=rms) or cfg
 
 
 @functools.lru_cache(maxsize=None)  # on every call

@@ -14,7 +14,8 @@ from ..kernels.softmax import SoftmaxBackward, SoftmaxForward
 from ..native import module as native_module
 from ..primitives.compile_cache import compile_kernel, fake_rows, kernel_handle
 from ..primitives.config import (MAX_CLUSTER_SIZE, Y_SHARE_VALUES, RowConfig, copies_async,
-                                 held_share, row_config, widened_16bit_share, with_held_chunk)
+                                 held_share, odd_row_forward_share, row_config,
+                                 widened_16bit_share, with_held_chunk)
 from .common import (
     as_rows,
     check_float_dtype,
@@ -33,10 +34,12 @@ from .common import (
 def forward_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None) -> RowConfig:
     """Wide 16-bit shares in chunks of WIDE_SHARE_VALUES per thread where that halves
     their staged chunks (config.widened_16bit_share); chunks held in registers by
-    config.with_held_chunk."""
+    config.with_held_chunk; odd 16-bit rows staged as config.odd_row_forward_share
+    stages LayerNorm's."""
     elem = torch.finfo(dtype).bits // 8
     share = functools.partial(row_config, n_cols, elem, staged_tensors=1, max_vec=max_vec)
-    return with_held_chunk(widened_16bit_share(share, elem, elem), elem, full_clusters_too=False)
+    cfg = with_held_chunk(widened_16bit_share(share, elem, elem), elem, full_clusters_too=False)
+    return odd_row_forward_share(share, cfg, elem, 1, rereads=False) or cfg
 
 
 @functools.lru_cache(maxsize=None)

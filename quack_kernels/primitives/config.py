@@ -938,19 +938,27 @@ def odd_row_register_share(n_cols: int, elem_bytes: int, accumulators: int, outp
 # LayerNorm at 50257); 16-value chunks, 512 or 1024 threads and the other staging lost.
 ODD_ROW_FORWARD_THREADS = 256
 ODD_ROW_FORWARD_VALUES = 8
+# re-read from global memory (RMSNorm) or not (LayerNorm) -> (row bytes a CTA, staging)
 ODD_ROW_FORWARD_SHARES = {True: (16 * 1024, "global"), False: (32 * 1024, "smem")}
 ODD_ROW_FORWARD_MIN_COLS = 16 * 1024
 
 
-def odd_row_forward_share(n_cols: int, elem_bytes: int, staged_tensors: int, rms: bool,
-                          clustered: RowConfig) -> tuple[int, str] | None:
-    """(row bytes a CTA, staging) of the share a norm forward of ``staged_tensors`` odd
-    16-bit rows takes instead of ``clustered`` (x alone; see above), or None where it
-    keeps that share."""
+def odd_row_forward_share(share: Callable[..., RowConfig], clustered: RowConfig,
+                          elem_bytes: int, staged_tensors: int,
+                          rereads: bool) -> RowConfig | None:
+    """The share (``share()``: row_config with the caller's arguments) a forward of
+    ``staged_tensors`` odd 16-bit rows of ``elem_bytes`` takes instead of ``clustered``
+    (one row tensor alone; see above), re-reading the row from global memory in its
+    output pass where ``rereads``; None where it keeps ``clustered``."""
+    n_cols = clustered.n_cols
     if staged_tensors != 1 or n_cols < ODD_ROW_FORWARD_MIN_COLS \
             or not _narrow_staged_row(n_cols, elem_bytes, clustered):
         return None
-    return ODD_ROW_FORWARD_SHARES[rms]
+    row_bytes, staging = ODD_ROW_FORWARD_SHARES[rereads]
+    cfg = share(values_per_thread=ODD_ROW_FORWARD_VALUES, cta_row_bytes=row_bytes,
+                max_threads_per_row=ODD_ROW_FORWARD_THREADS)
+    return cfg if cfg.staging == staging \
+        else dataclasses.replace(cfg, staging=staging, register_chunks=0)
 
 
 def _narrow_staged_row(n_cols: int, elem_bytes: int, clustered: RowConfig) -> bool:
