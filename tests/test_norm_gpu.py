@@ -28,6 +28,20 @@ def forward_ref(x, w, b, r, eps, offset, rms, out_dtype=None, residual_dtype=Non
                               compute_dtype=F64)
 
 
+def check_forward(x, w, b, eps, rms):
+    """Run the forward of x alone on poisoned outputs (y, mean, rstd start as NaN) and
+    compare y, rstd (and LayerNorm's mean) with the fp64 reference; returns (mean, rstd)."""
+    stats = torch.empty(x.shape[0], dtype=torch.float32, device="cuda")
+    poison_allocator(x, stats, stats)
+    y, _, mean, rstd = ops.norm_forward(x, w, b, None, eps, 0.0, rms, None, None, False)
+    ry, _, rmean, rrstd = forward_ref(x, w, b, None, eps, 0.0, rms)
+    assert_close(y, ry, x.dtype)
+    assert_close(rstd, rrstd, torch.float32, name="rstd")
+    if not rms:
+        assert_close(mean, rmean, torch.float32, name="mean")
+    return mean, rstd
+
+
 def check_backward(dy, h, w, mean, rstd, offset, rms, dres_out=None, need_db=False, m=None,
                    dx_scale=4.0, dx_magnitude=None):
     """Run the op on (h, dy) and compare every gradient with the fp64 reference; dw/db
@@ -60,15 +74,7 @@ def test_forward_backward(n, dtype, rms):
     x = fresh((m, n), dtype, 2.0, 0.5)
     w = fresh(n, dtype, 0.5, 1.0)
     b = None if rms else fresh(n, dtype, 0.5)
-    eps = 1e-6 if rms else 1e-5
-    stats = torch.empty(m, dtype=torch.float32, device="cuda")
-    poison_allocator(x, stats, stats)  # y, mean, rstd start as NaN
-    y, h, mean, rstd = ops.norm_forward(x, w, b, None, eps, 0.0, rms, None, None, False)
-    ry, _, rmean, rrstd = forward_ref(x, w, b, None, eps, 0.0, rms)
-    assert_close(y, ry, dtype)
-    assert_close(rstd, rrstd, torch.float32, name="rstd")
-    if not rms:
-        assert_close(mean, rmean, torch.float32, name="mean")
+    mean, rstd = check_forward(x, w, b, 1e-6 if rms else 1e-5, rms)
     dy = fresh((m, n), dtype)
     # N = 1 RMSNorm: dx = g * (1 - xhat^2) * rstd with xhat^2 = 1 - O(eps): the
     # cancellation leaves dx ~ eps-sized, so its error is measured against the size of
@@ -337,12 +343,7 @@ def test_odd_rows_on_register_shares(n, dtype, rms):
                                      None if rms else dtype)
     assert (forward_cfg.vecs_per_thread, forward_cfg.staging) == \
         (ODD_ROW_FORWARD_VALUES, ODD_ROW_FORWARD_SHARES[rms][1]), forward_cfg
-    stats = torch.empty(m, dtype=torch.float32, device="cuda")
-    poison_allocator(x, stats, stats)  # y, mean, rstd start as NaN
-    y, _, mean, rstd = ops.norm_forward(x, w, b, None, 1e-5, 0.0, rms, None, None, False)
-    ry, _, _, rrstd = forward_ref(x, w, b, None, 1e-5, 0.0, rms)
-    assert_close(y, ry, dtype)
-    assert_close(rstd, rrstd, torch.float32, name="rstd")
+    mean, rstd = check_forward(x, w, b, 1e-5, rms)
     check_backward(fresh((m, n), dtype), x, w, None if rms else mean, rstd, 0.0, rms,
                    need_db=not rms)
 
@@ -362,14 +363,7 @@ def test_forward_of_odd_rows(n, dtype, weight_dtype, rms):
     x[m // 2] += 300.0
     w = fresh(n, weight_dtype, 0.5, 1.0)
     b = None if rms else fresh(n, weight_dtype, 0.5)
-    stats = torch.empty(m, dtype=torch.float32, device="cuda")
-    poison_allocator(x, stats, stats)  # y, mean, rstd start as NaN
-    y, _, mean, rstd = ops.norm_forward(x, w, b, None, 1e-5, 0.0, rms, None, None, False)
-    ry, _, rmean, rrstd = forward_ref(x, w, b, None, 1e-5, 0.0, rms)
-    assert_close(y, ry, dtype)
-    assert_close(rstd, rrstd, torch.float32, name="rstd")
-    if not rms:
-        assert_close(mean, rmean, torch.float32, name="mean")
+    check_forward(x, w, b, 1e-5, rms)
 
 
 @pytest.mark.parametrize("dtype, mean_value", [(torch.float16, 1e4), (torch.bfloat16, 1e3)])
