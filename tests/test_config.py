@@ -1,7 +1,6 @@
 """The tiling heuristics: invariants that every kernel relies on."""
 
 import dataclasses
-import math
 
 import pytest
 import torch
@@ -670,14 +669,22 @@ def test_norm_backward_odd_row_register_shares():
         assert (cfg.threads_per_row, cfg.staging) != odd_share, cfg
 
 
+# Odd 16-bit rows on config.odd_row_forward_share's shares: row length -> CTAs, by the
+# row bytes a CTA (RMSNorm's re-read shares 16 KiB, LayerNorm's and softmax's staged
+# ones 32 KiB; 131073 and 262143 columns take row_config's chunk counts to 13 and 16).
+ODD_ROW_FORWARD_CTAS = {
+    True: {16385: 3, 32001: 4, 50257: 7, 131073: 13, 262143: 16},
+    False: {16385: 2, 32001: 2, 50257: 4, 131073: 13, 262143: 16}}
+
+
 def test_odd_row_forward_shares(monkeypatch):
     """config.odd_row_forward_share: the norm forward of x alone and the softmax forward
-    on odd 16-bit rows of 16K+ columns that their clustered shares stage on chip take
-    chunks of 8 values on 256 threads, RMSNorm re-reading x from global memory with
-    16 KiB of the row a CTA, LayerNorm and softmax staging it in shared memory with
-    32 KiB; fp32 rows, even rows, a residual, shorter rows and shares already in
-    registers (an fp32 weight's 4-byte accesses size the RMSNorm row 50257 so) keep the
-    share they had without the rule."""
+    on odd 16-bit rows of 16K-256K columns that their clustered shares do not hold in
+    registers take chunks of 8 values on 256 threads, RMSNorm re-reading x from global
+    memory with 16 KiB of the row a CTA, LayerNorm and softmax staging it in shared
+    memory with 32 KiB; fp32 rows, even rows, a residual, shorter and longer rows and
+    shares already in registers (an fp32 weight's 4-byte accesses size the RMSNorm row
+    50257 so) keep the share they had without the rule."""
     from quack_kernels.ops import softmax
     from quack_kernels.ops.norm import forward_config
 
@@ -687,11 +694,14 @@ def test_odd_row_forward_shares(monkeypatch):
 
     cases = ((50257, torch.float32, False, None), (50258, torch.bfloat16, False, None),
              (50257, torch.bfloat16, True, None), (16383, torch.bfloat16, False, None),
-             (4097, torch.float16, False, None))
+             (4097, torch.float16, False, None), (262145, torch.bfloat16, False, None),
+             (2000001, torch.bfloat16, False, None))
     kept = [(n, rms, dtype, residual, weight) for rms in (True, False)
             for n, dtype, residual, weight in cases]
-    kept.append((50257, True, torch.bfloat16, False, torch.float32))  # (LayerNorm's: smem)
-    kept_softmax = [(50257, torch.float32), (50258, torch.bfloat16), (16383, torch.float16)]
+    # (LayerNorm's row of 16-bit x with an fp32 weight is staged: the rule takes it)
+    kept.append((50257, True, torch.bfloat16, False, torch.float32))
+    kept_softmax = [(50257, torch.float32), (50258, torch.bfloat16), (16383, torch.float16),
+                    (262145, torch.bfloat16), (2000001, torch.bfloat16)]
 
     def configs():
         forward_config.cache_clear()
@@ -700,26 +710,29 @@ def test_odd_row_forward_shares(monkeypatch):
                 [softmax.forward_config(*case) for case in kept_softmax])
 
     monkeypatch.setattr(config, "ODD_ROW_FORWARD_MIN_COLS", 1 << 30)  # the rule off
-    without_rule = configs()
-    monkeypatch.undo()
+    try:
+        without_rule = configs()
+    finally:
+        monkeypatch.undo()
+        forward_config.cache_clear()  # (no config of the rule off outlives the test)
+        softmax.forward_config.cache_clear()
     assert configs() == without_rule
     assert share(50257, weight_dtype=torch.float32).staging == "registers"
 
     threads, values = config.ODD_ROW_FORWARD_THREADS, config.ODD_ROW_FORWARD_VALUES
     for rms in (True, False):
-        row_bytes, staging = config.ODD_ROW_FORWARD_SHARES[rms]
-        for n in (50257, 131073, 32001, 16385, 262143):
+        staging = config.ODD_ROW_FORWARD_SHARES[rms][1]
+        for n, ctas in ODD_ROW_FORWARD_CTAS[rms].items():
             for cfg in (share(n, rms), share(n, rms, dtype=torch.float16)):
                 assert (cfg.threads_per_row, cfg.vecs_per_thread, cfg.staging, cfg.vec,
-                        cfg.register_chunks) == (threads, values, staging, 1, 0), (n, cfg)
-                ctas = math.ceil(2 * n / row_bytes)  # (longer rows: row_config's chunks)
-                assert cfg.cluster_size == ctas or ctas > 8, (n, cfg)
+                        cfg.register_chunks, cfg.cluster_size) == \
+                    (threads, values, staging, 1, 0, ctas), (n, cfg)
                 assert cfg.cols_covered >= n > cfg.cols_covered - cfg.cols_per_cta
-    for n in (50257, 131073, 32001, 16385, 262143):
+    for n, ctas in ODD_ROW_FORWARD_CTAS[False].items():
         for dtype in (torch.bfloat16, torch.float16):
             cfg = softmax.forward_config(n, dtype)
-            assert (cfg.threads_per_row, cfg.vecs_per_thread, cfg.staging, cfg.vec) == \
-                (threads, values, "smem", 1), (n, cfg)
+            assert (cfg.threads_per_row, cfg.vecs_per_thread, cfg.staging, cfg.vec,
+                    cfg.cluster_size) == (threads, values, "smem", 1, ctas), (n, cfg)
 
 
 def test_norm_backward_rows_alone_in_shared_memory():

@@ -354,12 +354,13 @@ def test_forward_values_per_thread_of_wide_16bit_shares(n, dtype, rms):
     bias = None if rms else dtype
     cfg = ops.forward_config(n, rms, dtype, dtype, False, dtype, dtype, bias)
     wide = rms and n % 8 == 0 and n > 131072
-    odd = n % 2 == 1
-    assert cfg.vec * cfg.vecs_per_thread == (config.WIDE_SHARE_VALUES if wide else 8 if odd
-                                             else 16)
+    odd = n % 2 == 1 and config.ODD_ROW_FORWARD_MIN_COLS <= n <= 262144
+    odd_values = config.ODD_ROW_FORWARD_VALUES
+    assert cfg.vec * cfg.vecs_per_thread == (config.WIDE_SHARE_VALUES if wide
+                                             else odd_values if odd else 16)
     assert config.cluster_class(cfg) == config.MAX_CLUSTER_SIZE or not wide
     misaligned = ops.forward_config(n, rms, dtype, dtype, False, dtype, dtype, bias, max_vec=4)
-    assert misaligned.vec * misaligned.vecs_per_thread == (8 if odd else 16)
+    assert misaligned.vec * misaligned.vecs_per_thread == (odd_values if odd else 16)
 
 
 def test_backward_sums_in_registers_and_prefetch():

@@ -355,8 +355,9 @@ def test_odd_rows_on_register_shares(n, dtype, rms):
 def test_forward_of_odd_rows(n, dtype, weight_dtype, rms):
     """The forward of odd 16-bit rows on the shares of config.odd_row_forward_share
     (RMSNorm's x re-read from global memory in the output pass, LayerNorm's staged, both
-    from 2 CTAs to a full cluster; an fp32 weight), y, rstd and mean on poisoned
-    outputs, rows with a large mean among them."""
+    from 2 CTAs to a full cluster; LayerNorm with an fp32 weight, whose RMSNorm runs its
+    register share), y, rstd and mean on poisoned outputs, a row with a large mean among
+    them."""
     m = 67
     weight_dtype = weight_dtype or dtype
     x = fresh((m, n), dtype, 2.0, 0.5)

@@ -86,7 +86,8 @@ def forward_config(n_cols: int, rms: bool, x_dtype, residual_dtype, has_residual
     staged: x, and the residual (of ``residual_in_dtype``, default the stream's
     ``residual_dtype``) when given; CTA shares from config.norm_forward_share, RMSNorm's
     of x alone widened by config.widened_16bit_share, LayerNorm's of x alone staged by
-    config.staged_layer_norm_share."""
+    config.staged_layer_norm_share; odd 16-bit rows of x alone as
+    config.odd_row_forward_share gives them."""
     residual_in_dtype = residual_in_dtype or residual_dtype
     staged = [x_dtype, residual_in_dtype] if has_residual else [x_dtype]
     widest = max(_bytes(*staged, residual_dtype if has_residual else None, out_dtype,
@@ -101,7 +102,7 @@ def forward_config(n_cols: int, rms: bool, x_dtype, residual_dtype, has_residual
         return share(values_per_thread=values_per_thread)
     cfg = widened_16bit_share(share, bytes_per_col, widest) if rms \
         else staged_layer_norm_share(share, widest)
-    return odd_row_forward_share(share, cfg, bytes_per_col, len(staged), rereads=rms) or cfg
+    return odd_row_forward_share(share, cfg, bytes_per_col, rereads=rms) or cfg
 
 
 @functools.lru_cache(maxsize=None)  # on every call

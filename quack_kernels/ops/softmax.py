@@ -39,7 +39,7 @@ def forward_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None) 
     elem = torch.finfo(dtype).bits // 8
     share = functools.partial(row_config, n_cols, elem, staged_tensors=1, max_vec=max_vec)
     cfg = with_held_chunk(widened_16bit_share(share, elem, elem), elem, full_clusters_too=False)
-    return odd_row_forward_share(share, cfg, elem, 1, rereads=False) or cfg
+    return odd_row_forward_share(share, cfg, elem, rereads=False) or cfg
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,7 +56,8 @@ def backward_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None,
     - fp32 softmax rows: y alone on such shares of config.Y_SHARE_VALUES, dy re-read in
       both passes;
     - one tensor staged alone, where it fits shared memory (16-bit rows of about
-      820K-1.6M columns, fp32 of 400K-780K) and its vectors go there by cp.async (odd
+      820K-1.6M columns; fp32 rows there take the share above but with narrow vectors)
+      and its vectors go there by cp.async (odd
       16-bit rows, copied by plain loads and stores, took 124-128 registers and 1.6x the
       instructions): the softmax's y, re-reading dy in both passes, and the 16-bit
       log_softmax's dy where its held share would hold chunks (about 1.57M-1.6M);

@@ -918,16 +918,17 @@ def odd_row_register_share(n_cols: int, elem_bytes: int, accumulators: int, outp
     backward of odd 16-bit rows takes instead of ``clustered`` (see above), or None where
     it keeps that share. ``outputs``: its row tensors besides h and dy (dx alone is 1; a
     residual's gradient read and another written make 3)."""
-    if accumulators == 0 or outputs != 1 or not _narrow_staged_row(n_cols, elem_bytes,
-                                                                    clustered):
+    if accumulators == 0 or outputs != 1 \
+            or not _narrow_row_off_registers(n_cols, elem_bytes, clustered):
         return None
     threads, values = ODD_ROW_SHARES[rms]
     ctas = math.ceil(n_cols / (threads * values))
     return (threads, values) if 1 < ctas <= MAX_CLUSTER_SIZE else None
 
 
-# The norm forward of x alone and the softmax forward on odd 16-bit rows of 16K+ columns
-# that their clustered shares stage on chip: chunks of 8 values on 256 threads; RMSNorm
+# The norm forward of x alone and the softmax forward on odd 16-bit rows of 16K-256K
+# columns that their clustered shares do not hold in registers: chunks of 8 values on
+# 256 threads; RMSNorm
 # re-reads x from global memory (mostly L2) in its output pass, 16 KiB of the row a CTA,
 # LayerNorm and softmax stage it, 32 KiB a CTA. Smaller chunks keep more of the narrow
 # loads in flight. H200, bf16 kernels alone, % of the copy ceiling, the shares before ->
@@ -948,26 +949,32 @@ ODD_ROW_FORWARD_MIN_COLS = 16 * 1024
 
 
 def odd_row_forward_share(share: Callable[..., RowConfig], clustered: RowConfig,
-                          elem_bytes: int, staged_tensors: int,
-                          rereads: bool) -> RowConfig | None:
-    """The share (``share()``: row_config with the caller's arguments) a forward of
-    ``staged_tensors`` odd 16-bit rows of ``elem_bytes`` takes instead of ``clustered``
-    (one row tensor alone; see above), re-reading the row from global memory in its
-    output pass where ``rereads``; None where it keeps ``clustered``."""
+                          elem_bytes: int, rereads: bool) -> RowConfig | None:
+    """The share (``share()``: row_config with the caller's arguments) a forward of odd
+    16-bit rows of ``elem_bytes`` (one row tensor) takes instead of ``clustered`` (see
+    above), re-reading the row from global memory in its output pass where ``rereads``;
+    None where it keeps ``clustered``, or where the share would pass
+    MAX_CHUNKS_PER_SHARE chunks (unrolled) or, staged, STAGING_SMEM_BYTES: rows past
+    262144 columns, where it was not measured either."""
     n_cols = clustered.n_cols
-    if staged_tensors != 1 or n_cols < ODD_ROW_FORWARD_MIN_COLS \
-            or not _narrow_staged_row(n_cols, elem_bytes, clustered):
+    if n_cols < ODD_ROW_FORWARD_MIN_COLS or not _narrow_row_off_registers(n_cols, elem_bytes,
+                                                                         clustered):
         return None
     row_bytes, staging = ODD_ROW_FORWARD_SHARES[rereads]
     cfg = share(values_per_thread=ODD_ROW_FORWARD_VALUES, cta_row_bytes=row_bytes,
                 max_threads_per_row=ODD_ROW_FORWARD_THREADS)
-    return cfg if cfg.staging == staging \
-        else dataclasses.replace(cfg, staging=staging, register_chunks=0)
+    if staging != cfg.staging:
+        cfg = dataclasses.replace(cfg, staging=staging, register_chunks=0)
+    if cfg.num_chunks > MAX_CHUNKS_PER_SHARE \
+            or staging == "smem" and not _within_staging(cfg, elem_bytes):
+        return None
+    return cfg
 
 
-def _narrow_staged_row(n_cols: int, elem_bytes: int, clustered: RowConfig) -> bool:
-    """Whether ``clustered`` stages odd 16-bit rows (one-value vectors) on chip other
-    than in registers."""
+def _narrow_row_off_registers(n_cols: int, elem_bytes: int, clustered: RowConfig) -> bool:
+    """Whether ``clustered`` is a share of odd 16-bit rows (one-value vectors) that does
+    not hold them in registers (staged in shared memory, or re-read from global
+    memory)."""
     return elem_bytes == 2 and vector_width(n_cols, elem_bytes) == 1 \
         and clustered.staging != "registers"
 
