@@ -927,23 +927,23 @@ def odd_row_register_share(n_cols: int, elem_bytes: int, accumulators: int, outp
 
 
 # The norm forward of x alone and the softmax forward on odd 16-bit rows of 16K-256K
-# columns that their clustered shares do not hold in registers: chunks of 8 values on
-# 256 threads; RMSNorm
-# re-reads x from global memory (mostly L2) in its output pass, 16 KiB of the row a CTA,
-# LayerNorm and softmax stage it, 32 KiB a CTA. Smaller chunks keep more of the narrow
-# loads in flight. H200, bf16 kernels alone, % of the copy ceiling, the shares before ->
-# these (results/norm_forward_odd_rows_H200_20261204.txt, compare_trees): RMSNorm
-# 4096x50257 25.1 -> 52.8, 2048x100001 24.1 -> 50.1, 1024x131073 21.9 -> 50.1, 512x262143
-# 24.6 -> 46.4 (torch.compile 32.8-34.4 in the runner); LayerNorm 32.6 -> 40.0, 34.6 ->
-# 41.9, 34.0 -> 41.4, 36.0 -> 36.1; softmax (softmax_forward_odd_rows_and_ce_sweep_H200_
-# 20261204.txt) 59.4 -> 60.1, 56.4 -> 62.5, 51.7 -> 56.9, 8192x16385 50.3 -> 58.7, fp16
-# 4096x32001 64.1 -> 62.0 (16 KiB a CTA lost there). In the share sweep
+# columns that their clustered shares do not hold in registers: chunks of 8 values on 256
+# threads; RMSNorm re-reads x from global memory (mostly L2) in its output pass, 16 KiB
+# of the row a CTA, LayerNorm and softmax stage it, 32 KiB a CTA. Smaller chunks keep
+# more of the narrow loads in flight. H200, bf16 kernels alone, % of the copy ceiling,
+# the shares before -> these (results/norm_forward_odd_rows_H200_20261204.txt,
+# compare_trees): RMSNorm 4096x50257 25.1 -> 52.8, 2048x100001 24.1 -> 50.1, 1024x131073
+# 21.9 -> 50.1, 512x262143 24.6 -> 46.4 (torch.compile 32.8-34.4 in the runner);
+# LayerNorm 32.6 -> 40.0, 34.6 -> 41.9, 34.0 -> 41.4, 36.0 -> 36.1; softmax
+# (softmax_forward_odd_rows_and_ce_sweep_H200_20261204.txt) 59.4 -> 60.1, 56.4 -> 62.5,
+# 51.7 -> 56.9, 8192x16385 50.3 -> 58.7, fp16 4096x32001 64.1 -> 62.0 (its one loss;
+# softmax at 16 KiB a CTA did worse). In the share sweep
 # (norm_forward_odd_rows_sweep_H200_20261204.txt) a one-chunk register share of 1024
 # threads x 15 values reached 35 / 27 (RMSNorm / LayerNorm at 50257); 16-value chunks,
 # 512 or 1024 threads and the other staging lost.
 ODD_ROW_FORWARD_THREADS = 256
 ODD_ROW_FORWARD_VALUES = 8
-# re-read from global memory (RMSNorm) or not (LayerNorm, softmax) -> (row bytes a CTA, staging)
+# rereads (RMSNorm) or stages (LayerNorm, softmax) -> (row bytes a CTA, staging)
 ODD_ROW_FORWARD_SHARES = {True: (16 * 1024, "global"), False: (32 * 1024, "smem")}
 ODD_ROW_FORWARD_MIN_COLS = 16 * 1024
 
