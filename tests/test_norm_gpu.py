@@ -337,8 +337,8 @@ def test_odd_rows_on_register_shares(n, dtype, rms):
     kernel = ops._backward_kernel_object(cfg, rms, dtype, dtype, True, not rms, dtype)
     resident = ops.resident_row_blocks(kernel, torch.device("cuda"))
     m = 2 * resident + resident // 2 + 1
-    x, w, b = fresh((m, n), dtype), fresh(n, dtype, 0.5, 1.0), fresh(n, dtype)
-    b = None if rms else b
+    x, w = fresh((m, n), dtype), fresh(n, dtype, 0.5, 1.0)
+    b = None if rms else fresh(n, dtype)
     forward_cfg = ops.forward_config(n, rms, dtype, dtype, False, dtype, dtype,
                                      None if rms else dtype)
     assert (forward_cfg.vecs_per_thread, forward_cfg.staging) == \

@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from quack_kernels.report import _RES, _cubin_file, disassembly, find_cuobjdump, resource_usage
+from quack_kernels.report import (_RES, _cubin_file, disassembly, find_cuobjdump, measure,
+                                   resource_usage, spills)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -582,7 +583,6 @@ def test_odd_row_register_shares_do_not_spill(tmp_path, n, dtype, weight_dtype, 
     columns, LayerNorm on 1024 threads 32-120 bytes)."""
     from quack_kernels.ops import norm
     from quack_kernels.primitives import config
-    from quack_kernels.primitives.compile_cache import compile_kernel
 
     cuobjdump = find_cuobjdump()
     if cuobjdump is None:
@@ -591,8 +591,7 @@ def test_odd_row_register_shares_do_not_spill(tmp_path, n, dtype, weight_dtype, 
     threads, _ = config.ODD_ROW_SHARES[rms]
     assert (cfg.threads_per_row, cfg.staging, cfg.vec) == (threads, "registers", 1), cfg
     need_dbias = not rms and sums == 2
-    kernel, *fakes = norm.backward_kernel(cfg, rms, dtype, dtype, weight_dtype, False, None,
-                                          dtype, None, True, need_dbias)
-    fn = compile_kernel(kernel, *fakes, keep_cubin_in=str(tmp_path))
-    usage = resource_usage(_cubin_file(fn.__cubin__, str(tmp_path)), cuobjdump)
-    assert usage["stack"] == 0 and usage["local"] == 0, (cfg, usage)
+    variant = ("norm_bwd", n, dtype, cfg, lambda: norm.backward_kernel(
+        cfg, rms, dtype, dtype, weight_dtype, False, None, dtype, None, True, need_dbias))
+    (*_, usage), = measure([variant], str(tmp_path), cuobjdump)
+    assert spills(usage) == 0, (cfg, usage)

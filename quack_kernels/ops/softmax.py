@@ -56,11 +56,11 @@ def backward_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None,
     - fp32 softmax rows: y alone on such shares of config.Y_SHARE_VALUES, dy re-read in
       both passes;
     - one tensor staged alone, where it fits shared memory (16-bit rows of about
-      820K-1.6M columns; fp32 rows there take the share above but with narrow vectors)
-      and its vectors go there by cp.async (odd
-      16-bit rows, copied by plain loads and stores, took 124-128 registers and 1.6x the
-      instructions): the softmax's y, re-reading dy in both passes, and the 16-bit
-      log_softmax's dy where its held share would hold chunks (about 1.57M-1.6M);
+      820K-1.6M columns; fp32 rows of narrow vectors, which the share above refuses) and
+      its vectors go there by cp.async (odd 16-bit rows, copied by plain loads and
+      stores, took 124-128 registers and 1.6x the instructions): the softmax's y,
+      re-reading dy in both passes, and the 16-bit log_softmax's dy where its held share
+      would hold chunks (about 1.57M-1.6M);
     - else y and dy both re-read from global memory."""
     elem = torch.finfo(dtype).bits // 8
     both = row_config(n_cols, elem, staged_tensors=2, max_vec=max_vec)
