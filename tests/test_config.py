@@ -1,6 +1,7 @@
 """The tiling heuristics: invariants that every kernel relies on."""
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -721,7 +722,7 @@ def test_odd_row_forward_shares(monkeypatch):
 
     threads, values = config.ODD_ROW_FORWARD_THREADS, config.ODD_ROW_FORWARD_VALUES
     for rms in (True, False):
-        staging = config.ODD_ROW_FORWARD_SHARES[rms][1]
+        staging = config.ODD_ROW_FORWARD_SHARES["reread" if rms else "staged"][1]
         for n, ctas in ODD_ROW_FORWARD_CTAS[rms].items():
             for cfg in (share(n, rms), share(n, rms, dtype=torch.float16)):
                 assert (cfg.threads_per_row, cfg.vecs_per_thread, cfg.staging, cfg.vec,
@@ -733,6 +734,43 @@ def test_odd_row_forward_shares(monkeypatch):
             cfg = softmax.forward_config(n, dtype)
             assert (cfg.threads_per_row, cfg.vecs_per_thread, cfg.staging, cfg.vec,
                     cfg.cluster_size) == (threads, values, "smem", 1, ctas), (n, cfg)
+
+
+# The cross-entropy forward of odd 16-bit rows on the same shares, 32 KiB a CTA (65537 and
+# 100001 columns take row_config's chunk counts to 7 CTAs).
+ODD_ROW_CROSS_ENTROPY_CTAS = {16385: 2, 32001: 2, 50257: 4, 65537: 7, 100001: 7, 131073: 13,
+                              262143: 16}
+
+
+def test_odd_row_cross_entropy_shares(monkeypatch):
+    """config.cross_entropy_row_config: odd 16-bit rows of 16K-256K columns take
+    odd_row_forward_share's 8-value chunks on 256 threads, the gradient staged in shared
+    memory, the loss alone streamed from global memory, with or without softcap; the
+    staged class-weight row, fp32 and even rows, shorter and longer rows keep the share
+    they had without the rule."""
+    def configs(cases):
+        return [config.cross_entropy_row_config(n, elem, stage_weight, write_grad, None, cap)
+                for n, elem, stage_weight, write_grad, cap in cases]
+
+    kept = [(n, elem, stage_weight, write_grad, cap)
+            for n, elem, stage_weight in ((50257, 4, False), (50258, 2, False),
+                                          (16383, 2, False), (262145, 2, False),
+                                          (2000001, 2, False), (50257, 2, True))
+            for write_grad in (False, True) for cap in (False, True)]
+    monkeypatch.setattr(config, "ODD_ROW_FORWARD_MIN_COLS", 1 << 30)  # the rule off
+    without_rule = configs(kept)
+    monkeypatch.undo()
+    assert configs(kept) == without_rule
+
+    threads, values = config.ODD_ROW_FORWARD_THREADS, config.ODD_ROW_FORWARD_VALUES
+    for n, ctas in ODD_ROW_CROSS_ENTROPY_CTAS.items():
+        for write_grad, cap in itertools.product((False, True), (False, True)):
+            cfg = config.cross_entropy_row_config(n, 2, False, write_grad, None, cap)
+            staging = config.ODD_ROW_FORWARD_SHARES["staged" if write_grad else "streamed"][1]
+            assert (cfg.threads_per_row, cfg.vecs_per_thread, cfg.staging, cfg.vec,
+                    cfg.register_chunks, cfg.cluster_size) == \
+                (threads, values, staging, 1, 0, ctas), (n, write_grad, cap, cfg)
+            assert cfg.cols_covered >= n > cfg.cols_covered - cfg.cols_per_cta
 
 
 def test_norm_backward_rows_alone_in_shared_memory():

@@ -342,7 +342,8 @@ def test_odd_rows_on_register_shares(n, dtype, rms):
     forward_cfg = ops.forward_config(n, rms, dtype, dtype, False, dtype, dtype,
                                      None if rms else dtype)
     assert (forward_cfg.vecs_per_thread, forward_cfg.staging) == \
-        (ODD_ROW_FORWARD_VALUES, ODD_ROW_FORWARD_SHARES[rms][1]), forward_cfg
+        (ODD_ROW_FORWARD_VALUES, ODD_ROW_FORWARD_SHARES["reread" if rms else "staged"][1]), \
+        forward_cfg
     mean, rstd = check_forward(x, w, b, 1e-5, rms)
     check_backward(fresh((m, n), dtype), x, w, None if rms else mean, rstd, 0.0, rms,
                    need_db=not rms)

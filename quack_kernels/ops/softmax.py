@@ -39,7 +39,7 @@ def forward_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None) 
     elem = torch.finfo(dtype).bits // 8
     share = functools.partial(row_config, n_cols, elem, staged_tensors=1, max_vec=max_vec)
     cfg = with_held_chunk(widened_16bit_share(share, elem, elem), elem, full_clusters_too=False)
-    return odd_row_forward_share(share, cfg, elem, rereads=False) or cfg
+    return odd_row_forward_share(share, cfg, elem, "staged") or cfg
 
 
 @functools.lru_cache(maxsize=None)

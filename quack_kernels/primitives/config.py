@@ -926,11 +926,13 @@ def odd_row_register_share(n_cols: int, elem_bytes: int, accumulators: int, outp
     return (threads, values) if 1 < ctas <= MAX_CLUSTER_SIZE else None
 
 
-# The norm forward of x alone and the softmax forward on odd 16-bit rows of 16K-256K
-# columns that their clustered shares do not hold in registers: chunks of 8 values on 256
-# threads; RMSNorm re-reads x from global memory (mostly L2) in its output pass, 16 KiB
-# of the row a CTA, LayerNorm and softmax stage it, 32 KiB a CTA. Smaller chunks keep
-# more of the narrow loads in flight. H200, bf16 kernels alone, % of the copy ceiling,
+# The norm forward of x alone, the softmax forward and the cross-entropy forward on odd
+# 16-bit rows of 16K-256K columns that their clustered shares do not hold in registers:
+# chunks of 8 values on 256 threads; RMSNorm re-reads x from global memory (mostly L2) in
+# its output pass, 16 KiB of the row a CTA, LayerNorm, softmax and the cross-entropy
+# gradient stage it, 32 KiB a CTA, and the cross-entropy loss alone streams it (one
+# pass, nothing written back), 32 KiB a CTA. Smaller chunks keep more of the narrow
+# loads in flight. H200, bf16 kernels alone, % of the copy ceiling,
 # the shares before -> these (results/norm_forward_odd_rows_H200_20261204.txt,
 # compare_trees): RMSNorm 4096x50257 25.1 -> 52.8, 2048x100001 24.1 -> 50.1, 1024x131073
 # 21.9 -> 50.1, 512x262143 24.6 -> 46.4 (torch.compile 32.8-34.4 in the runner);
@@ -940,27 +942,33 @@ def odd_row_register_share(n_cols: int, elem_bytes: int, accumulators: int, outp
 # softmax at 16 KiB a CTA did worse). In the share sweep
 # (norm_forward_odd_rows_sweep_H200_20261204.txt) a one-chunk register share of 1024
 # threads x 15 values reached 35 / 27 (RMSNorm / LayerNorm at 50257); 16-value chunks,
-# 512 or 1024 threads and the other staging lost.
+# 512 or 1024 threads and the other staging lost. Cross-entropy
+# (softmax_forward_odd_rows_and_ce_sweep_H200_20261204.txt, sweep_cross_entropy.py),
+# bf16: the loss alone 4096x50257 40.3 -> 45.1 (4 CTAs of 16 staged values before),
+# 1024x131073 29.8 (one streaming CTA a row) -> 39.2; the gradient 4096x50257 50.3 ->
+# 53.7.
 ODD_ROW_FORWARD_THREADS = 256
 ODD_ROW_FORWARD_VALUES = 8
-# rereads (RMSNorm) or stages (LayerNorm, softmax) -> (row bytes a CTA, staging)
-ODD_ROW_FORWARD_SHARES = {True: (16 * 1024, "global"), False: (32 * 1024, "smem")}
+# how the kernel goes over its row a second time -> (row bytes a CTA, staging)
+ODD_ROW_FORWARD_SHARES = {"reread": (16 * 1024, "global"), "staged": (32 * 1024, "smem"),
+                          "streamed": (32 * 1024, "global")}
 ODD_ROW_FORWARD_MIN_COLS = 16 * 1024
 
 
 def odd_row_forward_share(share: Callable[..., RowConfig], clustered: RowConfig,
-                          elem_bytes: int, rereads: bool) -> RowConfig | None:
+                          elem_bytes: int, reads: str) -> RowConfig | None:
     """The share (``share()``: row_config with the caller's arguments) a forward of odd
     16-bit rows of ``elem_bytes`` (one row tensor) takes instead of ``clustered`` (see
-    above), re-reading the row from global memory in its output pass where ``rereads``;
-    None where it keeps ``clustered``, or where the share would pass
-    MAX_CHUNKS_PER_SHARE chunks (unrolled) or, staged, STAGING_SMEM_BYTES: rows past
-    262144 columns, where it was not measured either."""
+    above); ``reads``, a key of ODD_ROW_FORWARD_SHARES, says how the kernel comes back
+    to the row: "reread" from global memory in its output pass, "staged" on chip, or
+    "streamed" (not at all: one pass). None where it keeps ``clustered``, or where the
+    share would pass MAX_CHUNKS_PER_SHARE chunks (unrolled) or, staged,
+    STAGING_SMEM_BYTES: rows past 262144 columns, where it was not measured either."""
     n_cols = clustered.n_cols
     if n_cols < ODD_ROW_FORWARD_MIN_COLS or not _narrow_row_off_registers(n_cols, elem_bytes,
                                                                          clustered):
         return None
-    row_bytes, staging = ODD_ROW_FORWARD_SHARES[rereads]
+    row_bytes, staging = ODD_ROW_FORWARD_SHARES[reads]
     cfg = share(values_per_thread=ODD_ROW_FORWARD_VALUES, cta_row_bytes=row_bytes,
                 max_threads_per_row=ODD_ROW_FORWARD_THREADS)
     if staging != cfg.staging:
@@ -1429,7 +1437,20 @@ def cross_entropy_row_config(n_cols: int, elem: int, stage_weight: bool, write_g
     beside them, so accesses are sized for fp32 (4 elements). The loss alone of long
     rows is streamed, not staged, and of short rows spread thin (CE_LOSS_*). The
     gradient with softcap keeps the capped values in registers where a share of
-    KEPT_CAPPED_VALUES can hold them."""
+    KEPT_CAPPED_VALUES can hold them. Odd 16-bit rows without the weight row take
+    odd_row_forward_share's shares, the gradient staged, the loss alone streamed."""
+    cfg = _clustered_ce_row_config(n_cols, elem, stage_weight, write_grad, max_vec, softcap)
+    if stage_weight:
+        return cfg
+    share = functools.partial(row_config, n_cols, elem, max_vec=max_vec,
+                              min_vecs_per_thread=CE_MIN_VECS_PER_THREAD)
+    return odd_row_forward_share(share, cfg, elem, "staged" if write_grad else "streamed") \
+        or cfg
+
+
+def _clustered_ce_row_config(n_cols: int, elem: int, stage_weight: bool, write_grad: bool,
+                             max_vec: int | None, softcap: bool) -> RowConfig:
+    """cross_entropy_row_config but for odd 16-bit rows (see there)."""
     if not write_grad and not stage_weight:
         if n_cols * elem >= CE_STREAM_MIN_ROW_BYTES:
             return _streamed_loss_row_config(n_cols, elem, max_vec)
