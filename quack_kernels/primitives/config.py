@@ -942,11 +942,13 @@ def odd_row_register_share(n_cols: int, elem_bytes: int, accumulators: int, outp
 # softmax at 16 KiB a CTA did worse). In the share sweep
 # (norm_forward_odd_rows_sweep_H200_20261204.txt) a one-chunk register share of 1024
 # threads x 15 values reached 35 / 27 (RMSNorm / LayerNorm at 50257); 16-value chunks,
-# 512 or 1024 threads and the other staging lost. Cross-entropy
-# (softmax_forward_odd_rows_and_ce_sweep_H200_20261204.txt, sweep_cross_entropy.py),
-# bf16: the loss alone 4096x50257 40.3 -> 45.1 (4 CTAs of 16 staged values before),
-# 1024x131073 29.8 (one streaming CTA a row) -> 39.2; the gradient 4096x50257 50.3 ->
-# 53.7.
+# 512 or 1024 threads and the other staging lost. Cross-entropy (compare_trees,
+# cross_entropy_odd_rows_and_small_softmax_sweep_H200_20261204.txt), bf16 loss alone /
+# gradient: 4096x50257 40.2 -> 45.0 / 50.2 -> 53.6 (4 CTAs of 16 staged values before),
+# 1024x131073 30.5 -> 39.2 / 51.2 -> 53.1 (one streaming CTA a row before), 512x262143
+# 30.8 -> 46.1 / 54.1 -> 52.5, 8192x16385 38.4 -> 40.6 / 46.3 -> 55.4; the losses:
+# 2048x100001 loss 50.8 -> 49.1 (one streaming CTA a row fills the GPU at 2048 rows),
+# fp16 4096x32001 gradient 63.0 -> 61.3.
 ODD_ROW_FORWARD_THREADS = 256
 ODD_ROW_FORWARD_VALUES = 8
 # how the kernel goes over its row a second time -> (row bytes a CTA, staging)
