@@ -15,8 +15,8 @@ import sys
 import torch
 
 from sweep_softmax import (DTYPES, add_l2_prefetch_option, add_register_chunks_option,
-                           add_wide_cluster_option, apply_wide_cluster_option, ints, variants,
-                           words)
+                           add_staging_option, add_wide_cluster_option,
+                           apply_wide_cluster_option, ints, restaged, variants)
 
 from quack_kernels.kernels import norm as kernels
 from quack_kernels.ops import norm as ops
@@ -34,14 +34,11 @@ def parse_args(argv):
     p.add_argument("--rpb", type=ints, default=[0],
                    help="rows per block (0: the config's; 2 on cluster rows: two rows per CTA "
                         "share one cluster exchange and, through L1, their weight and bias)")
-    p.add_argument("--staging", type=words(("auto", "global")), default=["auto"],
-                   help="comma list of auto, global (global: re-read the row from global "
-                        "memory, mostly L2, in the output pass instead of staging it on chip "
-                        "or keeping a one-chunk share in registers)")
     p.add_argument("--late-columns", action="store_true",
                    help="load the weight and bias per chunk in the output pass everywhere "
                         "(config.norm_forward_early_columns off)")
     p.add_argument("--dry-run", action="store_true", help="compile the variants, time nothing")
+    add_staging_option(p)
     add_wide_cluster_option(p)
     add_register_chunks_option(p)
     add_l2_prefetch_option(p)
@@ -78,8 +75,7 @@ def main(argv=None):
         for (vpt, kib, tpr, share), staging, rpb in itertools.product(
                 variants(n, eb, staged, args), args.staging, args.rpb):
             cfg = dataclasses.replace(share, rows_per_block=rpb or share.rows_per_block)
-            if staging == "global":
-                cfg = dataclasses.replace(cfg, staging="global", register_chunks=0)
+            cfg = restaged(cfg, staging)
             if cfg.threads_per_block > 1024:
                 continue
             label = (f"{args.norm:5s} {name:5s} {mn:>12s} res={residual} vpt={vpt:3d} "

@@ -6,6 +6,8 @@ flush before each call) and its copy ceiling.
     python benchmarks/sweep_softmax.py --shapes bf16:128x1048576 --tpr 256,512,1024
     python benchmarks/sweep_softmax.py --shapes bf16:128x1048576 --direction fwd \
         --register-chunks 0,1,2          # the share's last chunks held in registers
+    python benchmarks/sweep_softmax.py --shapes bf16:4096x4096 --direction bwd \
+        --staging auto,global            # each share also re-read from global memory
 """
 
 import argparse
@@ -72,10 +74,25 @@ def parse_args(argv):
     p.add_argument("--op-config", action="store_true",
                    help="the op's own share (ops.softmax.forward_config / backward_config) "
                         "instead of --vpt/--kib/--tpr; --register-chunks still applies")
+    add_staging_option(p)
     add_wide_cluster_option(p)
     add_register_chunks_option(p)
     add_l2_prefetch_option(p)
     return p.parse_args(argv)
+
+
+def add_staging_option(parser):
+    parser.add_argument("--staging", type=words(("auto", "global")), default=["auto"],
+                        help="comma list of auto, global (global: re-read the row from global "
+                             "memory, mostly L1 / L2, in the output pass instead of staging it "
+                             "on chip or keeping a one-chunk share in registers)")
+
+
+def restaged(cfg, staging):
+    """``cfg`` as --staging asks: its own ("auto"), or re-read from global memory."""
+    if staging == "global":
+        return dataclasses.replace(cfg, staging="global", register_chunks=0)
+    return cfg
 
 
 def add_register_chunks_option(parser):
@@ -184,7 +201,13 @@ def main(argv=None):
                 kernel = kernel_for(cfg, dtype, args.log)[0]
                 return sum(t.width // 8 for t in kernel.staged_dtypes)
 
-            for vpt, kib, tpr, cfg in variants(n, eb, staged, args, own_choice, staged_bytes_of):
+            shares = variants(n, eb, staged, args, own_choice, staged_bytes_of)
+            seen = set()
+            for (vpt, kib, tpr, share), staging in itertools.product(shares, args.staging):
+                cfg = restaged(share, staging)
+                if cfg in seen:
+                    continue
+                seen.add(cfg)
                 try:
                     if backward:
                         fn = ops.compile_backward(cfg, dtype, args.log)
