@@ -30,7 +30,9 @@ def forward_ref(x, w, b, r, eps, offset, rms, out_dtype=None, residual_dtype=Non
 
 def check_forward(x, w, b, eps, rms):
     """Run the forward of x alone on poisoned outputs (y, mean, rstd start as NaN) and
-    compare y, rstd (and LayerNorm's mean) with the fp64 reference; returns (mean, rstd)."""
+    compare y, rstd (and LayerNorm's mean) with the fp64 reference; returns (mean, rstd).
+    The mean's error scales with the size of the values it sums (a random row's mean is
+    near 0), so it is measured against their mean magnitude."""
     stats = torch.empty(x.shape[0], dtype=torch.float32, device="cuda")
     poison_allocator(x, stats, stats)
     y, _, mean, rstd = ops.norm_forward(x, w, b, None, eps, 0.0, rms, None, None, False)
@@ -38,7 +40,8 @@ def check_forward(x, w, b, eps, rms):
     assert_close(y, ry, x.dtype)
     assert_close(rstd, rrstd, torch.float32, name="rstd")
     if not rms:
-        assert_close(mean, rmean, torch.float32, name="mean")
+        assert_close(mean, rmean, torch.float32, name="mean",
+                     magnitude=x.float().abs().mean(-1))
     return mean, rstd
 
 
