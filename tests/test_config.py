@@ -1,7 +1,6 @@
 """The tiling heuristics: invariants that every kernel relies on."""
 
 import dataclasses
-import itertools
 
 import pytest
 import torch
@@ -736,18 +735,17 @@ def test_odd_row_forward_shares(monkeypatch):
                     cfg.cluster_size) == (threads, values, "smem", 1, ctas), (n, cfg)
 
 
-# The cross-entropy forward of odd 16-bit rows on the same shares, 32 KiB a CTA (65537 and
-# 100001 columns take row_config's chunk counts to 7 CTAs).
+# The cross-entropy loss alone of odd 16-bit rows on the same shares, 32 KiB a CTA (65537
+# and 100001 columns take row_config's chunk counts to 7 CTAs).
 ODD_ROW_CROSS_ENTROPY_CTAS = {16385: 2, 32001: 2, 50257: 4, 65537: 7, 100001: 7, 131073: 13,
                               262143: 16}
 
 
 def test_odd_row_cross_entropy_shares(monkeypatch):
-    """config.cross_entropy_row_config: odd 16-bit rows of 16K-256K columns take
-    odd_row_forward_share's 8-value chunks on 256 threads, the gradient staged in shared
-    memory, the loss alone streamed from global memory, with or without softcap; the
-    staged class-weight row, fp32 and even rows, shorter and longer rows keep the share
-    they had without the rule."""
+    """config.cross_entropy_row_config: the loss alone of odd 16-bit rows of 16K-256K
+    columns streams odd_row_forward_share's 8-value chunks on 256 threads from global
+    memory, with or without softcap; the gradient, the staged class-weight row, fp32 and
+    even rows, shorter and longer rows keep the share they had without the rule."""
     def configs(cases):
         return [config.cross_entropy_row_config(n, elem, stage_weight, write_grad, None, cap)
                 for n, elem, stage_weight, write_grad, cap in cases]
@@ -757,6 +755,8 @@ def test_odd_row_cross_entropy_shares(monkeypatch):
                                           (16383, 2, False), (262145, 2, False),
                                           (2000001, 2, False), (50257, 2, True))
             for write_grad in (False, True) for cap in (False, True)]
+    kept += [(n, 2, False, True, cap) for n in ODD_ROW_CROSS_ENTROPY_CTAS
+             for cap in (False, True)]  # the gradient
     monkeypatch.setattr(config, "ODD_ROW_FORWARD_MIN_COLS", 1 << 30)  # the rule off
     without_rule = configs(kept)
     monkeypatch.undo()
@@ -764,12 +764,11 @@ def test_odd_row_cross_entropy_shares(monkeypatch):
 
     threads, values = config.ODD_ROW_FORWARD_THREADS, config.ODD_ROW_FORWARD_VALUES
     for n, ctas in ODD_ROW_CROSS_ENTROPY_CTAS.items():
-        for write_grad, cap in itertools.product((False, True), (False, True)):
-            cfg = config.cross_entropy_row_config(n, 2, False, write_grad, None, cap)
-            staging = config.ODD_ROW_FORWARD_SHARES["staged" if write_grad else "streamed"][1]
+        for cap in (False, True):
+            cfg = config.cross_entropy_row_config(n, 2, False, False, None, cap)
             assert (cfg.threads_per_row, cfg.vecs_per_thread, cfg.staging, cfg.vec,
                     cfg.register_chunks, cfg.cluster_size) == \
-                (threads, values, staging, 1, 0, ctas), (n, write_grad, cap, cfg)
+                (threads, values, "global", 1, 0, ctas), (n, cap, cfg)
             assert cfg.cols_covered >= n > cfg.cols_covered - cfg.cols_per_cta
 
 

@@ -926,13 +926,12 @@ def odd_row_register_share(n_cols: int, elem_bytes: int, accumulators: int, outp
     return (threads, values) if 1 < ctas <= MAX_CLUSTER_SIZE else None
 
 
-# The norm forward of x alone, the softmax forward and the cross-entropy forward on odd
-# 16-bit rows of 16K-256K columns that their clustered shares do not hold in registers:
-# chunks of 8 values on 256 threads; RMSNorm re-reads x from global memory (mostly L2) in
-# its output pass, 16 KiB of the row a CTA, LayerNorm, softmax and the cross-entropy
-# gradient stage it, 32 KiB a CTA, and the cross-entropy loss alone streams it (one
-# pass, nothing written back), 32 KiB a CTA. Smaller chunks keep more of the narrow
-# loads in flight. H200, bf16 kernels alone, % of the copy ceiling,
+# The norm forward of x alone, the softmax forward and the cross-entropy loss alone on
+# odd 16-bit rows of 16K-256K columns that their clustered shares do not hold in
+# registers: chunks of 8 values on 256 threads; RMSNorm re-reads x from global memory
+# (mostly L2) in its output pass, 16 KiB of the row a CTA, LayerNorm and softmax stage
+# it, 32 KiB a CTA, and the loss streams it (one pass, nothing written back), 32 KiB a
+# CTA. Smaller chunks keep more of the narrow loads in flight. H200, bf16 kernels alone, % of the copy ceiling,
 # the shares before -> these (results/norm_forward_odd_rows_H200_20261204.txt,
 # compare_trees): RMSNorm 4096x50257 25.1 -> 52.8, 2048x100001 24.1 -> 50.1, 1024x131073
 # 21.9 -> 50.1, 512x262143 24.6 -> 46.4 (torch.compile 32.8-34.4 in the runner);
@@ -942,13 +941,15 @@ def odd_row_register_share(n_cols: int, elem_bytes: int, accumulators: int, outp
 # softmax at 16 KiB a CTA did worse). In the share sweep
 # (norm_forward_odd_rows_sweep_H200_20261204.txt) a one-chunk register share of 1024
 # threads x 15 values reached 35 / 27 (RMSNorm / LayerNorm at 50257); 16-value chunks,
-# 512 or 1024 threads and the other staging lost. Cross-entropy (compare_trees,
-# cross_entropy_odd_rows_and_small_softmax_sweep_H200_20261204.txt), bf16 loss alone /
-# gradient: 4096x50257 40.2 -> 45.0 / 50.2 -> 53.6 (4 CTAs of 16 staged values before),
-# 1024x131073 30.5 -> 39.2 / 51.2 -> 53.1 (one streaming CTA a row before), 512x262143
-# 30.8 -> 46.1 / 54.1 -> 52.5, 8192x16385 38.4 -> 40.6 / 46.3 -> 55.4; the losses:
-# 2048x100001 loss 50.8 -> 49.1 (one streaming CTA a row fills the GPU at 2048 rows),
-# fp16 4096x32001 gradient 63.0 -> 61.3.
+# 512 or 1024 threads and the other staging lost. Cross-entropy loss alone (compare_trees,
+# cross_entropy_odd_rows_and_small_softmax_sweep_H200_20261204.txt), bf16: 4096x50257
+# 40.2 -> 45.0 (4 CTAs of 16 staged values before), 1024x131073 30.5 -> 39.2 and
+# 512x262143 30.8 -> 46.1 (one streaming CTA a row before), 8192x16385 38.4 -> 40.6; the
+# one loss 2048x100001, 50.8 -> 49.1 (one streaming CTA a row fills the GPU at 2048
+# rows). Not the gradient: staged on these shares its kernel alone gained 2-9 points
+# (4096x50257 50.2 -> 53.6), but the training step's variant (the in-kernel mean)
+# compiled to 72 registers at 131073 columns (3 CTAs per SM; 48 before) and the step ran
+# 279 -> 476 us in the runner (cross_entropy_nvidia-h200_20261204-2118.csv).
 ODD_ROW_FORWARD_THREADS = 256
 ODD_ROW_FORWARD_VALUES = 8
 # how the kernel goes over its row a second time -> (row bytes a CTA, staging)
@@ -1439,20 +1440,19 @@ def cross_entropy_row_config(n_cols: int, elem: int, stage_weight: bool, write_g
     beside them, so accesses are sized for fp32 (4 elements). The loss alone of long
     rows is streamed, not staged, and of short rows spread thin (CE_LOSS_*). The
     gradient with softcap keeps the capped values in registers where a share of
-    KEPT_CAPPED_VALUES can hold them. Odd 16-bit rows without the weight row take
-    odd_row_forward_share's shares, the gradient staged, the loss alone streamed."""
+    KEPT_CAPPED_VALUES can hold them. The loss alone of odd 16-bit rows (no weight row)
+    streams odd_row_forward_share's shares."""
     cfg = _clustered_ce_row_config(n_cols, elem, stage_weight, write_grad, max_vec, softcap)
-    if stage_weight:
+    if stage_weight or write_grad:
         return cfg
     share = functools.partial(row_config, n_cols, elem, max_vec=max_vec,
                               min_vecs_per_thread=CE_MIN_VECS_PER_THREAD)
-    return odd_row_forward_share(share, cfg, elem, "staged" if write_grad else "streamed") \
-        or cfg
+    return odd_row_forward_share(share, cfg, elem, "streamed") or cfg
 
 
 def _clustered_ce_row_config(n_cols: int, elem: int, stage_weight: bool, write_grad: bool,
                              max_vec: int | None, softcap: bool) -> RowConfig:
-    """cross_entropy_row_config but for odd 16-bit rows (see there)."""
+    """cross_entropy_row_config but for the loss alone of odd 16-bit rows (see there)."""
     if not write_grad and not stage_weight:
         if n_cols * elem >= CE_STREAM_MIN_ROW_BYTES:
             return _streamed_loss_row_config(n_cols, elem, max_vec)
