@@ -151,6 +151,27 @@ def test_opcheck():
                            None))
 
 
+def test_one_row_without_leading_dims():
+    """A 1-D x (torch's norms take one): every gradient has torch's shape and value, and
+    the forward op passes opcheck with x, weight and bias requiring grad (the reference
+    summed dweight over no dims, i.e. over all of them, to a 0-d tensor)."""
+    x, w, b = rand(24, requires_grad=True), rand(24, requires_grad=True), rand(24, requires_grad=True)
+    dy = rand(24)
+    for rms in (True, False):
+        ours = qk.rms_norm(x, w, eps=1e-6) if rms else qk.layer_norm(x, w, b, eps=1e-5)
+        inputs = (x, w) if rms else (x, w, b)
+        grads = torch.autograd.grad(ours, inputs, dy)
+        xd, wd, bd = (t.detach().double().requires_grad_() for t in (x, w, b))
+        ref = torch.nn.functional.rms_norm(xd, (24,), wd, eps=1e-6) if rms \
+            else torch.nn.functional.layer_norm(xd, (24,), wd, bd, eps=1e-5)
+        ref_grads = torch.autograd.grad(ref, (xd, wd) if rms else (xd, wd, bd), dy.double())
+        for got, want in zip(grads, ref_grads):
+            assert got.shape == want.shape
+            assert_close(got, want)
+        torch.library.opcheck(torch.ops.quack_kernels.norm_forward.default,
+                              (x, w, None if rms else b, None, 1e-5, 0.0, rms, None, None, False))
+
+
 def test_fake_kernels():
     """Under FakeTensorMode the ops give every output's shape and dtype without running:
     y in out_dtype, the stream h only when stored, mean only for LayerNorm, fp32 stats;

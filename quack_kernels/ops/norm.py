@@ -374,8 +374,9 @@ def norm_backward_reference(dy: Tensor, h: Tensor, weight: Optional[Tensor], mea
     dh = dh * rstd
     if dresidual_out is not None:
         dh = dh + dresidual_out.to(compute_dtype)
-    reduce_dims = tuple(range(h.dim() - 1))
-    return dh, (dyc * xhat).sum(reduce_dims), dyc.sum(reduce_dims)
+    # summed over the rows as (rows, N): a sum over no dims (a 1-D x) would sum them all
+    n_cols = h.shape[-1]
+    return dh, (dyc * xhat).reshape(-1, n_cols).sum(0), dyc.reshape(-1, n_cols).sum(0)
 
 
 # ----------------------------------------------------------------------------- the ops
