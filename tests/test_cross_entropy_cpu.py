@@ -274,6 +274,26 @@ def test_opcheck(weighted):
                           _op_args(x, target, weight) + (grad_scale,))
     torch.library.opcheck(torch.ops.quack_kernels.cross_entropy_forward_inplace,
                           _op_args(x.clone(), target, weight, None))
+    # logits that require grad: the op's own autograd (opcheck's traced backward)
+    torch.library.opcheck(torch.ops.quack_kernels.cross_entropy_forward,
+                          _op_args(x.clone().requires_grad_(), target, weight) + (grad_scale,))
+
+
+@pytest.mark.parametrize("output", ["loss", "lse", "grad"])
+def test_op_autograd_of_each_output(output):
+    """The forward op differentiated directly (not through the public function): the
+    losses, the lse and the gradient output each pass gradcheck, with class weights,
+    label smoothing, z-loss, softcap, an ignored row and per-row grad_scale."""
+    x, target, weight = make_case(m=6, v=9)
+    grad_scale = torch.rand(6, dtype=torch.float64) + 0.5
+    index = {"loss": 0, "lse": 1, "grad": 2}[output]
+
+    def run(logits):
+        outs = torch.ops.quack_kernels.cross_entropy_forward(*_op_args(logits, target, weight),
+                                                             grad_scale)
+        return outs[0][0] if index == 0 else outs[index]
+
+    assert torch.autograd.gradcheck(run, (x.requires_grad_(),))
 
 
 def test_fake_kernels():

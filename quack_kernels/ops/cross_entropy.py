@@ -13,7 +13,9 @@ mean). The autograd function (which also reduces the row losses, saving the host
 autograd nodes) saves the gradient and, in the backward,
 ``quack_kernels::cross_entropy_rescale_grad_`` rescales in place only the rows whose
 actual upstream gradient differs: the expected case moves no gradient bytes, and any
-other (non-uniform per-row gradients, scaled losses) is still exact. fp16 logits
+other (non-uniform per-row gradients, scaled losses) is still exact. (The functional op
+also has an autograd of its own, over the torch reference, for callers that
+differentiate through it directly.) fp16 logits
 (config.ce_gradient_in_backward) get their gradient in the backward instead, for the
 actual upstream gradient. Without a gradient a mean is one reduction of the stats
 (losses and row weights). Eagerly, where
@@ -591,6 +593,37 @@ def _cross_entropy_forward_fake(logits, target, weight, ignore_index, label_smoo
     stats = logits.new_empty((2, m), dtype=_loss_dtype(logits))
     grad = logits.new_empty(logits.shape) if compute_grad else logits.new_empty(0)
     return stats, logits.new_empty(m, dtype=_loss_dtype(logits)), grad
+
+
+def _forward_setup_context(ctx, inputs, output):
+    logits, target, weight, *options, grad_scale = inputs
+    ctx.options = options  # ignore_index, label_smoothing, lse_square_scale, softcap, compute_grad
+    ctx.save_for_backward(logits, target, weight, grad_scale)
+
+
+def _forward_backward(ctx, dstats, dlse, dgrad):
+    """The op's own autograd, for callers that differentiate through it directly (the
+    public function's CrossEntropyFunction calls it without grad and has its own): the
+    reference's losses, lse and gradient recomputed with torch ops and differentiated
+    for any upstream gradient of each. The row weights, targets, class weights and
+    grad_scale get none."""
+    logits, target, weight, grad_scale = ctx.saved_tensors
+    *options, compute_grad = ctx.options
+    with torch.enable_grad():
+        x = logits.detach().requires_grad_()
+        loss, lse, grad = cross_entropy_reference(x, target, weight, *options, compute_grad,
+                                                  grad_scale)
+        upstream = [(loss, None if dstats is None else dstats[0]), (lse, dlse),
+                    (grad, dgrad if compute_grad else None)]
+        upstream = [(out, up) for out, up in upstream if up is not None]
+        dx = None
+        if upstream:
+            outs, ups = zip(*upstream)
+            dx, = torch.autograd.grad(outs, x, ups, allow_unused=True)
+    return dx, None, None, None, None, None, None, None, None
+
+
+cross_entropy_forward.register_autograd(_forward_backward, setup_context=_forward_setup_context)
 
 
 @torch.library.custom_op("quack_kernels::cross_entropy_forward_inplace",
