@@ -218,7 +218,8 @@ def main(argv=None):
                     call()
                     ms = time_device_ms(call)
                 except Exception as e:  # a variant that does not compile or launch
-                    print(f"{name} {mn} {direction} vpt={vpt} kib={kib} tpr={tpr}: "
+                    print(f"{name} {mn} {direction} vpt={vpt} kib={kib} tpr={tpr} "
+                          f"{cfg.staging}: "
                           f"{type(e).__name__}: {str(e)[:80]}", flush=True)
                     continue
                 pct = 100 * (staged + 1) * x.numel() * eb / ms / 1e6 / ceiling

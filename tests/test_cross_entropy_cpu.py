@@ -279,21 +279,31 @@ def test_opcheck(weighted):
                           _op_args(x.clone().requires_grad_(), target, weight) + (grad_scale,))
 
 
-@pytest.mark.parametrize("output", ["loss", "lse", "grad"])
-def test_op_autograd_of_each_output(output):
+@pytest.mark.parametrize("output, compute_grad", [("loss", True), ("lse", True),
+                                                  ("grad", True), ("loss", False),
+                                                  ("lse", False)])
+def test_op_autograd_of_each_output(output, compute_grad):
     """The forward op differentiated directly (not through the public function): the
     losses, the lse and the gradient output each pass gradcheck, with class weights,
-    label smoothing, z-loss, softcap, an ignored row and per-row grad_scale."""
+    label smoothing, z-loss, softcap, an ignored row and per-row grad_scale, with and
+    without the gradient output; a second derivative and class weights that require
+    grad are refused with an error, not a silent None."""
     x, target, weight = make_case(m=6, v=9)
     grad_scale = torch.rand(6, dtype=torch.float64) + 0.5
     index = {"loss": 0, "lse": 1, "grad": 2}[output]
 
-    def run(logits):
-        outs = torch.ops.quack_kernels.cross_entropy_forward(*_op_args(logits, target, weight),
-                                                             grad_scale)
+    def run(logits, weight=weight):
+        outs = torch.ops.quack_kernels.cross_entropy_forward(
+            *_op_args(logits, target, weight, compute_grad), grad_scale)
         return outs[0][0] if index == 0 else outs[index]
 
-    assert torch.autograd.gradcheck(run, (x.requires_grad_(),))
+    x.requires_grad_()
+    assert torch.autograd.gradcheck(run, (x,))
+    (dx,) = torch.autograd.grad(run(x).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError):
+        dx.sum().backward()
+    with pytest.raises(RuntimeError, match="class weights"):
+        run(x, weight.clone().requires_grad_())
 
 
 def test_fake_kernels():

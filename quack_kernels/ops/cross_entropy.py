@@ -13,12 +13,11 @@ mean). The autograd function (which also reduces the row losses, saving the host
 autograd nodes) saves the gradient and, in the backward,
 ``quack_kernels::cross_entropy_rescale_grad_`` rescales in place only the rows whose
 actual upstream gradient differs: the expected case moves no gradient bytes, and any
-other (non-uniform per-row gradients, scaled losses) is still exact. (The functional op
-also has an autograd of its own, over the torch reference, for callers that
-differentiate through it directly.) fp16 logits
+other (non-uniform per-row gradients, scaled losses) is still exact. fp16 logits
 (config.ce_gradient_in_backward) get their gradient in the backward instead, for the
-actual upstream gradient. Without a gradient a mean is one reduction of the stats
-(losses and row weights). Eagerly, where
+actual upstream gradient. (The functional op also has an autograd of its own, over the
+torch reference, for callers that differentiate through it directly.) Without a
+gradient a mean is one reduction of the stats (losses and row weights). Eagerly, where
 config.ce_reduces_in_kernel, the kernel reduces the loss itself, with or without the
 gradient (reduced_loss_cuda).
 
@@ -597,16 +596,22 @@ def _cross_entropy_forward_fake(logits, target, weight, ignore_index, label_smoo
 
 def _forward_setup_context(ctx, inputs, output):
     logits, target, weight, *options, grad_scale = inputs
+    for name, tensor in (("class weights", weight), ("grad_scale", grad_scale)):
+        if tensor is not None and tensor.requires_grad:
+            raise RuntimeError(f"quack_kernels: cross_entropy_forward is not differentiable "
+                               f"with respect to the {name}")
     ctx.options = options  # ignore_index, label_smoothing, lse_square_scale, softcap, compute_grad
     ctx.save_for_backward(logits, target, weight, grad_scale)
+    ctx.set_materialize_grads(False)  # (an unused output's gradient stays None)
 
 
+@once_differentiable
 def _forward_backward(ctx, dstats, dlse, dgrad):
     """The op's own autograd, for callers that differentiate through it directly (the
     public function's CrossEntropyFunction calls it without grad and has its own): the
     reference's losses, lse and gradient recomputed with torch ops and differentiated
-    for any upstream gradient of each. The row weights, targets, class weights and
-    grad_scale get none."""
+    for any upstream gradient of each. The row weights and targets get none (the class
+    weights and grad_scale may not require grad)."""
     logits, target, weight, grad_scale = ctx.saved_tensors
     *options, compute_grad = ctx.options
     with torch.enable_grad():

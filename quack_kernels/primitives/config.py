@@ -926,33 +926,33 @@ def odd_row_register_share(n_cols: int, elem_bytes: int, accumulators: int, outp
     return (threads, values) if 1 < ctas <= MAX_CLUSTER_SIZE else None
 
 
-# The norm forward of x alone, the softmax forward and the cross-entropy loss alone on
-# odd 16-bit rows of 16K-256K columns that their clustered shares do not hold in
-# registers: chunks of 8 values on 256 threads; RMSNorm re-reads x from global memory
-# (mostly L2) in its output pass, 16 KiB of the row a CTA, LayerNorm and softmax stage
-# it, 32 KiB a CTA, and the loss streams it (one pass, nothing written back), 32 KiB a
-# CTA. Smaller chunks keep more of the narrow loads in flight. H200, bf16 kernels alone, % of the copy ceiling,
-# the shares before -> these (results/norm_forward_odd_rows_H200_20261204.txt,
-# compare_trees): RMSNorm 4096x50257 25.1 -> 52.8, 2048x100001 24.1 -> 50.1, 1024x131073
-# 21.9 -> 50.1, 512x262143 24.6 -> 46.4 (torch.compile 32.8-34.4 in the runner);
-# LayerNorm 32.6 -> 40.0, 34.6 -> 41.9, 34.0 -> 41.4, 36.0 -> 36.1; softmax
-# (softmax_forward_odd_rows_and_ce_sweep_H200_20261204.txt) 59.4 -> 60.1, 56.4 -> 62.5,
-# 51.7 -> 56.9, 8192x16385 50.3 -> 58.7, fp16 4096x32001 64.1 -> 62.0 (its one loss;
-# softmax at 16 KiB a CTA did worse). In the share sweep
-# (norm_forward_odd_rows_sweep_H200_20261204.txt) a one-chunk register share of 1024
-# threads x 15 values reached 35 / 27 (RMSNorm / LayerNorm at 50257); 16-value chunks,
-# 512 or 1024 threads and the other staging lost. Cross-entropy loss alone (compare_trees,
-# cross_entropy_odd_rows_and_small_softmax_sweep_H200_20261204.txt), bf16: 4096x50257
-# 40.2 -> 45.0 (4 CTAs of 16 staged values before), 1024x131073 30.5 -> 39.2 and
-# 512x262143 30.8 -> 46.1 (one streaming CTA a row before), 8192x16385 38.4 -> 40.6; the
-# one loss 2048x100001, 50.8 -> 49.1 (one streaming CTA a row fills the GPU at 2048
-# rows). Not the gradient: staged on these shares its kernel alone gained 2-9 points
-# (4096x50257 50.2 -> 53.6), but the training step's variant (the in-kernel mean)
-# compiled to 72 registers at 131073 columns (3 CTAs per SM; 48 before) and the step ran
-# 279 -> 476 us in the runner (cross_entropy_nvidia-h200_20261204-2118.csv).
+# The norm forward of x alone, the softmax forward and the cross-entropy loss alone on odd
+# 16-bit rows of 16K-256K columns that their clustered shares do not hold in registers:
+# chunks of 8 values on 256 threads; RMSNorm re-reads x from global memory (mostly L2) in
+# its output pass, 16 KiB of the row a CTA, LayerNorm and softmax stage it, 32 KiB a CTA,
+# and the loss streams it (one pass, nothing written back), 32 KiB a CTA. Smaller chunks
+# keep more of the narrow loads in flight. H200, bf16 kernels alone, % of the copy ceiling,
+# the shares before -> these (compare_trees,
+# results/norm_forward_odd_rows_H200_20261204.txt): RMSNorm 4096x50257 25.1 -> 52.8,
+# 2048x100001 24.1 -> 50.1, 1024x131073 21.9 -> 50.1, 512x262143 24.6 -> 46.4 (torch.compile
+# 32.8-34.4 in the runner); LayerNorm 32.6 -> 40.0, 34.6 -> 41.9, 34.0 -> 41.4, 36.0 ->
+# 36.1; softmax (softmax_forward_odd_rows_and_ce_sweep_H200_20261204.txt) 59.4 -> 60.1, 56.4
+# -> 62.5, 51.7 -> 56.9, 8192x16385 50.3 -> 58.7, fp16 4096x32001 64.1 -> 62.0 (its one
+# loss; softmax at 16 KiB a CTA did worse). In the share sweep
+# (norm_forward_odd_rows_sweep_H200_20261204.txt) a one-chunk register share of 1024 threads
+# x 15 values reached 35 / 27 (RMSNorm / LayerNorm at 50257); 16-value chunks, 512 or 1024
+# threads and the other staging lost. Cross-entropy loss alone (compare_trees,
+# cross_entropy_odd_rows_and_small_softmax_sweep_H200_20261204.txt), bf16: 4096x50257 40.2
+# -> 45.0 (4 CTAs of 16 staged values before), 1024x131073 30.5 -> 39.2 and 512x262143 30.8
+# -> 46.1 (one streaming CTA a row before), 8192x16385 38.4 -> 40.6; the one loss
+# 2048x100001, 50.8 -> 49.1 (one streaming CTA a row fills the GPU at 2048 rows). Not the
+# gradient: staged on these shares its kernel alone gained 2-9 points (4096x50257 50.2 ->
+# 53.6), but the training step's variant (the in-kernel mean) compiled to 72 registers at
+# 131073 columns (3 CTAs per SM; 48 before) and the step ran 279 -> 476 us in the runner
+# (cross_entropy_nvidia-h200_20261204-2118.csv).
 ODD_ROW_FORWARD_THREADS = 256
 ODD_ROW_FORWARD_VALUES = 8
-# how the kernel goes over its row a second time -> (row bytes a CTA, staging)
+# how the kernel comes back to its row (streamed: it does not) -> (row bytes a CTA, staging)
 ODD_ROW_FORWARD_SHARES = {"reread": (16 * 1024, "global"), "staged": (32 * 1024, "smem"),
                           "streamed": (32 * 1024, "global")}
 ODD_ROW_FORWARD_MIN_COLS = 16 * 1024
@@ -1402,12 +1402,13 @@ CE_FIXED_MAX_SOFTCAP = 40.0
 
 def ce_fixed_max(softcap: float, cfg: RowConfig, stage_weight: bool, write_grad: bool) -> bool:
     """Whether the cross-entropy kernel on rows of config ``cfg`` takes the softcap (0:
-    none) as the row max: with the gradient and for the streamed loss alone of long rows
-    (sm_90a: as many or fewer registers than the running max, 9-18% fewer instructions
-    and MUFU); not with the weight row staged (that gradient kernel took 94 registers
-    instead of 80, 2 instead of 3 CTAs of 256 threads per SM at bf16 128256 columns),
-    in the looping grid (bf16 rows of 16384 columns spilled 8 bytes at its 128
-    registers), nor for the loss alone of short rows (fp32 32000 columns: 48 -> 64)."""
+    none) as the row max: with the gradient and for the streamed loss alone, of long rows
+    and of odd 16-bit rows of 16K+ columns (odd_row_forward_share) (sm_90a: as many or
+    fewer registers than the running max, 9-18% fewer instructions and MUFU); not with the
+    weight row staged (that gradient kernel took 94 registers instead of 80, 2 instead of 3
+    CTAs of 256 threads per SM at bf16 128256 columns), in the looping grid (bf16 rows of
+    16384 columns spilled 8 bytes at its 128 registers), nor for the loss alone of short
+    rows (fp32 32000 columns: 48 -> 64)."""
     return 0.0 < abs(softcap) <= CE_FIXED_MAX_SOFTCAP and not stage_weight \
         and not loops_over_row_blocks(cfg, write_grad) \
         and (write_grad or cfg.staging == "global")
@@ -1452,7 +1453,7 @@ def cross_entropy_row_config(n_cols: int, elem: int, stage_weight: bool, write_g
 
 def _clustered_ce_row_config(n_cols: int, elem: int, stage_weight: bool, write_grad: bool,
                              max_vec: int | None, softcap: bool) -> RowConfig:
-    """cross_entropy_row_config but for the loss alone of odd 16-bit rows (see there)."""
+    """cross_entropy_row_config without its odd-row rule (see there)."""
     if not write_grad and not stage_weight:
         if n_cols * elem >= CE_STREAM_MIN_ROW_BYTES:
             return _streamed_loss_row_config(n_cols, elem, max_vec)
