@@ -119,9 +119,10 @@ def table(cases: list[Case]) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--results", type=pathlib.Path,
-                   default=pathlib.Path(__file__).resolve().parent / "results")
+                   default=pathlib.Path(__file__).resolve().parent / "results",
+                   help="folder of the runner's CSVs (default: benchmarks/results)")
     p.add_argument("--family", default="softmax,norm,cross_entropy",
                    help="comma list of softmax, norm, cross_entropy")
     p.add_argument("--misses", action="store_true",

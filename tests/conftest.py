@@ -20,3 +20,16 @@ def _surface_async_cuda_errors(request):
     yield
     if "gpu" in request.keywords and torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+@pytest.fixture
+def cuobjdump() -> str:
+    """cuobjdump's path, which the resource checks read cubins with: a dev dependency
+    (pyproject's ``dev`` extra), so its absence fails them instead of skipping them
+    silently."""
+    from quack_kernels.report import find_cuobjdump
+
+    path = find_cuobjdump()
+    if path is None:
+        pytest.fail("cuobjdump not found: install the dev extra (nvidia-cuda-cuobjdump)")
+    return path

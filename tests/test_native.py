@@ -418,3 +418,21 @@ def test_residual_without_prenorm_has_a_plan_of_its_own(module):
     torch.nn.functional.rms_norm(hd, (41,), eps=1e-6).sum().backward()
     torch.testing.assert_close(x.grad, hd.grad)
     assert stand_ins.calls[1][1] is True  # no stream gradient passed
+
+
+def test_grid_sizes_match_the_python_configs(module):
+    """The C++ path sizes the looping grids and the mean's denominator grid with one
+    formula (capped_blocks) that copies config.loop_grid_rows and
+    config.mean_denominator_ctas: the same counts for every row count tried."""
+    from quack_kernels.primitives import config
+
+    cfg = ops.forward_config(256, True, torch.bfloat16, torch.bfloat16, False, torch.bfloat16,
+                             torch.bfloat16, None)
+    assert cfg.rows_per_block > 1
+    per_cta = config.MEAN_DENOMINATOR_THREADS * config.MEAN_TARGETS_IN_FLIGHT
+    for num_rows in (0, 1, 2, 7, 127, 128, 129, 1000, 4097, per_cta, per_cta + 1, 10**6, 10**9):
+        for resident in (1, 3, 132, 264):
+            assert module.capped_blocks(num_rows, cfg.rows_per_block, resident) == \
+                config.loop_grid_rows(cfg, num_rows, resident), (num_rows, resident)
+        assert module.capped_blocks(num_rows, per_cta, config.MEAN_DENOMINATOR_MAX_CTAS) == \
+            config.mean_denominator_ctas(num_rows), num_rows

@@ -8,7 +8,7 @@ import torch
 import quack_kernels as qk
 from quack_kernels.ops import norm as ops
 from quack_kernels.primitives import config
-from quack_kernels.report import find_cuobjdump, measure, spills
+from quack_kernels.report import measure, spills
 
 from helpers import assert_close, assert_looping_launch_fits
 
@@ -197,12 +197,27 @@ def test_fake_kernels():
 
 
 def test_torch_compile_fullgraph():
+    """The modules under torch.compile(fullgraph=True, AOT autograd): outputs and the
+    gradients of x and every parameter against torch's own norms in fp64, with the same
+    (state_dict-compatible) parameters."""
     model = torch.nn.Sequential(torch.nn.Linear(32, 48), qk.nn.RMSNorm(48), qk.nn.LayerNorm(48))
+    with torch.no_grad():  # (weights and bias away from their init of ones and zeros)
+        for p in list(model[1].parameters()) + list(model[2].parameters()):
+            p.add_(torch.randn_like(p) * 0.3)
+    reference = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.RMSNorm(48, eps=1e-6),
+                                    torch.nn.LayerNorm(48)).double()
+    reference.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     x = rand(5, 32, requires_grad=True)
-    assert_close(compiled(x), model(x).double())
-    compiled(x).sum().backward()
-    assert x.grad is not None
+    xd = x.detach().double().requires_grad_()
+    y, expected = compiled(x), reference(xd)
+    assert_close(y, expected)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    expected.backward(dy.double())
+    assert_close(x.grad, xd.grad, name="x grad")
+    for (name, p), (_, pd) in zip(model.named_parameters(), reference.named_parameters()):
+        assert_close(p.grad, pd.grad, name=f"{name} grad")
 
 
 def test_modules_are_state_dict_compatible():
@@ -324,10 +339,7 @@ def _variants():
             yield "bwd", n, dt, cfg, lambda args=args: ops.backward_kernel(*args)
 
 
-def test_sm90a_variants_compile_without_spills(tmp_path):
-    cuobjdump = find_cuobjdump()
-    if cuobjdump is None:
-        pytest.skip("cuobjdump not found")
+def test_sm90a_variants_compile_without_spills(tmp_path, cuobjdump):
     rows = list(measure(_variants(), str(tmp_path), cuobjdump))
     assert len(rows) == len(VARIANTS) * 4
     for name, n, dtype, cfg, kernel, res in rows:

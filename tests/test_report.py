@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from quack_kernels.report import (_RES, _cubin_file, disassembly, find_cuobjdump, measure,
+from quack_kernels.report import (_RES, _cubin_file, disassembly, measure,
                                    resource_usage, spills)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,19 +59,26 @@ def test_resource_line_parser():
     assert _RES.search(line).groups() == ("80", "0", "1024", "16")
 
 
-def test_resource_parser_reads_cuobjdump(tmp_path):
-    if find_cuobjdump() is None:
-        pytest.skip("cuobjdump not installed")
+def test_resource_parser_reads_cuobjdump(tmp_path, cuobjdump):
+    """The resources of a compiled cubin as cuobjdump prints them (a kernel of 256
+    threads uses registers and a cluster-free softmax no local memory); a missing cubin
+    raises instead of reading as zero spills."""
+    from quack_kernels.ops import softmax
+    from quack_kernels.primitives.compile_cache import compile_kernel
+
+    cfg = softmax.forward_config(4096, torch.float32)
+    fn = compile_kernel(*softmax.forward_kernel(cfg, torch.float32, False),
+                        keep_cubin_in=str(tmp_path))
+    usage = resource_usage(_cubin_file(fn.__cubin__, str(tmp_path)), cuobjdump)
+    assert usage["regs"] > 0 and usage["stack"] == usage["local"] == 0, usage
     with pytest.raises(subprocess.CalledProcessError):
-        resource_usage(str(tmp_path / "missing.cubin"), find_cuobjdump())
+        resource_usage(str(tmp_path / "missing.cubin"), cuobjdump)
 
 
-def test_warp_syncs_are_counted_in_the_sass(tmp_path):
+def test_warp_syncs_are_counted_in_the_sass(tmp_path, cuobjdump):
     """A kernel whose lane-0 branch calls cute.arch.warp_idx() (a full-warp shuffle)
     compiles to WARPSYNC, which the report's measure() counts; the same store with the
     index read before the branch has none."""
-    if find_cuobjdump() is None:
-        pytest.skip("cuobjdump not installed")
     import cutlass
     import cutlass.cute as cute
 
@@ -103,15 +110,13 @@ def test_warp_syncs_are_counted_in_the_sass(tmp_path):
     variants = [(f"hoisted={hoisted}", 8, torch.float32, None,
                  lambda hoisted=hoisted: (LaneZeroStore(hoisted), fake_rows(cutlass.Float32, 8, 1)))
                 for hoisted in (False, True)]
-    counts = [res["warp_syncs"] for *_, res in measure(variants, str(tmp_path), find_cuobjdump())]
+    counts = [res["warp_syncs"] for *_, res in measure(variants, str(tmp_path), cuobjdump)]
     assert counts[0] > 0 and counts[1] == 0
 
 
-def test_report_refuses_cubins_of_another_arch(monkeypatch, tmp_path):
+def test_report_refuses_cubins_of_another_arch(monkeypatch, tmp_path, cuobjdump):
     """The report checks the arch in the cubin's name against the target, so a DSL
     that compiled for its own default is caught instead of reported."""
-    if find_cuobjdump() is None:
-        pytest.skip("cuobjdump not installed")
     from quack_kernels import report
     from quack_kernels.ops import softmax
     from quack_kernels.primitives import compile_cache
@@ -119,7 +124,7 @@ def test_report_refuses_cubins_of_another_arch(monkeypatch, tmp_path):
     variant = next(softmax.report_variants([1024], [torch.float32]))
     monkeypatch.setattr(compile_cache, "target_arch", lambda: "sm_80")
     with pytest.raises(RuntimeError, match="another arch"):
-        next(report.measure([variant], str(tmp_path), find_cuobjdump()))
+        next(report.measure([variant], str(tmp_path), cuobjdump))
 
 
 def test_report_workers_split_the_variants_between_them(monkeypatch, capsys):
@@ -378,7 +383,7 @@ def test_uninitialized_reads_find_the_miscompile():
     assert [(r.split()[0], r.split()[-1]) for r in reads] == [("0050", "(R8)"), ("02b0", "(R8)")]
 
 
-def test_l2_prefetch_compiles_to_bulk_prefetches(tmp_path):
+def test_l2_prefetch_compiles_to_bulk_prefetches(tmp_path, cuobjdump):
     """RowConfig.l2_prefetch puts one bulk L2 prefetch (UBLKPF) per staged tensor in the
     norm backward's sm_90a code (its default at fp32 262144, config.with_l2_prefetch);
     without it there is none."""
@@ -387,8 +392,6 @@ def test_l2_prefetch_compiles_to_bulk_prefetches(tmp_path):
     from quack_kernels.ops import norm
     from quack_kernels.report import measure
 
-    if find_cuobjdump() is None:
-        pytest.skip("cuobjdump not installed")
     f32 = torch.float32
     cfg = norm.backward_config(262144, f32, f32, (f32,), f32, 1, rms=True)
     assert cfg.l2_prefetch
@@ -397,7 +400,7 @@ def test_l2_prefetch_compiles_to_bulk_prefetches(tmp_path):
                                                   None, True, False))
                 for ahead, c in ((1, cfg), (0, dataclasses.replace(cfg, l2_prefetch=0)))]
     counts = [res["bulk_prefetches"] for *_, res in measure(variants, str(tmp_path),
-                                                            find_cuobjdump())]
+                                                            cuobjdump)]
     assert counts == [2, 0]
 
 
@@ -415,7 +418,7 @@ def test_l2_prefetch_refuses_vectors_under_16_bytes():
         compile_kernel(*softmax.forward_kernel(cfg, f32, False))
 
 
-def test_cluster_barriers_in_the_sass(tmp_path):
+def test_cluster_barriers_in_the_sass(tmp_path, cuobjdump):
     """rows.ReductionSlot on a cluster: a looping reduction waits on one mbarrier per
     scratch buffer (two inits, SYNCS.EXCH.64), a kernel with two one-off reductions
     (LayerNorm forward with a residual) on one per reduction, and each thread arrives
@@ -427,8 +430,6 @@ def test_cluster_barriers_in_the_sass(tmp_path):
     from quack_kernels.ops import norm
     from quack_kernels.report import measure, disassembly
 
-    if find_cuobjdump() is None:
-        pytest.skip("cuobjdump not installed")
     f32, bf16 = torch.float32, torch.bfloat16
     looping = norm.backward_config(4096, f32, f32, (f32,), f32, 2)
     one_block = norm.forward_config(65536, False, bf16, bf16, True, bf16, bf16, bf16)
@@ -439,17 +440,17 @@ def test_cluster_barriers_in_the_sass(tmp_path):
         ("one_block", 65536, bf16, one_block, lambda: norm.forward_kernel(
             one_block, False, bf16, bf16, True, True, bf16, bf16, bf16))]
     reductions = {name: kernel.reductions
-                  for name, _, _, _, kernel, _ in measure(variants, str(tmp_path), find_cuobjdump())}
+                  for name, _, _, _, kernel, _ in measure(variants, str(tmp_path), cuobjdump)}
     assert reductions == {"looping": 1, "one_block": 2}
     cubins = {cubin.parent: cubin for cubin in tmp_path.rglob("*.cubin")}  # one a variant
     assert len(cubins) == 2
     for cubin in cubins.values():
-        sass = disassembly(str(cubin), find_cuobjdump())
+        sass = disassembly(str(cubin), cuobjdump)
         found = collections.Counter(re.findall(r"\b(SYNCS\.EXCH\.64|UCGABAR_ARV)\b", sass))
         assert (found["SYNCS.EXCH.64"], found["UCGABAR_ARV"]) == (2, 1), cubin
 
 
-def test_bf16_widened_by_integer_ops_where_the_config_says(tmp_path):
+def test_bf16_widened_by_integer_ops_where_the_config_says(tmp_path, cuobjdump):
     """config.widens_by_integer_ops: the RMSNorm bf16 backward of 262144 columns (shares
     in shared memory over a cluster) widens its bf16 pairs with a mask of the high half
     (LOP3 0xffff0000) and unpacks none (PRMT); on register shares (4096 columns) it keeps
@@ -460,8 +461,6 @@ def test_bf16_widened_by_integer_ops_where_the_config_says(tmp_path):
     from quack_kernels.primitives.config import widens_by_integer_ops
     from quack_kernels.report import disassembly, measure
 
-    if find_cuobjdump() is None:
-        pytest.skip("cuobjdump not installed")
     bf16 = torch.bfloat16
     configs = {n: norm.backward_config(n, bf16, bf16, (bf16,), bf16, 1, rms=True)
                for n in (4096, 262144)}
@@ -470,9 +469,9 @@ def test_bf16_widened_by_integer_ops_where_the_config_says(tmp_path):
         variant = (str(n), n, bf16, cfg, lambda cfg=cfg: norm.backward_kernel(
             cfg, True, bf16, bf16, bf16, False, None, bf16, None, True, False))
         (tmp_path / str(n)).mkdir()
-        list(measure([variant], str(tmp_path / str(n)), find_cuobjdump()))
+        list(measure([variant], str(tmp_path / str(n)), cuobjdump))
         cubin = next((tmp_path / str(n)).rglob("*.cubin"))  # (the DSL may keep two copies)
-        sass = disassembly(str(cubin), find_cuobjdump())
+        sass = disassembly(str(cubin), cuobjdump)
         masks = len(re.findall(r"LOP3\.LUT [^;]*0xffff0000", sass))
         unpacks = sass.count("PRMT")
         values = cfg.thread_values_per_chunk * cfg.num_chunks
@@ -487,15 +486,12 @@ def test_bf16_widened_by_integer_ops_where_the_config_says(tmp_path):
     ("ln_bwd", 65536, "STAS.64"),    # the same from every warp
     ("ln_fwd", 65536, "STAS.128"),   # count, mean, centered squares: padded to four
 ])
-def test_cluster_partials_are_one_vector_store(tmp_path, kind, n, store):
+def test_cluster_partials_are_one_vector_store(tmp_path, kind, n, store, cuobjdump):
     """Each exchange of a cluster reduction sends a slot as one vector st.async (one
     packet between SMs), however many values it carries (reduce.slot_words)."""
     from quack_kernels.ops import norm
     from quack_kernels.primitives.compile_cache import compile_kernel
 
-    cuobjdump = find_cuobjdump()
-    if cuobjdump is None:
-        pytest.skip("cuobjdump not installed")
     bf16 = torch.bfloat16
     if kind == "ln_bwd":
         cfg = norm.backward_config(n, bf16, bf16, (bf16,), bf16, 2, rms=False)
@@ -514,7 +510,7 @@ def test_cluster_partials_are_one_vector_store(tmp_path, kind, n, store):
 
 
 @pytest.mark.parametrize("rms", [True, False])
-def test_narrow_vectors_land_in_registers_before_shared_memory(tmp_path, rms):
+def test_narrow_vectors_land_in_registers_before_shared_memory(tmp_path, rms, cuobjdump):
     """Odd 16-bit rows (2-byte vectors, no cp.async) are staged by plain loads: every
     load of a chunk is issued before the first shared-memory store waits for one
     (RowTiles._issue_chunk), instead of one load in flight per thread; and nothing
@@ -522,9 +518,6 @@ def test_narrow_vectors_land_in_registers_before_shared_memory(tmp_path, rms):
     from quack_kernels.ops import norm
     from quack_kernels.primitives.compile_cache import compile_kernel
 
-    cuobjdump = find_cuobjdump()
-    if cuobjdump is None:
-        pytest.skip("cuobjdump not installed")
     bf16 = torch.bfloat16
     cfg = norm.backward_config(50257, bf16, bf16, (bf16,), bf16, 1 if rms else 2, rms=rms)
     assert cfg.vec == 1 and cfg.staging != "global"
@@ -541,7 +534,7 @@ def test_narrow_vectors_land_in_registers_before_shared_memory(tmp_path, rms):
 
 
 @pytest.mark.parametrize("dweight", [False, True])
-def test_zero_fill_past_the_row_end_takes_no_select(tmp_path, dweight):
+def test_zero_fill_past_the_row_end_takes_no_select(tmp_path, dweight, cuobjdump):
     """RowTiles.values(fill=0) of a ragged share reads the staging's own zeros past the row
     end (a predicated-off cp.async zero-fills its vector, plain-load staging fills 0
     first), and RMSNorm's xhat is 0 there too: the RMSNorm backward of odd rows, whose
@@ -550,9 +543,6 @@ def test_zero_fill_past_the_row_end_takes_no_select(tmp_path, dweight):
     from quack_kernels.ops import norm
     from quack_kernels.primitives.compile_cache import compile_kernel
 
-    cuobjdump = find_cuobjdump()
-    if cuobjdump is None:
-        pytest.skip("cuobjdump not installed")
     bf16 = torch.bfloat16
     cfg = norm.backward_config(50257, bf16, bf16, (bf16,), bf16, int(dweight), rms=True)
     assert cfg.needs_col_predicate and cfg.vec == 1
@@ -575,7 +565,7 @@ def test_zero_fill_past_the_row_end_takes_no_select(tmp_path, dweight):
     (139263, torch.float16, torch.float16, False, 2),
     (131073, torch.bfloat16, torch.float32, False, 2),
     (100001, torch.bfloat16, torch.bfloat16, False, 1)])
-def test_odd_row_register_shares_do_not_spill(tmp_path, n, dtype, weight_dtype, rms, sums):
+def test_odd_row_register_shares_do_not_spill(tmp_path, n, dtype, weight_dtype, rms, sums, cuobjdump):
     """The register shares of odd 16-bit norm backward rows (config.odd_row_register_share:
     dx and the weight's and bias' sums; RMSNorm 1024 threads, 64 registers a thread,
     LayerNorm 512, 128) keep every value in registers, from two CTAs to a full cluster
@@ -584,9 +574,6 @@ def test_odd_row_register_shares_do_not_spill(tmp_path, n, dtype, weight_dtype, 
     from quack_kernels.ops import norm
     from quack_kernels.primitives import config
 
-    cuobjdump = find_cuobjdump()
-    if cuobjdump is None:
-        pytest.skip("cuobjdump not installed")
     cfg = norm.backward_config(n, dtype, dtype, (dtype,), weight_dtype, sums, rms=rms)
     threads, _ = config.ODD_ROW_SHARES[rms]
     assert (cfg.threads_per_row, cfg.staging, cfg.vec) == (threads, "registers", 1), cfg

@@ -21,6 +21,24 @@ def reference(x, log, dim=-1):
     return torch.log_softmax(xd, dim) if log else torch.softmax(xd, dim)
 
 
+# Per element, relative: a softmax output is computed in fp32 and rounded once, so each
+# value is within a few of its dtype's units in the last place of the fp64 value (a
+# whole-tensor norm or an absolute bound would miss a wrong small probability); fp16
+# values below its normal range have fixed spacing (the absolute floor).
+PROBABILITY_TOLERANCE = {torch.float32: (1e-5, 0.0), torch.float16: (2.0 ** -9, 2.0 ** -24),
+                         torch.bfloat16: (2.0 ** -7, 0.0)}
+
+
+def assert_probabilities_close(y, ref, dtype):
+    rel, floor = PROBABILITY_TOLERANCE[dtype]
+    err = (y.double() - ref).abs()
+    bad = ~(err <= rel * ref.abs() + floor)
+    if bad.any():
+        idx = tuple(i.item() for i in bad.nonzero()[0])
+        raise AssertionError(f"{int(bad.sum())} probabilities off; first at {idx}: "
+                             f"got {y[idx].item()!r}, expected {ref[idx].item()!r}")
+
+
 def fresh(shape, dtype, scale=3.0):
     return (torch.randn(shape, device="cuda", dtype=torch.float32) * scale).to(dtype)
 
@@ -48,9 +66,13 @@ def check_backward(dx, y, dy, log):
 def test_forward_backward(n, dtype, log):
     m = 37
     x = fresh((m, n), dtype)
+    poison_allocator(x)
     y = ops.softmax_forward(x, log)
     assert_close(y, reference(x, log), dtype)
+    if not log:
+        assert_probabilities_close(y, reference(x, log), dtype)
     dy = fresh((m, n), dtype, 1.0)
+    poison_allocator(x)
     check_backward(ops.softmax_backward(y, dy, log), y, dy, log)
 
 
@@ -195,8 +217,9 @@ def test_outputs_fully_written(n):
         assert not torch.isnan(dx).any()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [100, 4096, 65536])
-def test_special_values(n):
+def test_special_values(n, dtype):
     x = fresh((7, n), torch.float32)
     x[0, ::3] = -float("inf")         # some -inf
     x[1] = 5.0                         # all equal
@@ -206,15 +229,23 @@ def test_special_values(n):
     x[5, :n - 1] = -float("inf")       # one finite value
     x[6] = -float("inf")               # one finite value below -88.7: threads holding
     x[6, 0] = -100.0                   # only -inf must not scale by exp(0 - max) = inf
+    x = x.to(dtype)
+    dy = fresh((7, n), dtype, 1.0)
     for log in (False, True):
         y = ops.softmax_forward(x, log)
-        ref = reference(x, log)
-        assert_close(y, ref, torch.float32)
+        assert_close(y, reference(x, log), dtype)
+        check_backward(ops.softmax_backward(y, dy, log), y, dy, log)
 
 
 def test_empty_and_zero_rows():
-    assert qk.softmax(torch.empty(0, 128, device="cuda")).shape == (0, 128)
-    assert qk.softmax(torch.empty(4, 0, device="cuda")).shape == (4, 0)
+    """No rows, and rows of no columns: forward and backward give empty tensors."""
+    for shape in ((0, 128), (4, 0)):
+        x = torch.empty(shape, device="cuda", requires_grad=True)
+        for fn in (qk.softmax, qk.log_softmax):
+            y = fn(x)
+            assert y.shape == shape
+            (dx,) = torch.autograd.grad(y, x, torch.empty(shape, device="cuda"))
+            assert dx.shape == shape
 
 
 def test_non_contiguous_and_other_dims():
@@ -238,12 +269,23 @@ def test_autograd_matches_torch():
 
 
 def test_torch_compile_fullgraph_and_dynamic():
+    """A model using the module under torch.compile (inductor), static and dynamic
+    shapes: outputs and the input's gradient against torch's softmax in fp64 on the
+    same linear layer's output."""
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), qk.nn.Softmax(-1)).cuda()
     for dynamic in (False, True):
         compiled = torch.compile(model, fullgraph=True, dynamic=dynamic)
         for m in (8, 24):
-            x = torch.randn(m, 256, device="cuda")
-            assert_close(compiled(x), model(x).double(), torch.float32)
+            x = torch.randn(m, 256, device="cuda", requires_grad=True)
+            xd = x.detach().double().requires_grad_()
+            y = compiled(x)
+            expected = torch.softmax(torch.nn.functional.linear(
+                xd, model[0].weight.double(), model[0].bias.double()), -1)
+            assert_close(y, expected, torch.float32)
+            dy = torch.randn_like(y)
+            y.backward(dy)
+            expected.backward(dy.double())
+            assert_close(x.grad, xd.grad, torch.float32, name="grad")
 
 
 def test_cuda_graph_capture():
@@ -260,6 +302,19 @@ def test_cuda_graph_capture():
     g.replay()
     torch.cuda.synchronize()
     assert_close(y, reference(x, False), torch.bfloat16)
+    # the backward op, captured alike
+    dy = fresh((256, 4096), torch.bfloat16, 1.0)
+    ops.softmax_backward(y, dy, False)
+    backward = torch.cuda.CUDAGraph()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(backward, stream=s):
+            dx = ops.softmax_backward(y, dy, False)
+    torch.cuda.current_stream().wait_stream(s)
+    dy.copy_(fresh((256, 4096), torch.bfloat16, 1.0))
+    backward.replay()
+    torch.cuda.synchronize()
+    check_backward(dx, y, dy, False)
 
 
 def test_non_default_stream():

@@ -26,10 +26,11 @@ the expectation holds; kernels.rescale.RowRescale fixes the rows where it does n
 Bytes: one read of the logits (M x C); with the gradient, one write of M x C more.
 Class weights with label smoothing also read the weight row (C fp32, from L2).
 
-Layout: RowKernel geometry (a row split over a cluster of up to 16 CTAs), a fixed grid
-of CTAs looping over row blocks so that the next block's logits load while the
-current block is reduced and its epilogue runs (a CTA's life is otherwise one load,
-one short reduction and a short epilogue: its load latency would be exposed). One
+Layout: RowKernel geometry (a row split over a cluster of up to 16 CTAs), one row block
+per CTA, but for the gradient of rows one CTA holds: a fixed grid of CTAs looping over
+row blocks so that the next block's logits load while the current block is reduced
+and its epilogue runs (a CTA's life is otherwise one load, one short reduction and a
+short epilogue: its load latency would be exposed; config.loops_over_row_blocks). One
 row_allreduce per row combines the online (max, sum of exp, sum of exp over the
 non-target classes) triple with plain sums of z_t (from the thread holding the target
 column, which where it can sets it aside before the row is read, in a staged row from
@@ -299,9 +300,7 @@ class CrossEntropyForward(RowKernel):
         rows_per_block = self.cfg.rows_per_block
         threads = self.cfg.threads_per_block
         cute.arch.barrier()
-        first_block = cute.arch.block_idx()[0]
-        num_blocks = (num_rows + rows_per_block - 1) // rows_per_block
-        iterations = (num_blocks - first_block + grid_rows - 1) // grid_rows
+        first_block, iterations = self.row_block_iterations(num_rows, grid_rows)
         loss = Float32(0.0)
         weight = Float32(0.0)
         for i in cutlass.range(cute.arch.thread_idx()[0], iterations * rows_per_block, threads,
@@ -601,16 +600,15 @@ class CrossEntropyForward(RowKernel):
         of z; the set-aside target's capped z_t is kept and joins the sum of z. A
         placeholder's term is the smallest of the thread's, so the subtraction costs
         only the rounding of the sums."""
+        cfg = self.cfg
         count = Int32(0)
         held = Boolean(False)
-        for c in range(self.cfg.num_chunks):
+        for c in range(cfg.num_chunks):
             held_here = tiles.holds_column(c, target_col)[0]
             held = held | held_here
             count = count + cutlass.select_(held_here, Int32(1), Int32(0))
-            if cutlass.const_expr(tiles.pad is not None):
-                for v in range(cute.size(tiles.preds[c])):
-                    count = count + cutlass.select_(tiles.preds[c][v], Int32(0),
-                                                    Int32(self.cfg.vec))
+        if cutlass.const_expr(tiles.pad is not None):  # the padded values past the row end
+            count = count + (cfg.thread_values_per_chunk * cfg.num_chunks - tiles.values_in_row())
         placeholders = Float32(count)
         row_max, row_sum, other_sum, z_raw, sum_wz, sum_w = running
         term = _exp_below(-softcap, red.finite_or_zero(row_max))

@@ -16,13 +16,13 @@ writes dx (+ dresidual); weights, statistics and partial sums are O(N + M).
 Layout: RowKernel geometry (rows split over a cluster of up to 16 CTAs for large N).
 The forward is one row block per CTA; LayerNorm reduces twice (sum, then the centered
 sum of squares, on the staged row), or once for rows of x alone split over a cluster
-and staged in shared memory (each thread's count, mean and centered sum of squares,
+and not kept in registers (each thread's count, mean and centered sum of squares,
 from shifted sums in one pass, merged pairwise). The backward
 launches a fixed grid (as many CTAs as fit on the GPU) that loops over row blocks,
 loading the next block while it reduces and stores the current one when two staging
 buffers fit (cfg.stages): each CTA keeps its columns' dw/db sums in an accumulator and
-writes them once as one row of fp32 partials, which the host sums in a fixed order
-(deterministic, no atomics).
+writes them once as one row of fp32 partials, which kernels.column_sum adds in a fixed
+order (deterministic, no atomics).
 """
 
 from __future__ import annotations
@@ -141,18 +141,6 @@ class NormForward(RowKernel):
         with the row (early_columns) or before its cluster exchange."""
         return self.early_columns or self.columns_before_reduction
 
-    def _values_in_row(self, tiles: RowTiles):
-        """How many of this thread's values lie inside the row."""
-        cfg = self.cfg
-        if not cfg.needs_col_predicate:
-            return Int32(cfg.thread_values_per_chunk * cfg.num_chunks)
-        count = Int32(0)  # whole vectors are in or out: cfg.vec values per in-row flag
-        for c in range(cfg.num_chunks):
-            preds = tiles.preds[c]
-            for i in range(cute.size(preds)):
-                count = count + cutlass.select_(preds[i], Int32(cfg.vec), Int32(0))
-        return count
-
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mR, mW, mB, mY: cute.Tensor, mResOut, mMean,
                mRstd: cute.Tensor, eps: Float32, weight_offset: Float32):
@@ -214,7 +202,7 @@ class NormForward(RowKernel):
             variance = total * inv_n
         elif cutlass.const_expr(self.moments):
             # this thread's count, mean and centered sum of squares, merged over the row
-            count = Float32(self._values_in_row(tiles))
+            count = Float32(tiles.values_in_row())
             shifted_mean = partial / cute.arch.fmax(count, Float32(1.0))
             # (an empty group's mean must be 0, see centered_moments_combine)
             group_mean = cutlass.select_(count > Float32(0.0),
@@ -399,7 +387,7 @@ class NormBackward(RowKernel):
         cfg = self.cfg
         smem = SmemAllocator()
         home = RowTiles(cfg, [mH, mdY], smem)
-        slot = ReductionSlot(smem, cfg, self.values_per_reduction, buffers=2)
+        slot = ReductionSlot(smem, cfg, self.values_per_reduction, buffers=self.scratch_buffers)
         acc_w = [home.accumulator(smem, c, self.sums_in_registers)
                  for c in range(cfg.num_chunks)] if self.need_dweight else []
         acc_b = [home.accumulator(smem, c, self.sums_in_registers)

@@ -88,20 +88,17 @@ class SoftmaxForward(RowKernel):
 class SoftmaxBackward(RowKernel):
     values_per_reduction = 1
 
-    def __init__(self, cfg: RowConfig, y_dtype, dy_dtype, log: bool):
+    def __init__(self, cfg: RowConfig, dtype, log: bool):
+        """``dtype``: of y and dy both (and dx)."""
         self.cfg = cfg
         self.log = log
         # where only one of y and dy fits the share's shared memory (ops.softmax.
         # backward_config) the other is read from global memory: the log_softmax's y,
         # which only its output pass needs (read once), or the softmax's dy (read in both)
-        self.stages_both = cfg.staging != "smem" or stages_in_smem(
-            cfg, (y_dtype.width + dy_dtype.width) // 8)
+        self.stages_both = cfg.staging != "smem" or stages_in_smem(cfg, 2 * dtype.width // 8)
         self.streams_y = log and not self.stages_both
         self.streams_dy = not log and not self.stages_both
-        if self.stages_both:
-            self.staged_dtypes = (y_dtype, dy_dtype)
-        else:
-            self.staged_dtypes = (dy_dtype,) if self.streams_y else (y_dtype,)
+        self.staged_dtypes = (dtype, dtype) if self.stages_both else (dtype,)
 
     @cute.jit
     def __call__(self, mY: cute.Tensor, mdY: cute.Tensor, mdX: cute.Tensor, stream):

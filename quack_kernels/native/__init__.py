@@ -1,6 +1,6 @@
 """The C++ fast path (launch.cpp): compiled kernels launched and autograd nodes run
 without Python. Built on first use with torch's extension builder (a C++ compiler and
-ninja; about a minute, then cached on disk). Where it cannot be built, or with
+ninja; about 30 s, then cached on disk). Where it cannot be built, or with
 QUACK_KERNELS_NATIVE=0, ``module()`` is None and every op takes its Python path."""
 
 from __future__ import annotations

@@ -231,9 +231,12 @@ int64_t device_code(const at::Tensor& t) { return t.is_cuda() ? t.get_device() :
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// config.loop_grid_rows
-int64_t loop_grid_rows(int64_t num_rows, int64_t rows_per_block, int64_t resident) {
-  return std::max<int64_t>(1, std::min(ceil_div(num_rows, rows_per_block), resident));
+// Blocks of ``per_block`` items for ``count`` items, at least one and at most ``cap``:
+// config.loop_grid_rows (row blocks of a looping grid, capped at the resident ones) and
+// config.mean_denominator_ctas (CTAs of targets_per_cta targets); tests/test_native.py
+// compares them.
+int64_t capped_blocks(int64_t count, int64_t per_block, int64_t cap) {
+  return std::max<int64_t>(1, std::min(ceil_div(count, per_block), cap));
 }
 
 // ------------------------------------------------------------------------ norms
@@ -373,7 +376,7 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
                 "stream reached a norm called without prenorm");
     int64_t n_cols = h.size(-1);
     int64_t num_rows = h.numel() / n_cols;
-    int64_t grid_rows = loop_grid_rows(num_rows, variant.rows_per_block,
+    int64_t grid_rows = capped_blocks(num_rows, variant.rows_per_block,
                                        variant.resident_row_blocks);
     at::Tensor dx, dresidual, partial, dweight, dbias;
     if (plan.need_dx) dx = at::empty_like(h, h.options().dtype(x_dtype));
@@ -632,8 +635,7 @@ struct CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFunct
     int64_t held_index = 0;
     if (plan.denominator != nullptr) {  // a mean: (D, 1 / D)
       at::Tensor scales = at::empty({2}, fp32);
-      int64_t ctas = std::max<int64_t>(  // as config.mean_denominator_ctas
-          1, std::min(ceil_div(num_rows, plan.targets_per_cta), plan.max_ctas));
+      int64_t ctas = capped_blocks(num_rows, plan.targets_per_cta, plan.max_ctas);
       Call(plan.denominator)
           .vector(target).vector(scales).vector(scales)
           .vector(grid_partials(logits, ctas + plan.denominator_fixed_words))
@@ -646,7 +648,7 @@ struct CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFunct
     at::Tensor reduced = at::empty({}, fp32);
     at::Tensor grad = at::empty_like(logits, at::MemoryFormat::Contiguous);
     bool loops = plan.resident_row_blocks > 0;
-    int64_t grid_rows = loops ? loop_grid_rows(num_rows, plan.rows_per_block,
+    int64_t grid_rows = loops ? capped_blocks(num_rows, plan.rows_per_block,
                                                plan.resident_row_blocks)
                               : num_rows;  // (ignored by one row block per CTA)
     int64_t row_blocks = loops ? grid_rows : ceil_div(num_rows, plan.rows_per_block);
@@ -685,7 +687,7 @@ struct CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFunct
         .rows(grad, grad.size(1)).rows(grad, grad.size(1)).vector(target)
         .broadcast(dloss, 0, num_rows).broadcast(plan.unit, 0, num_rows)
         .integer(ctx->saved_data["ignore_index"].toInt())
-        .integer(loop_grid_rows(num_rows, plan.rescale_rows_per_block,
+        .integer(capped_blocks(num_rows, plan.rescale_rows_per_block,
                                 plan.rescale_resident_row_blocks))
         .run(grad.device());
     if (at::GradMode::is_enabled()) {
@@ -745,4 +747,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cross_entropy", &quack_kernels::cross_entropy);
   m.def("cross_entropy_eligible", &quack_kernels::cross_entropy_eligible);
   m.def("register_cross_entropy_plan", &quack_kernels::register_cross_entropy_plan);
+  m.def("capped_blocks", &quack_kernels::capped_blocks);
 }

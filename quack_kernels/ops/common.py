@@ -8,6 +8,7 @@ import math
 import torch
 
 from ..primitives.compile_cache import SUPPORTED_DTYPES, compiled, cutlass_dtype, target_arch
+from ..primitives.config import ACCESS_BYTES
 from ..primitives.occupancy import resident_clusters
 
 MIN_CAPABILITY = (9, 0)  # cluster launch, DSMEM and st.async are sm_90 features
@@ -113,15 +114,19 @@ def flat(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.dim() == 1 else tensor.view(-1)
 
 
-def vector_limit(*rows: torch.Tensor) -> int:
-    """Largest element count a 16-byte access may cover for all of ``rows``: the base
-    pointer and the row stride must both be multiples of it."""
-    limit = 16
-    for t in rows:
+def vector_limit(*tensors: torch.Tensor | None) -> int:
+    """Largest element count a 16-byte access may cover for all of ``tensors`` (None
+    skipped): each base pointer must be a multiple of it, and so must the row stride of
+    an (M, N) view of more than one row (1-D per-column vectors and contiguous tensors
+    of other ranks: the base alone; their rows' length is the config's to check)."""
+    limit = ACCESS_BYTES
+    for t in tensors:
+        if t is None:
+            continue
         elem = t.element_size()
-        per_access = 16 // elem
+        per_access = ACCESS_BYTES // elem
         align = math.gcd(per_access, t.data_ptr() // elem if t.data_ptr() % elem == 0 else 1)
-        if t.shape[0] > 1:
+        if t.dim() == 2 and t.shape[0] > 1:
             align = math.gcd(align, t.stride(0))
         limit = min(limit, align)
     return max(1, limit)

@@ -93,7 +93,7 @@ def forward_config(n_cols: int, dtype: torch.dtype, stage_weight: bool, write_gr
     """config.cross_entropy_row_config; rows one CTA holds loop with two staging buffers
     where they fit (prefetch of the next row block), and ask L2 for one block more where
     config.ce_prefetches_past_buffers says so."""
-    elem_bytes = torch.finfo(dtype).bits // 8
+    elem_bytes = dtype.itemsize
     cfg = cross_entropy_row_config(n_cols, elem_bytes, stage_weight, write_grad, max_vec,
                                    softcap)
     if not loops_over_row_blocks(cfg, write_grad):
@@ -124,7 +124,7 @@ def forward_kernel(cfg: RowConfig, dtype: torch.dtype, target_dtype: torch.dtype
     kernel = forward_kernel_object(cfg, dtype, weighted=weighted, smoothing=smoothing,
                                    zloss=zloss, softcap=softcap, write_grad=write_grad,
                                    reduce=reduce, fixed_max=fixed_max)
-    stage_weight = weighted and smoothing
+    stage_weight = kernel.stage_weight
     rows = cute.sym_int()
     return (
         kernel,
@@ -328,9 +328,14 @@ def _check_op_inputs(logits: Tensor, target: Tensor, weight: Optional[Tensor],
     _check_grad_scale(grad_scale, logits)
 
 
+def _valid_targets(target: Tensor, n_cols: int, ignore_index: int) -> Tensor:
+    """Per row: is its target a class, in [0, n_cols), and not ignore_index?"""
+    return (target != ignore_index) & (target >= 0) & (target < n_cols)
+
+
 def _raise_on_bad_targets(target: Tensor, n_cols: int, ignore_index: int) -> None:
     """Synchronizing check: every target is ignore_index or inside [0, n_cols)."""
-    bad = (target != ignore_index) & ((target < 0) | (target >= n_cols))
+    bad = (target != ignore_index) & ~_valid_targets(target, n_cols, ignore_index)
     if bool(bad.any()):
         index = int(bad.nonzero()[0, 0])
         raise ValueError(
@@ -471,6 +476,14 @@ def stages_weight(weight: Optional[Tensor], label_smoothing: float) -> bool:
     return weight is not None and label_smoothing != 0.0
 
 
+def _reduces_in_kernel(eager: bool, reduction: str, num_rows: int, weight: Optional[Tensor],
+                       label_smoothing: float) -> bool:
+    """Whether an eager reduced loss is summed by the forward kernel itself
+    (config.ce_reduces_in_kernel)."""
+    return eager and reduction != "none" \
+        and ce_reduces_in_kernel(num_rows, stages_weight(weight, label_smoothing))
+
+
 def reduced_stats(stats: Tensor, reduction: str) -> Tensor:
     """The loss of (2, M) stats (losses, row weights) reduced over the rows: a mean is
     the losses' sum over the row weights' (one reduction of both)."""
@@ -497,7 +510,7 @@ def row_weights(target: Tensor, weight: Optional[Tensor], ignore_index: int, n_c
                 dtype: torch.dtype) -> Tensor:
     """Each row's weight in a mean over rows, as torch's cross_entropy counts it: w_t (1
     without class weights) for a target in [0, C) that is not ignore_index, else 0."""
-    valid = (target != ignore_index) & (target >= 0) & (target < n_cols)
+    valid = _valid_targets(target, n_cols, ignore_index)
     if weight is None:
         return valid.to(dtype)
     safe = torch.where(valid, target, torch.zeros_like(target)).long()
@@ -696,15 +709,14 @@ def _cross_entropy_rescale_grad_fake(grad, target, dloss, held, ignore_index):
 def rescaled_grad(grad: Tensor, target: Tensor, dloss: Tensor, held: Tensor,
                   ignore_index: int) -> Tensor:
     """What cross_entropy_rescale_grad_ writes, as a new tensor (torch ops, any device)."""
-    n_cols = grad.shape[1]
-    valid = (target != ignore_index) & (target >= 0) & (target < n_cols)
+    valid = _valid_targets(target, grad.shape[1], ignore_index)
     factor = torch.where(held != 0, dloss / held, math.nan)
     factor = torch.where(valid & (dloss != held), factor, 1.0)
     return (grad.to(factor.dtype) * factor[:, None]).to(grad.dtype)
 
 
 def _check_rescale_inputs(grad: Tensor, target: Tensor, dloss: Tensor, held: Tensor) -> None:
-    if grad.dim() != 2 or grad.stride(-1) != 1 or grad.dtype not in GPU_DTYPES + (torch.float64,):
+    if grad.dim() != 2 or grad.stride(-1) != 1 or grad.dtype not in CPU_DTYPES:
         raise ValueError("quack_kernels: cross_entropy_rescale_grad_ needs a (M, C) float "
                          f"gradient with unit column stride, got {grad.dtype} {tuple(grad.shape)}")
     if target.dtype not in TARGET_DTYPES or target.shape != grad.shape[:1]:
@@ -780,8 +792,8 @@ class CrossEntropyFunction(torch.autograd.Function):
         options = (ignore_index, label_smoothing, lse_square_scale, softcap)
         reduced = None
         late_grad = ce_gradient_in_backward(logits.dtype)
-        if eager and reduction != "none" and (not inplace or logits.stride(-1) == 1) \
-                and ce_reduces_in_kernel(num_rows, stages_weight(weight, label_smoothing)):
+        if (not inplace or logits.stride(-1) == 1) \
+                and _reduces_in_kernel(eager, reduction, num_rows, weight, label_smoothing):
             reduced, lse, grad = reduced_loss_cuda(logits, target, weight, *options, reduction,
                                                    None if late_grad else held, inplace, checked)
         elif inplace and not late_grad:
@@ -1029,8 +1041,7 @@ def cross_entropy(logits: Tensor, target: Tensor, weight: Optional[Tensor] = Non
             # a view of the function's stats, which torch does not let callers modify
             # in place: hand out a copy (M floats)
             out = out.clone()
-    elif eager and reduction != "none" \
-            and ce_reduces_in_kernel(rows.shape[0], stages_weight(weight, label_smoothing)):
+    elif _reduces_in_kernel(eager, reduction, rows.shape[0], weight, label_smoothing):
         out, lse, _ = reduced_loss_cuda(rows, *args, reduction)
     else:
         forward = _cross_entropy_forward_cuda if eager else cross_entropy_forward

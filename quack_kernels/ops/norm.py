@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 
-import math
 from typing import Optional
 
 import torch
@@ -321,16 +320,6 @@ def report_variants(n_grid, dtypes):
                        lambda cfg=cfg, outs=(dtype,) * segments: column_sum_kernel(cfg, outs))
 
 
-def _pointer_vec_limit(*vectors: Optional[Tensor]) -> int:
-    """Elements per access allowed by the base pointers of 1-D per-column tensors."""
-    limit = 16
-    for t in vectors:
-        if t is not None:
-            elem = t.element_size()
-            limit = min(limit, math.gcd(16 // elem, t.data_ptr() // elem))
-    return max(1, limit)
-
-
 # -------------------------------------------------------------------------- references
 def norm_reference(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
                    residual: Optional[Tensor], eps: float, weight_offset: float, rms: bool,
@@ -427,7 +416,7 @@ def _norm_forward_checked(x, weight, bias, residual, eps, weight_offset, rms, ou
                          weight.dtype if weight is not None else None,
                          bias.dtype if bias is not None else None, out_dtype,
                          residual.dtype if has_residual else None,
-                         min(vector_limit(*tensors), _pointer_vec_limit(weight, bias)))
+                         vector_limit(*tensors, weight, bias))
         fn(rows, res_rows, weight, bias, y, h if store_residual else None,
            mean if not rms else None, rstd, eps, weight_offset)
         if plan_key is not None:
@@ -521,8 +510,7 @@ def _norm_backward_checked(dy, h, weight, mean, rstd, dresidual_out, weight_offs
         plan = _backward_plan(n_cols, rms, h.dtype, dy.dtype, weight_dtype,
                               dres_rows.dtype if dres_rows is not None else None, dx_dtype,
                               dresidual_dtype, need_dweight, dbias_dtype,
-                              min(vector_limit(h_rows, dy_rows, *outs),
-                                  _pointer_vec_limit(weight_c)), device)
+                              vector_limit(h_rows, dy_rows, *outs, weight_c), device)
         if plan_key is not None:
             _backward_plans[plan_key] = plan
         dw, db = _launch_backward(
@@ -685,7 +673,7 @@ def _norm_forward_eager(x, weight, bias, residual, eps, weight_offset, rms, out_
     else:
         n_cols = x.shape[-1]
         y = torch.empty_like(x, dtype=out_dtype or x.dtype)
-        h = torch.empty_like(x, dtype=residual_dtype or residual.dtype) if stored else None
+        h = torch.empty_like(x, dtype=residual_dtype) if stored else None
         mean = None if rms else torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
         rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
         fn(rows_view(x, n_cols), None if residual is None else rows_view(residual, n_cols),
@@ -767,12 +755,12 @@ def _native_plan(native, x, weight, bias, residual, residual_dtype, eps, weight_
     store = has_residual and (prenorm or any(need))
     forward = _forward_fn(n_cols, rms, x.dtype, stream_dtype, has_residual, store, weight_dtype,
                           bias_dtype, x.dtype, residual.dtype if has_residual else None,
-                          _pointer_vec_limit(x, residual, weight, bias))
+                          vector_limit(x, residual, weight, bias))
     variants, sums = [[0, 0, 0], [0, 0, 0]], [0, 0, 0]
     if any(need):
         # h as the backward reads it (x itself, or the stored stream: fresh, aligned) and
         # dy, dh as the C++ backward hands them over: contiguous, aligned
-        max_vec = _pointer_vec_limit(weight) if has_residual else _pointer_vec_limit(x, weight)
+        max_vec = vector_limit(weight) if has_residual else vector_limit(x, weight)
         # the variant with the stream's own gradient: only where the stream is returned
         dres_out_dtypes = (None, stream_dtype) if has_residual and prenorm else (None,)
         for i, dres_out_dtype in enumerate(dres_out_dtypes):

@@ -20,7 +20,7 @@ from .common import (alignment_key, compiled, cutlass_dtype, kernel_key,
 
 @functools.lru_cache(maxsize=None)
 def rescale_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None) -> RowConfig:
-    return elementwise_row_config(n_cols, torch.finfo(dtype).bits // 8, max_vec)
+    return elementwise_row_config(n_cols, dtype.itemsize, max_vec)
 
 
 def rescale_kernel(cfg: RowConfig, dtype: torch.dtype, out_dtype: Optional[torch.dtype],

@@ -13,7 +13,7 @@ from torch import Tensor
 from ..kernels.softmax import SoftmaxBackward, SoftmaxForward
 from ..native import module as native_module
 from ..primitives.compile_cache import compile_kernel, fake_rows, kernel_handle
-from ..primitives.config import (MAX_CLUSTER_SIZE, Y_SHARE_VALUES, RowConfig, copies_async,
+from ..primitives.config import (Y_SHARE_VALUES, RowConfig, copies_async,
                                  held_share, odd_row_forward_share, row_config,
                                  widened_16bit_share, with_held_chunk)
 from .common import (
@@ -36,7 +36,7 @@ def forward_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None) 
     their staged chunks (config.widened_16bit_share); chunks held in registers by
     config.with_held_chunk; odd 16-bit rows staged as config.odd_row_forward_share
     stages LayerNorm's."""
-    elem = torch.finfo(dtype).bits // 8
+    elem = dtype.itemsize
     share = functools.partial(row_config, n_cols, elem, staged_tensors=1, max_vec=max_vec)
     cfg = with_held_chunk(widened_16bit_share(share, elem, elem), elem, full_clusters_too=False)
     return odd_row_forward_share(share, cfg, elem, "staged") or cfg
@@ -62,18 +62,18 @@ def backward_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None,
       re-reading dy in both passes, and the 16-bit log_softmax's dy where its held share
       would hold chunks (about 1.57M-1.6M);
     - else y and dy both re-read from global memory."""
-    elem = torch.finfo(dtype).bits // 8
+    elem = dtype.itemsize
     both = row_config(n_cols, elem, staged_tensors=2, max_vec=max_vec)
     if both.staging != "global":
         return with_held_chunk(both, 2 * elem, full_clusters_too=True)
-    held = held_share(n_cols, elem, 2, MAX_CLUSTER_SIZE, max_vec) if elem == 2 and not log else None
+    held = held_share(n_cols, elem, 2, max_vec) if elem == 2 and not log else None
     if held is not None:
         return held
-    dy_share = held_share(n_cols, elem, 1, MAX_CLUSTER_SIZE, max_vec) if log else None
+    dy_share = held_share(n_cols, elem, 1, max_vec) if log else None
     if dy_share is not None and (elem == 4 or dy_share.register_chunks == 0):
         return dy_share
     # the fp32 softmax's y alone, dy re-read in both passes (config.Y_SHARE_VALUES)
-    y_share = held_share(n_cols, elem, 1, MAX_CLUSTER_SIZE, max_vec, Y_SHARE_VALUES) \
+    y_share = held_share(n_cols, elem, 1, max_vec, Y_SHARE_VALUES) \
         if elem == 4 and not log else None
     if y_share is not None:
         return y_share
@@ -91,7 +91,7 @@ def forward_kernel(cfg: RowConfig, dtype: torch.dtype, log: bool):
 
 def backward_kernel(cfg: RowConfig, dtype: torch.dtype, log: bool):
     dt = cutlass_dtype(dtype)
-    return SoftmaxBackward(cfg, dt, dt, log), *[fake_rows(dt, cfg.n_cols, cfg.vec) for _ in range(3)]
+    return SoftmaxBackward(cfg, dt, log), *[fake_rows(dt, cfg.n_cols, cfg.vec) for _ in range(3)]
 
 
 def compile_forward(cfg: RowConfig, dtype: torch.dtype, log: bool):

@@ -397,10 +397,10 @@ HELD_SHARE_VALUES = 32
 Y_SHARE_VALUES = 16
 
 
-def held_share(n_cols: int, elem_bytes: int, staged_tensors: int, cluster: int,
+def held_share(n_cols: int, elem_bytes: int, staged_tensors: int,
                max_vec: int | None = None,
                values_per_thread: int = HELD_SHARE_VALUES) -> RowConfig | None:
-    """Shares of ``n_cols`` over ``cluster`` CTAs of HELD_SHARE_THREADS threads, chunks of
+    """Shares of ``n_cols`` over MAX_CLUSTER_SIZE CTAs of HELD_SHARE_THREADS threads, chunks of
     ``values_per_thread``, staged in shared memory but for the fewest last chunks held in
     registers (at most HELD_CHUNK_BYTES_PER_THREAD) that bring the rest within
     STAGING_SMEM_BYTES; None where no such share exists or its accesses are narrower than
@@ -408,7 +408,7 @@ def held_share(n_cols: int, elem_bytes: int, staged_tensors: int, cluster: int,
     bytes_per_col = staged_tensors * elem_bytes
     share = row_config(n_cols, elem_bytes, staged_tensors, max_vec=max_vec,
                        values_per_thread=values_per_thread,
-                       cta_row_bytes=math.ceil(n_cols * bytes_per_col / cluster),
+                       cta_row_bytes=math.ceil(n_cols * bytes_per_col / MAX_CLUSTER_SIZE),
                        max_threads_per_row=HELD_SHARE_THREADS, wide_clusters=True)
     if share.staging == "registers" or not whole_vectors(share, elem_bytes):
         return None

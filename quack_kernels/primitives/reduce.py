@@ -14,8 +14,9 @@ clusters, one mbarrier wait on the distributed shared memory exchange:
            CTA's bytes have landed, then every warp reduces the partials of its row
 
 ``scratch`` is (rows_per_block, scratch_slots, slot_words) fp32 in shared
-memory; allocate one per reduction (scratches are never reused, so no barrier is
-needed between consecutive reductions).
+memory; allocate one per reduction of a kernel (never reused within one pass, so no
+barrier is needed between consecutive reductions); kernels looping over row blocks
+alternate two buffers of one, safe as row_allreduce says.
 """
 
 from __future__ import annotations
@@ -90,13 +91,12 @@ class OnlineSoftmax:
     rescales with two exp2 per butterfly step; two phases take one per lane and the
     same shuffles, but hold a few more values live across the shuffles."""
 
-    def __init__(self, rescaled: int = 1, *, base2: bool, two_phase: bool = True):
-        self.rescaled = rescaled
+    def __init__(self, *, base2: bool, two_phase: bool):
         self.base2 = base2
         self.two_phase = two_phase
 
     def __call__(self, a: Values, b: Values) -> Values:
-        return online_softmax_combine(a, b, self.rescaled, base2=self.base2)
+        return online_softmax_combine(a, b, base2=self.base2)
 
     def warp_allreduce(self, values: Values, width: int) -> Values:
         """``values`` merged over ``width`` consecutive lanes (a power of two <= 32),
@@ -110,8 +110,7 @@ class OnlineSoftmax:
             offset //= 2
         shift = values[0] - finite_or_zero(m)
         scale = cute.math.exp2(shift if self.base2 else shift * LOG2_E, fastmath=True)
-        end = 1 + self.rescaled
-        sums = tuple(v * scale for v in values[1:end]) + tuple(values[end:])
+        sums = (values[1] * scale,) + tuple(values[2:])
         return (m,) + _shuffle_allreduce(sums, sum_combine, width)
 
 
@@ -351,7 +350,7 @@ def block_sum(values: Values, scratch: cute.Tensor) -> Values:
 
 
 @cute.jit
-def cluster_reduction_setup(cfg: cutlass.Constexpr, mbar_ptr, count: cutlass.Constexpr[int],
+def cluster_reduction_setup(mbar_ptr, count: cutlass.Constexpr[int],
                             tx_bytes: cutlass.Constexpr[int], arrive: cutlass.Constexpr[bool]):
     """Arm the ``count`` mbarriers from ``mbar_ptr`` that cluster reductions complete on
     (thread 0 arrives once on each and expects every peer's bytes), make the inits

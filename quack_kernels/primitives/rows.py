@@ -143,6 +143,14 @@ class RowKernel(GridSum):
             **occupancy,
         )
 
+    def row_block_iterations(self, num_rows, grid_rows):
+        """(this CTA's first row block, its iterations) in a looping grid of ``grid_rows``
+        row blocks: blocks first, first + grid_rows, ... below the last."""
+        first_block = cute.arch.block_idx()[0]
+        num_blocks = (num_rows + self.cfg.rows_per_block - 1) // self.cfg.rows_per_block
+        # counting iterations (not row blocks) keeps a division out of the loop
+        return first_block, (num_blocks - first_block + grid_rows - 1) // grid_rows
+
     @cute.jit
     def for_each_row_block(self, num_rows, grid_rows, body, *args, carry=None):
         """The loop of a looping grid of ``grid_rows`` row blocks: this CTA calls
@@ -152,10 +160,7 @@ class RowKernel(GridSum):
         ``carry`` (a tuple of scalars) the call is ``carry = body(block_row, iteration,
         *args, carry=carry)``: values one iteration hands the next, such as loads issued
         an iteration ahead; ``body`` returns a tuple of the same structure and types."""
-        first_block = cute.arch.block_idx()[0]
-        num_blocks = (num_rows + self.cfg.rows_per_block - 1) // self.cfg.rows_per_block
-        # counting iterations (not row blocks) keeps a division out of the loop
-        iterations = (num_blocks - first_block + grid_rows - 1) // grid_rows
+        first_block, iterations = self.row_block_iterations(num_rows, grid_rows)
         for iteration in cutlass.range(iterations, unroll=1):
             if cutlass.const_expr(carry is None):
                 body(first_block + iteration * grid_rows, iteration, *args)
@@ -186,7 +191,7 @@ class ReductionSlot:
             # of a slower peer had landed (a stale read, and the LayerNorm fp32 backward
             # hung in back-to-back launches on 128-thread cluster shares).
             self.mbar = smem.allocate_array(Int64, num_elems=buffers)
-            red.cluster_reduction_setup(cfg, self.mbar, buffers,
+            red.cluster_reduction_setup(self.mbar, buffers,
                                         red.scratch_tx_bytes(cfg, num_values, buffers), arrive)
 
     def allreduce(self, values, combine, identity, iteration=None):
@@ -512,6 +517,18 @@ class RowTiles:
             # (0 past the row end with no select: a predicated-off cp.async zero-fills its
             # vector, plain-load staging and load() fill 0 before their predicated copies)
         return x
+
+    def values_in_row(self) -> Int32:
+        """How many of this thread's values lie inside the row (whole vectors are in or
+        out: cfg.vec values per in-row flag)."""
+        cfg = self.cfg
+        if not cfg.needs_col_predicate:
+            return Int32(cfg.thread_values_per_chunk * cfg.num_chunks)
+        count = Int32(0)
+        for c in range(cfg.num_chunks):
+            for i in range(cute.size(self.preds[c])):
+                count = count + cutlass.select_(self.preds[c][i], Int32(cfg.vec), Int32(0))
+        return count
 
     def holds_column(self, chunk: int, col: Int32):
         """(does this thread hold column ``col`` of its row in ``chunk``, the column's
