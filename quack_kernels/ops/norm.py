@@ -886,7 +886,11 @@ def rms_norm(x: Tensor, weight: Optional[Tensor] = None, *, eps: float = 1e-6,
     ``prenorm=True`` returns ``(y, h)``, h in ``residual_dtype`` (default: the
     residual's dtype, else x's). Statistics in fp32; y in ``out_dtype`` (default x's).
     ``return_stats=True`` appends rstd (fp32, shape ``x.shape[:-1]``, no gradient).
-    Differentiable wrt x, weight and residual."""
+    Differentiable wrt x, weight and residual.
+
+    x, residual, weight: fp32, fp16 or bf16 each (mixed allowed). Raises TypeError for another dtype, ValueError for a
+    weight or residual whose shape does not match x (weight: (N,)) or tensors on
+    different devices, RuntimeError for CUDA tensors on a GPU older than sm_90."""
     return _norm(x, weight, None, residual, eps, weight_offset, True, prenorm, out_dtype,
                  residual_dtype, return_stats)
 
@@ -900,6 +904,7 @@ def layer_norm(x: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor
 
     ``prenorm``, ``out_dtype`` and ``residual_dtype`` as in :func:`rms_norm`;
     ``return_stats=True`` appends (mean, rstd) (fp32, no gradient).
-    Differentiable wrt x, weight, bias and residual."""
+    Differentiable wrt x, weight, bias and residual. Dtypes and errors as in
+    :func:`rms_norm` (bias alike)."""
     return _norm(x, weight, bias, residual, eps, 0.0, False, prenorm, out_dtype, residual_dtype,
                  return_stats)

@@ -334,10 +334,18 @@ def _along_last(x: Tensor, dim: int, log: bool) -> Tensor:
 
 
 def softmax(x: Tensor, dim: int = -1) -> Tensor:
-    """Softmax over ``dim`` (fp32 math, output in x's dtype). Differentiable."""
+    """Softmax over ``dim`` (fp32 math, output in x's dtype). Differentiable.
+
+    x: fp32, fp16 or bf16, any shape.
+    Raises TypeError for another dtype or a non-int ``dim``, IndexError for a ``dim``
+    out of range, RuntimeError for a CUDA tensor on a GPU older than sm_90."""
     return _along_last(x, dim, False)
 
 
 def log_softmax(x: Tensor, dim: int = -1) -> Tensor:
-    """Log-softmax over ``dim`` (fp32 math, output in x's dtype). Differentiable."""
+    """Log-softmax over ``dim`` (fp32 math, output in x's dtype). Differentiable.
+
+    x: fp32, fp16 or bf16, any shape.
+    Raises TypeError for another dtype or a non-int ``dim``, IndexError for a ``dim``
+    out of range, RuntimeError for a CUDA tensor on a GPU older than sm_90."""
     return _along_last(x, dim, True)
