@@ -397,12 +397,11 @@ def test_forward_configs():
 
 def test_plain_gradient_loops_on_more_ctas_per_sm():
     """The plain per-row gradient (z-loss at most) of one-chunk rows of whole 16-byte
-    vectors is sized for PLAIN_GRAD_LOOP_REGISTERS where it is bf16 or the default bound
-    leaves two CTAs per SM: six CTAs of 128 threads per SM at 1024 and 4096 bf16 columns,
-    three of 256 at 4096 fp32; fp32 1024 (five by default), fp16, ragged or misaligned
+    vectors is sized for config.CE_PLAIN_GRAD_LOOP_REGISTERS where it is bf16 or the
+    default bound leaves two CTAs per SM: six CTAs of 128 threads per SM at 1024 and 4096
+    bf16 columns, three of 256 at 4096 fp32; fp32 1024 (five by default), fp16, ragged or misaligned
     rows, the other options and the loss reduced in the kernel keep the default bound
     (softcap: the wide one)."""
-    from quack_kernels.kernels.cross_entropy import CrossEntropyForward
 
     def kernel(n, dtype, max_vec=None, **options):
         flags = dict(weighted=False, smoothing=False, zloss=False, softcap=0.0,
@@ -411,7 +410,7 @@ def test_plain_gradient_loops_on_more_ctas_per_sm():
                                  softcap=flags["softcap"] != 0.0)
         return cfg, ops.forward_kernel_object(cfg, dtype, **ops.kernel_flags(cfg, **flags))
 
-    plain_bound = CrossEntropyForward.PLAIN_GRAD_LOOP_REGISTERS
+    plain_bound = config.CE_PLAIN_GRAD_LOOP_REGISTERS
     for n, dtype, ctas in ((1024, torch.bfloat16, 6), (4096, torch.bfloat16, 6),
                            (4096, torch.float32, 3)):
         for zloss in (False, True):
@@ -424,7 +423,7 @@ def test_plain_gradient_loops_on_more_ctas_per_sm():
             _, other = kernel(n, dtype, **options)
             assert other.loop_registers > plain_bound, (n, dtype, options)
             assert other.ctas_per_sm() < ctas, (n, dtype, options)
-    default = CrossEntropyForward.loop_registers
+    default = config.CE_LOOP_REGISTERS
     for n, dtype, max_vec in ((1024, torch.float32, None), (1024, torch.float16, None),
                               (1000, torch.bfloat16, None), (1000, torch.float32, None),
                               (4096, torch.bfloat16, 4), (16384, torch.bfloat16, None)):

@@ -314,7 +314,7 @@ VARIANTS = [
     # 512-thread backward shares with their sums in registers (config.sums_in_registers)
     (131072, torch.float32, torch.float32, False),
     (200000, torch.bfloat16, torch.bfloat16, True),
-    # fp32 backward over 16-CTA clusters of 128 threads (FULL_CLUSTER_LOOP_REGISTERS)
+    # fp32 backward over 16-CTA clusters of 128 threads (config.NORM_BACKWARD_FULL_CLUSTER_LOOP_REGISTERS)
     (12288, torch.float32, torch.float32, True),
     (16384, torch.float32, torch.float32, False),
 ]
@@ -443,7 +443,7 @@ def test_backward_shares_by_dtype_and_sums():
     # 64-KiB shares: two CTAs hold a 16384-column row (h, dy and the fp32 sum: 8 B/col)
     assert long.cluster_size == 2 and long.threads_per_row == 256
     kernel = ops._backward_kernel_object(long, True, bf16, bf16, True, False)
-    assert kernel.loop_registers == kernel.WIDE_LOOP_REGISTERS
+    assert kernel.loop_registers == config.NORM_BACKWARD_WIDE_LOOP_REGISTERS
     assert ops._backward_kernel_object(short, True, bf16, bf16, True, False).loop_registers \
         == config.LOOP_REGS_PER_THREAD
     # an fp32 weight narrows the accesses to 4 elements, not the values per thread
@@ -468,16 +468,16 @@ def test_backward_shares_by_dtype_and_sums():
         assert config.cluster_class(full) == config.MAX_CLUSTER_SIZE
         assert full.threads_per_block == 128
         kernel = ops._backward_kernel_object(full, rms, fp32, fp32, True, not rms, fp32)
-        assert kernel.loop_registers == kernel.FULL_CLUSTER_LOOP_REGISTERS
+        assert kernel.loop_registers == config.NORM_BACKWARD_FULL_CLUSTER_LOOP_REGISTERS
         assert kernel.ctas_per_sm() == config.MAX_LOOP_CTAS_PER_SM
         for n, dtype in ((4096, fp32), (1024, fp32), (16384, bf16), (32768, fp32)):
             cfg = ops.backward_config(n, dtype, dtype, (dtype,), dtype, sums)
             other = ops._backward_kernel_object(cfg, rms, dtype, dtype, True, not rms, dtype)
-            assert other.loop_registers != kernel.FULL_CLUSTER_LOOP_REGISTERS, (n, dtype, rms)
+            assert other.loop_registers != config.NORM_BACKWARD_FULL_CLUSTER_LOOP_REGISTERS, (n, dtype, rms)
         frozen = ops._backward_kernel_object(full, rms, fp32, fp32, False, False, fp32)
         mixed = ops._backward_kernel_object(full, rms, fp32, bf16, True, not rms, fp32)
         for other in (frozen, mixed):
-            assert other.loop_registers != kernel.FULL_CLUSTER_LOOP_REGISTERS, rms
+            assert other.loop_registers != config.NORM_BACKWARD_FULL_CLUSTER_LOOP_REGISTERS, rms
 
 
 def default_backward(n, rms, dtype, weight_dtype=None):

@@ -54,8 +54,9 @@ from cutlass.memory import SmemAllocator
 
 from ..primitives import reduce as red
 from ..primitives import tiling
-from ..primitives.config import (KEPT_CAPPED_REGISTERS, STREAM_LOSS_REGISTERS, STREAM_UNROLL,
-                                 RowConfig, loop_ctas_per_sm, loops_over_row_blocks,
+from ..primitives.config import (CE_LOOP_REGISTERS, CE_PLAIN_GRAD_LOOP_REGISTERS,
+                                 CE_WIDE_GRAD_LOOP_REGISTERS, KEPT_CAPPED_REGISTERS,
+                                 STREAM_LOSS_REGISTERS, STREAM_UNROLL, RowConfig, loop_ctas_per_sm, loops_over_row_blocks,
                                  whole_vectors)
 from ..primitives.rows import ReductionSlot, RowKernel, RowTiles, broadcast_rows
 
@@ -111,28 +112,7 @@ class CrossEntropyForward(RowKernel):
     The matching float values are runtime arguments, so changing them never
     recompiles."""
 
-    # Registers per thread of the looping grid: at 80, 16-bit rows of 1024 and 16384
-    # columns spilled with the loss reduced in the kernel (and, below, fp16 and ragged
-    # rows of the plain gradient); with softcap and the gradient, fp16 rows of 1000
-    # columns spilled 8 bytes at 96.
-    loop_registers = 96
-    # with softcap, or fp16 with label smoothing alone (its sum of z read apart: rows of
-    # 256 columns spilled 40 bytes at 96; bf16 and fp32 did not)
-    WIDE_GRAD_LOOP_REGISTERS = 104
-    # The plain per-row gradient (z-loss at most, no reduction over the rows) of rows one
-    # chunk holds, bf16 or held to two CTAs per SM by the default bound: one more CTA per
-    # SM (the kernel is latency-bound: ncu, benchmarks/NOTES.md, twenty-fifth session;
-    # bf16 computes twice the values per byte of fp32). H200, kernel alone
-    # (results/kernel_ab_loop_registers_H200_20261202.txt): bf16 131072x1024 82.0% ->
-    # 85.6% of the copy ceiling, bf16 32768x4096 86.6% -> 89.2%, fp32 32768x4096 (2 -> 3
-    # CTAs of 256 threads) 85.0% -> 88.7%; fp32 131072x1024 (5 -> 6) lost, 91.3% ->
-    # 90.3%, and seven CTAs (72 registers) lost at bf16 4096. Not fp16 (its loss scale)
-    # nor ragged rows (their mask): they spilled 8-48 bytes at 80 (256-1024 columns);
-    # nor narrower accesses than 16 bytes (a misaligned row: not measured).
-    # Not the in-kernel sum or mean either: held to 80 it spilled until its epilogue was
-    # reworked, and the reworked training step replayed slower (bf16 131072x1024 161 ->
-    # 165 us).
-    PLAIN_GRAD_LOOP_REGISTERS = 80
+    loop_registers = CE_LOOP_REGISTERS
     GRID_SUM_VALUES = 2  # a reduction's sums over the grid: losses and row weights
 
     def __init__(self, cfg: RowConfig, dtype, *, weighted: bool, smoothing: bool,
@@ -169,7 +149,7 @@ class CrossEntropyForward(RowKernel):
         self.smoothing_aside = smoothing and not softcap and not self.stage_weight \
             and cfg.staging != "global"
         if write_grad and (softcap or (self.smoothing_aside and dtype == Float16)):
-            self.loop_registers = self.WIDE_GRAD_LOOP_REGISTERS
+            self.loop_registers = CE_WIDE_GRAD_LOOP_REGISTERS
         # (with class weights 64 spilled 16 bytes, unbounded they take the running max's
         # 80; with the in-kernel reduction's epilogue 64 spilled 16 bytes at 65536 16-bit
         # columns)
@@ -219,7 +199,7 @@ class CrossEntropyForward(RowKernel):
         plain = write_grad and reduce == "none" and plain_terms
         if plain and whole_chunks and cfg.num_chunks == 1 and dtype != Float16 and (dtype.width == 16 or loop_ctas_per_sm(
                     cfg, self.smem_bytes(), self.loop_registers) <= 2):
-            self.loop_registers = self.PLAIN_GRAD_LOOP_REGISTERS
+            self.loop_registers = CE_PLAIN_GRAD_LOOP_REGISTERS
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mTarget: cute.Tensor, mWeight: cute.Tensor,

@@ -34,8 +34,10 @@ from cutlass.memory import SmemAllocator
 
 from ..primitives import reduce as red
 from ..primitives import tiling
-from ..primitives.config import (MAX_CLUSTER_SIZE, REGISTER_SHARE_THREADS, RowConfig,
-                                 cluster_class, late_columns_together, loop_ctas_per_sm,
+from ..primitives.config import (RowConfig, late_columns_together, layer_norm_reduces_once,
+                                 loop_ctas_per_sm, norm_backward_fma_form,
+                                 norm_backward_holds_weight, norm_backward_loop_registers,
+                                 norm_backward_refills_chunks, norm_backward_rereads_unmasked,
                                  norm_forward_columns_before_reduction,
                                  norm_forward_early_columns, prefetch_row_stats,
                                  row_stats_a_block_ahead, stage_columns_once)
@@ -68,22 +70,10 @@ class NormForward(RowKernel):
         # is exact), two values an instruction
         self.adds_in_stream_dtype = has_residual and residual_dtype.width == 16 \
             and x_dtype == residual_in_dtype == residual_dtype
-        # LayerNorm reduces twice (the sum, then the centered sum of squares), except
-        # rows of x alone split over a cluster: they merge each thread's (count, mean,
-        # centered sum of squares) in one reduction (reduce.centered_moments_combine), one
-        # cluster exchange per row instead of two. H200 sweep (kernel alone, benchmarks/
-        # sweep_norm_forward.py --norm layer, results/norm_forward_layer_moments_sweep_
-        # H200_20261130.txt): bf16 2048x65536 78.3% -> 82.0% of the copy
-        # ceiling, 512x262144 71.3% -> 73.3%, fp32 2048x65536 89.3% -> 90.9%, 512x262144
-        # 55.4% -> 63.2%; rows one CTA holds lost 2-5 points (8192x16384 bf16 90.5% ->
-        # 88.5%) and rows with a residual were mixed (2048x65536 bf16 83.6% -> 79.3%).
-        # Shares kept in registers lost in the same sweep (fp32 2048x65536 78.1% ->
-        # 71.5%, bf16 8192x16384 75.5% -> 70.5%), and fp32 8192x16384, a 2-CTA registers
-        # share by default, ran at 80.7% against 93.2% with two reductions (results/
-        # norm_forward_layer_sweep_H200_20261130.txt, tenth session's sweep), so they
-        # reduce twice.
-        self.moments = (not rms and not has_residual and cfg.cluster_size > 1
-                        and cfg.staging != "registers")
+        # LayerNorm reduces twice (the sum, then the centered sum of squares), or once
+        # where config.layer_norm_reduces_once: each thread's (count, mean, centered sum
+        # of squares) merged in one reduction (reduce.centered_moments_combine)
+        self.moments = layer_norm_reduces_once(cfg, rms, has_residual)
         self.reductions = 1 if rms or self.moments else 2
         self.values_per_reduction = 3 if self.moments else 1
         self.early_columns = norm_forward_early_columns(
@@ -259,21 +249,6 @@ class NormBackward(RowKernel):
     rows_per_block, N) fp32 partials)."""
 
     scratch_buffers = 2
-    # Registers per thread of 16-bit rows with per-column sums holding more than 8
-    # values per thread of each tensor (two 16-byte vectors, config.norm_backward_share):
-    # at the default 80 they spilled 8-120 bytes (sm_90a resource report), at 96
-    # LayerNorm's rows of up to 1024 columns still did. Without sums the same threads
-    # fit 80.
-    WIDE_LOOP_REGISTERS = 104
-    # fp32 rows (h and dy) with per-column sums over a full cluster of 128-thread CTAs
-    # (16384 columns, 12288 too): eight CTAs per SM instead of six, at the 56-64
-    # registers these kernels take anyway. H200, kernel alone (results/kernel_ab_loop_
-    # registers_H200_20261202.txt): RMSNorm fp32 8192x16384 92.2% -> 97.6% of the copy
-    # ceiling, LayerNorm 87.1% -> 90.2%; with 4 CTAs per row (fp32 4096) or none (1024)
-    # within -1.7..+1.2 points, and bf16 LayerNorm on 8-CTA clusters of 256 threads lost
-    # 6. Mixed dtypes and frozen weights on such clusters were not measured.
-    FULL_CLUSTER_LOOP_REGISTERS = 64
-
     def __init__(self, cfg: RowConfig, rms: bool, h_dtype, dy_dtype, need_dweight: bool,
                  need_dbias: bool, weight_dtype=None):
         self.cfg = cfg
@@ -283,11 +258,8 @@ class NormBackward(RowKernel):
         self.need_dweight = need_dweight
         self.need_dbias = need_dbias
         self.accumulators = int(need_dweight) + int(need_dbias)
-        if self.accumulators and h_dtype.width == 16 and cfg.thread_values_per_chunk > 8:
-            self.loop_registers = self.WIDE_LOOP_REGISTERS
-        elif cluster_class(cfg) == MAX_CLUSTER_SIZE and cfg.threads_per_block == 128 \
-                and h_dtype.width == dy_dtype.width == 32 and self.accumulators:
-            self.loop_registers = self.FULL_CLUSTER_LOOP_REGISTERS
+        self.loop_registers = norm_backward_loop_registers(cfg, h_dtype.width, dy_dtype.width,
+                                                           self.accumulators)
         # The weight is read for every row block: held in registers by a share of one
         # chunk in registers (its columns are the same in every block), else staged once
         # in shared memory where config.stage_columns_once says so (not with vectors
@@ -309,63 +281,29 @@ class NormBackward(RowKernel):
 
     @property
     def fma_form(self) -> bool:
-        """Whether dh = rstd * (g - xhat * c1 - c2) takes two FMAs a value: 16-bit
-        LayerNorm on 512-thread CTAs, where its loop was issue-bound (bf16 2048x65536
-        70.6% -> 74.6% of the copy ceiling with xhat as one FMA too, results/
-        norm_backward_fewer_instructions_H200_20261203.txt). xhat stays (h - mean) * rstd:
-        as h * rstd - mean * rstd it erred by |mean| * rstd * 2^-24 (fp16 rows of mean
-        1e4, std 1: dweight 20% off in an fp64 emulation). At the 128-register edge the
-        form spilled elsewhere (sm_90a, 8-32 bytes: fp32 and 16-bit LayerNorm of 256 and
-        1024 columns with a residual gradient)."""
-        return not self.rms and self.staged_dtypes[0].width == self.staged_dtypes[1].width == 16 \
-            and self.cfg.threads_per_block == REGISTER_SHARE_THREADS
+        """Whether dh = rstd * (g - xhat * c1 - c2) takes two FMAs a value
+        (config.norm_backward_fma_form)."""
+        return norm_backward_fma_form(self.cfg, self.rms, self.staged_dtypes[0].width,
+                                      self.staged_dtypes[1].width)
 
     @property
     def holds_weight(self) -> bool:
         """Whether weight + offset is loaded once into registers before the loop over row
-        blocks (a share of one chunk in registers has the same columns in every block):
-        saves each value's weight load and add of the offset. 16-bit LayerNorm only, the
-        one measured to gain: H200, kernel alone, against the same code with the weight
-        read per block (results/norm_backward_fewer_instructions_H200_20261203.txt):
-        bf16 2048x65536 74.6% -> 79.4% of the copy ceiling, 4096x32768 82.6 -> 83.4,
-        8192x16384 87.1 -> 88.5; it lost on RMSNorm bf16 32768x4096 (87.7 -> 69.3) and
-        LayerNorm fp32 2048x65536 (95.7 -> 86.8); on CTAs other than 512 threads it
-        spilled (sm_90a: short rows' smaller CTAs, fp16 256 and 1024 columns; RMSNorm bf16
-        65536 on 1024 threads, 64 registers a thread)."""
-        cfg = self.cfg
-        return self.fma_form and cfg.staging == "registers" and cfg.num_chunks == 1
+        blocks (config.norm_backward_holds_weight)."""
+        return norm_backward_holds_weight(self.cfg, self.fma_form)
 
     @property
     def rereads_unmasked(self) -> bool:
-        """Whether the dh pass re-reads h and dy from the stage unmasked (its stores past
-        the row end and M are predicated off) and takes dh = g * rstd - h * (c1 *
-        rstd^2), a multiply a value fewer than through xhat: RMSNorm on double-buffered
-        shares. H200, kernel alone, against the masked xhat pass (results/
-        norm_backward_unmasked_pass_H200_20261204.txt): RMSNorm fp16 512x262144 68.1% ->
-        88.2% of the copy ceiling (91.0 with _masks_rows), bf16 87.8 -> 89.5. The masked
-        pass branched around each chunk's reads, which then came chunk by chunk between
-        the stores. Not taken where it lost: RMSNorm fp32 262144 (single-buffered, 76.9
-        -> 73.2) and LayerNorm bf16 / fp16 262144 (66.0 -> 65.3, 64.8 -> 63.8); nor on
-        one-value vectors (odd bf16 rows of 32001-100001 columns spilled 144-272 bytes,
-        sm_90a)."""
-        return self.rms and self.cfg.staging != "registers" and self.cfg.stages == 2 \
-            and self.cfg.vec > 1
+        """Whether the dh pass re-reads h and dy from the stage unmasked and takes dh =
+        g * rstd - h * (c1 * rstd^2) (config.norm_backward_rereads_unmasked)."""
+        return norm_backward_rereads_unmasked(self.cfg, self.rms)
 
     @property
     def refills_chunks(self) -> bool:
-        """Whether a single-buffered shared-memory share loads each chunk of the next row
-        block as soon as the dh pass has read it (RowTiles.refill_chunk), instead of the
-        whole block at the next iteration's start: the next block's bytes are in flight
-        while this one's later chunks are computed and stored (fp32 262144 columns: two
-        buffers do not fit). H200, kernels alone: LayerNorm fp32 512x262144 68.4 ->
-        89.6% of the copy ceiling, RMSNorm fp32 1024x131073 48.3 -> 58.9, 640x200000
-        62.1 -> 83.7 (at 512x262144 on 256 threads 77.2 -> 76.7, but 90.4 on the 512 of
-        ops.norm's wider share). Not RMSNorm's plain-load (2-byte) vectors, which
-        cp.async cannot copy (fp16 131073 columns spilled 16 bytes; bf16 gained 1.8
-        points); its 4-byte fp32 ones (the 131073 above) do refill."""
-        cfg = self.cfg
-        plain_loads = not all(tiling.copies_async(d, cfg) for d in self.staged_dtypes)
-        return cfg.staging == "smem" and cfg.stages == 1 and not (self.rms and plain_loads)
+        """Whether each chunk of the next row block is loaded as soon as the dh pass has
+        read it (config.norm_backward_refills_chunks)."""
+        plain_loads = not all(tiling.copies_async(d, self.cfg) for d in self.staged_dtypes)
+        return norm_backward_refills_chunks(self.cfg, self.rms, plain_loads)
 
     @property
     def weight_staged(self) -> bool:

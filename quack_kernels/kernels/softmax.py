@@ -22,7 +22,7 @@ from cutlass.memory import SmemAllocator
 from cutlass import Float32
 
 from ..primitives import reduce as red
-from ..primitives.config import RowConfig, stages_in_smem
+from ..primitives.config import RowConfig, softmax_merges_max_first, stages_in_smem
 from ..primitives.rows import ReductionSlot, RowKernel, RowTiles
 
 class SoftmaxForward(RowKernel):
@@ -51,11 +51,7 @@ class SoftmaxForward(RowKernel):
         # (max, sum of exp(x - max)): for the softmax the max is in base-2 units, so that
         # each exponent is one FFMA; the log-softmax keeps it in x's (red.chunk_exp2)
         base2 = not self.log
-        # the max first across lanes where the row waits in shared memory; a row kept in
-        # registers is live across the reduction, and the two phases' extra values took
-        # fp32 rows of 8K-64K columns from 32 to 33-36 registers (8 to 6 CTAs per SM,
-        # 2-7 points lost)
-        combine = red.OnlineSoftmax(base2=base2, two_phase=cfg.staging != "registers")
+        combine = red.OnlineSoftmax(base2=base2, two_phase=softmax_merges_max_first(cfg))
         stats = (Float32(-math.inf), Float32(0.0))
         for c in cutlass.range_constexpr(cfg.num_chunks):
             tiles.wait_chunk(c)

@@ -1069,6 +1069,110 @@ def prefetch_row_stats(rms: bool, ctas_per_sm: int) -> bool:
     return not rms or ctas_per_sm == 1
 
 
+# The softmax forward merges (max, sum of exp) across lanes in two phases, the max first
+# (reduce.OnlineSoftmax), where the row waits in shared memory; a row kept in registers is
+# live across the reduction, and the two phases' extra values took fp32 rows of 8K-64K
+# columns from 32 to 33-36 registers (8 to 6 CTAs per SM, 2-7 points lost).
+def softmax_merges_max_first(cfg: RowConfig) -> bool:
+    return cfg.staging != "registers"
+
+
+# LayerNorm's forward reduces once, each thread's (count, mean, centered sum of squares)
+# merged, for rows of x alone split over a cluster and not kept in registers: one
+# cluster exchange per row instead of two (the sum, then the centered sum of squares).
+# H200 sweep (kernel alone, benchmarks/sweep_norm_forward.py --norm layer, results/
+# norm_forward_layer_moments_sweep_H200_20261130.txt): bf16 2048x65536 78.3% -> 82.0% of
+# the copy ceiling, 512x262144 71.3% -> 73.3%, fp32 2048x65536 89.3% -> 90.9%, 512x262144
+# 55.4% -> 63.2%; rows one CTA holds lost 2-5 points (8192x16384 bf16 90.5% -> 88.5%) and
+# rows with a residual were mixed (2048x65536 bf16 83.6% -> 79.3%). Shares kept in
+# registers lost in the same sweep (fp32 2048x65536 78.1% -> 71.5%, bf16 8192x16384 75.5%
+# -> 70.5%), and fp32 8192x16384, a 2-CTA registers share by default, ran at 80.7% against
+# 93.2% with two reductions (results/norm_forward_layer_sweep_H200_20261130.txt), so they
+# reduce twice.
+def layer_norm_reduces_once(cfg: RowConfig, rms: bool, has_residual: bool) -> bool:
+    return not rms and not has_residual and cfg.cluster_size > 1 and cfg.staging != "registers"
+
+
+# Registers per thread of a norm backward's looping grid (its default: LOOP_REGS_PER_THREAD).
+# 16-bit rows with per-column sums holding more than 8 values per thread of each tensor
+# (two 16-byte vectors, norm_backward_share): at the default 80 they spilled 8-120 bytes
+# (sm_90a resource report), at 96 LayerNorm's rows of up to 1024 columns still did.
+# Without sums the same threads fit 80.
+NORM_BACKWARD_WIDE_LOOP_REGISTERS = 104
+# fp32 rows (h and dy) with per-column sums over a full cluster of 128-thread CTAs
+# (16384 columns, 12288 too): eight CTAs per SM instead of six, at the 56-64 registers
+# these kernels take anyway. H200, kernel alone (results/kernel_ab_loop_registers_H200_
+# 20261202.txt): RMSNorm fp32 8192x16384 92.2% -> 97.6% of the copy ceiling, LayerNorm
+# 87.1% -> 90.2%; with 4 CTAs per row (fp32 4096) or none (1024) within -1.7..+1.2
+# points, and bf16 LayerNorm on 8-CTA clusters of 256 threads lost 6. Mixed dtypes and
+# frozen weights on such clusters were not measured.
+NORM_BACKWARD_FULL_CLUSTER_LOOP_REGISTERS = 64
+
+
+def norm_backward_loop_registers(cfg: RowConfig, h_bits: int, dy_bits: int,
+                                 accumulators: int) -> int:
+    """Registers per thread a norm backward's looping grid is sized for (see above)."""
+    if accumulators and h_bits == 16 and cfg.thread_values_per_chunk > 8:
+        return NORM_BACKWARD_WIDE_LOOP_REGISTERS
+    if cluster_class(cfg) == MAX_CLUSTER_SIZE and cfg.threads_per_block == 128 \
+            and h_bits == dy_bits == 32 and accumulators:
+        return NORM_BACKWARD_FULL_CLUSTER_LOOP_REGISTERS
+    return LOOP_REGS_PER_THREAD
+
+
+# The LayerNorm backward's dh = rstd * (g - xhat * c1 - c2) in two FMAs a value: 16-bit
+# rows on 512-thread CTAs, where its loop was issue-bound (bf16 2048x65536 70.6% ->
+# 74.6% of the copy ceiling with xhat as one FMA too, results/norm_backward_fewer_
+# instructions_H200_20261203.txt). xhat stays (h - mean) * rstd: as h * rstd - mean *
+# rstd it erred by |mean| * rstd * 2^-24 (fp16 rows of mean 1e4, std 1: dweight 20% off
+# in an fp64 emulation). At the 128-register edge the form spilled elsewhere (sm_90a,
+# 8-32 bytes: fp32 and 16-bit LayerNorm of 256 and 1024 columns with a residual
+# gradient).
+def norm_backward_fma_form(cfg: RowConfig, rms: bool, h_bits: int, dy_bits: int) -> bool:
+    return not rms and h_bits == dy_bits == 16 and cfg.threads_per_block == REGISTER_SHARE_THREADS
+
+
+# The weight (+ offset) loaded once into registers before the loop over row blocks, by a
+# share of one chunk in registers (the same columns in every block): saves each value's
+# weight load and the add of the offset. The FMA form's 16-bit LayerNorm only, the one
+# measured to gain: H200, kernel alone, against the same code with the weight read per
+# block (results/norm_backward_fewer_instructions_H200_20261203.txt): bf16 2048x65536
+# 74.6% -> 79.4% of the copy ceiling, 4096x32768 82.6 -> 83.4, 8192x16384 87.1 -> 88.5;
+# it lost on RMSNorm bf16 32768x4096 (87.7 -> 69.3) and LayerNorm fp32 2048x65536 (95.7 ->
+# 86.8); on CTAs other than 512 threads it spilled (sm_90a: short rows' smaller CTAs,
+# fp16 256 and 1024 columns; RMSNorm bf16 65536 on 1024 threads, 64 registers a thread).
+def norm_backward_holds_weight(cfg: RowConfig, fma_form: bool) -> bool:
+    return fma_form and cfg.staging == "registers" and cfg.num_chunks == 1
+
+
+# RMSNorm's dh pass on double-buffered shares re-reads h and dy from the stage unmasked
+# (its stores past the row end and M are predicated off) and takes dh = g * rstd - h *
+# (c1 * rstd^2), a multiply a value fewer than through xhat. H200, kernel alone, against
+# the masked xhat pass (results/norm_backward_unmasked_pass_H200_20261204.txt): RMSNorm
+# fp16 512x262144 68.1% -> 88.2% of the copy ceiling (91.0 with its rows read unmasked
+# too, NormBackward._masks_rows), bf16 87.8 -> 89.5. The masked pass branched around each
+# chunk's reads, which then came chunk by chunk between the stores. Not taken where it
+# lost: RMSNorm fp32 262144 (single-buffered, 76.9 -> 73.2) and LayerNorm bf16 / fp16
+# 262144 (66.0 -> 65.3, 64.8 -> 63.8); nor on one-value vectors (odd bf16 rows of
+# 32001-100001 columns spilled 144-272 bytes, sm_90a).
+def norm_backward_rereads_unmasked(cfg: RowConfig, rms: bool) -> bool:
+    return rms and cfg.staging != "registers" and cfg.stages == 2 and cfg.vec > 1
+
+
+# A single-buffered shared-memory share loads each chunk of the next row block as soon
+# as the norm backward's dh pass has read it (RowTiles.refill_chunk), instead of the
+# whole block at the next iteration's start: the next block's bytes are in flight while
+# this one's later chunks are computed and stored (fp32 262144 columns: two buffers do
+# not fit). H200, kernels alone: LayerNorm fp32 512x262144 68.4 -> 89.6% of the copy
+# ceiling, RMSNorm fp32 1024x131073 48.3 -> 58.9, 640x200000 62.1 -> 83.7 (at 512x262144
+# on 256 threads 77.2 -> 76.7, but 90.4 on the 512 of ops.norm's wider share). Not
+# RMSNorm's plain-load (2-byte) vectors, which cp.async cannot copy (fp16 131073 columns
+# spilled 16 bytes; bf16 gained 1.8 points); its 4-byte fp32 ones (the 131073 above) do
+# refill.
+def norm_backward_refills_chunks(cfg: RowConfig, rms: bool, plain_loads: bool) -> bool:
+    return cfg.staging == "smem" and cfg.stages == 1 and not (rms and plain_loads)
+
+
 # Warp partials a CTA sends its peers in one cluster exchange (warps_per_row x
 # cluster_size, one packet between SMs each) from which a looping kernel merges its
 # warps first (merges_cta_first).
@@ -1414,6 +1518,27 @@ def ce_fixed_max(softcap: float, cfg: RowConfig, stage_weight: bool, write_grad:
         and (write_grad or cfg.staging == "global")
 
 
+# Registers per thread of the cross-entropy forward's looping grid: at 80, 16-bit rows of
+# 1024 and 16384 columns spilled with the loss reduced in the kernel (and, below, fp16
+# and ragged rows of the plain gradient); with softcap and the gradient, fp16 rows of
+# 1000 columns spilled 8 bytes at 96.
+CE_LOOP_REGISTERS = 96
+# with softcap, or fp16 with label smoothing alone (its sum of z read apart: rows of 256
+# columns spilled 40 bytes at 96; bf16 and fp32 did not)
+CE_WIDE_GRAD_LOOP_REGISTERS = 104
+# The plain per-row gradient (z-loss at most, no reduction over the rows) of rows one
+# chunk holds, bf16 or held to two CTAs per SM by the default bound: one more CTA per SM
+# (the kernel is latency-bound: ncu, benchmarks/NOTES.md, twenty-fifth session; bf16
+# computes twice the values per byte of fp32). H200, kernel alone (results/kernel_ab_
+# loop_registers_H200_20261202.txt): bf16 131072x1024 82.0% -> 85.6% of the copy
+# ceiling, bf16 32768x4096 86.6% -> 89.2%, fp32 32768x4096 (2 -> 3 CTAs of 256 threads)
+# 85.0% -> 88.7%; fp32 131072x1024 (5 -> 6) lost, 91.3% -> 90.3%, and seven CTAs (72
+# registers) lost at bf16 4096. Not fp16 (its loss scale) nor ragged rows (their mask):
+# they spilled 8-48 bytes at 80 (256-1024 columns); nor narrower accesses than 16 bytes
+# (a misaligned row: not measured). Not the in-kernel sum or mean either: held to 80 it
+# spilled until its epilogue was reworked, and the reworked training step replayed
+# slower (bf16 131072x1024 161 -> 165 us).
+CE_PLAIN_GRAD_LOOP_REGISTERS = 80
 # Registers per thread the kept-values share of the fixed-max gradient is held to (4
 # CTAs of 256 threads per SM): unbounded, fp32 rows of 128256 columns compiled to 80 (3
 # CTAs), the count at which the every-option kernel lost 8 points (fourteenth session).
