@@ -833,3 +833,55 @@ def test_looping_kernels_merge_their_warps_before_wide_exchanges():
     assert not config.merges_cta_first(dataclasses.replace(cfg, cluster_size=1), 2)
     one_warp = dataclasses.replace(cfg, threads_per_row=32, vecs_per_thread=64, num_chunks=1)
     assert not config.merges_cta_first(one_warp, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [4097, 16385, 50257, 131073, 262143])
+def test_odd_16bit_softmax_rows_are_shifted_where_they_may_be(n, dtype):
+    """config.shifted_row_share: the softmax of odd 16-bit rows that may be read from the
+    16-byte boundary before each (``shifted``) takes the share of an aligned row of N + 7
+    columns, whole vectors over a span covering every shift, one row a CTA, staged
+    without held chunks (y and dy both in the backward); rows that may not keep the
+    share they had."""
+    from quack_kernels.ops import softmax
+
+    per_access = 8
+    for log in (False, True):
+        for cfg, staged_bytes in ((softmax.forward_config(n, dtype, 1, True), 2),
+                                  (softmax.backward_config(n, dtype, 1, True, log=log), 4)):
+            assert cfg.row_shift and cfg.n_cols == n and cfg.vec == per_access, cfg
+            assert cfg.cols_covered >= n + per_access - 1, cfg
+            assert (cfg.rows_per_block, cfg.register_chunks, cfg.stages, cfg.l2_prefetch) == \
+                (1, 0, 1, 0), cfg
+            assert config.stages_in_smem(cfg, staged_bytes), cfg
+        unshifted = softmax.backward_config(n, dtype, 1, False, log=log)
+        assert not unshifted.row_shift and unshifted.vec == 1
+    assert softmax.forward_config(n, dtype, 1) == softmax.forward_config(n, dtype, 1, False)
+
+
+def test_shifted_rows_only_for_odd_16bit_rows_their_span_stages():
+    """No shift for fp32 rows, rows of whole vectors, rows short enough to be held in
+    registers (7, 769) or long enough that the backward's span holds chunks there
+    (1000001)."""
+    from quack_kernels.ops import softmax
+
+    for n, dtype in ((50257, torch.float32), (50264, torch.bfloat16), (7, torch.bfloat16),
+                     (769, torch.float16)):
+        assert not softmax.forward_config(n, dtype, None, True).row_shift, (n, dtype)
+        assert not softmax.backward_config(n, dtype, None, True, log=False).row_shift
+    assert not softmax.backward_config(1000001, torch.bfloat16, 1, True, log=False).row_shift
+
+
+def test_shiftable_rows():
+    """ops.common.shiftable: 16-byte-aligned bases and rows of stride N (one row: any
+    stride)."""
+    from quack_kernels.ops.common import shiftable
+
+    flat = torch.empty(64 * 1031 + 8, dtype=torch.bfloat16)
+    assert flat.data_ptr() % 16 == 0
+    rows = flat[:64 * 1031].view(64, 1031)
+    assert shiftable(rows) and shiftable(rows, flat[8:].view(-1)[:64 * 1031].view(64, 1031))
+    assert not shiftable(flat[1:64 * 1031 + 1].view(64, 1031))  # misaligned base
+    assert not shiftable(rows, flat[1:64 * 1031 + 1].view(64, 1031))
+    assert not shiftable(rows[:, :1030])  # rows of stride 1031, 1030 long
+    assert shiftable(rows[3:4] if rows[3:4].data_ptr() % 16 == 0 else rows[8:9, :1030])

@@ -1,13 +1,15 @@
 """CPU checks for softmax: reference math, op registration, fake kernels, autograd
 formulas, error messages, and compiling the kernels for sm_90a."""
 
+import re
+
 import pytest
 import torch
 from torch.library import opcheck
 
 import quack_kernels as qk
 from quack_kernels.ops import softmax as ops
-from quack_kernels.report import measure, spills
+from quack_kernels.report import measure, resource_usage, spills
 
 from helpers import assert_close
 
@@ -141,6 +143,42 @@ def test_kernels_compile_for_sm90a_without_spills(n, dtype, tmp_path, cuobjdump)
         # (a CTA fits an SM: its registers and shared memory)
         assert res["regs"] * cfg.threads_per_block <= 65536, f"{name} n={n}: {res}"
         assert kernel.smem_bytes() <= 227 * 1024
+
+
+@pytest.mark.parametrize("n, dtype", [(4097, torch.float16), (50257, torch.bfloat16),
+                                      (262143, torch.bfloat16)])
+def test_shifted_odd_rows_take_16_byte_accesses(n, dtype, tmp_path, cuobjdump):
+    """Odd 16-bit rows read from the 16-byte boundary before each
+    (config.shifted_row_share): every staged vector is one 16-byte cp.async and every
+    vector store but the row's two edges' one 16-byte store, with no 2-byte global
+    load, no spill; the edges' values are stored one by one (2-byte stores). Rows that
+    may not be shifted keep 2-byte loads (the contrast the test relies on)."""
+    from quack_kernels.report import _cubin_file, disassembly
+    from quack_kernels.primitives.compile_cache import compile_kernel
+
+    def sass_of(kernel_and_fakes):
+        fn = compile_kernel(*kernel_and_fakes, keep_cubin_in=str(tmp_path))
+        cubin = _cubin_file(fn.__cubin__, str(tmp_path))
+        return resource_usage(cubin, cuobjdump), disassembly(cubin, cuobjdump)
+
+    fwd = ops.forward_config(n, dtype, 1, True)
+    builds = [(fwd, 1, ops.forward_kernel(fwd, dtype, log)) for log in (False, True)]
+    for log in (False, True):
+        bwd = ops.backward_config(n, dtype, 1, True, log=log)
+        builds.append((bwd, 2, ops.backward_kernel(bwd, dtype, log)))
+    for cfg, staged, kernel_and_fakes in builds:
+        assert cfg.row_shift
+        usage, sass = sass_of(kernel_and_fakes)
+        assert usage["stack"] == 0 and usage["local"] == 0, usage
+        vectors = cfg.num_chunks * cfg.vecs_per_thread
+        assert len(re.findall(r"\bLDGSTS\.E\.128\b", sass)) == staged * vectors
+        # (ptxas drops the stores of vectors that start past every shift's row end)
+        assert 0 < len(re.findall(r"\bSTG\.E\.128\b", sass)) <= vectors
+        assert 0 < len(re.findall(r"\bSTG\.E\.U16\b", sass)) <= vectors * cfg.vec
+        assert not re.findall(r"\bLDG\.E\.U16\b", sass)
+    unshifted = ops.forward_config(n, dtype, 1, False)
+    _, sass = sass_of(ops.forward_kernel(unshifted, dtype, False))
+    assert re.findall(r"\bLDG\.E\.U16\b", sass)
 
 
 def test_backward_stages_one_tensor_where_both_would_be_re_read():

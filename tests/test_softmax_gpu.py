@@ -368,3 +368,52 @@ def test_rows_prefetched_to_l2(n, dtype, ahead):
         dx = torch.full_like(x, float("nan"))
         ops.compile_backward(bwd_cfg, dtype, log)(y, dy, dx)
         check_backward(dx, y, dy, log)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [4097, 16385, 50257, 131073, 262143])
+def test_shifted_odd_rows(n, dtype):
+    """Odd 16-bit rows read from the 16-byte boundary before each
+    (config.shifted_row_share), on poisoned outputs: 25 rows (every shift), the max of
+    some rows in their first or last column, dy large at the rows' edges, through the op
+    and the public API (the C++ path); every third row alone (row stride 3N: every shift
+    again) leaves the rows between untouched, so no store crosses a row's edge; a
+    misaligned copy takes the unshifted share."""
+    m = 25
+    x = fresh((m, n), dtype)
+    x[1::3, 0] = 30.0
+    x[2::3, -1] = 30.0
+    dy = fresh((m, n), dtype, 1.0)
+    dy[:, 0] *= 40
+    dy[:, -1] *= 40
+    sentinel = 7.0
+    for log in (False, True):
+        fwd = ops.forward_config(n, dtype, 1, True)
+        bwd = ops.backward_config(n, dtype, 1, True, log=log)
+        assert fwd.row_shift and bwd.row_shift
+        poison_allocator(x)
+        y = ops.softmax_forward(x, log)
+        assert_close(y, reference(x, log), dtype)
+        poison_allocator(x)
+        check_backward(ops.softmax_backward(y, dy, log), y, dy, log)
+
+        leaf = x.clone().requires_grad_()
+        out = (qk.log_softmax if log else qk.softmax)(leaf)
+        assert_close(out, reference(x, log), dtype)
+        out.backward(dy)
+        check_backward(leaf.grad, out.detach(), dy, log)
+
+        y_third = torch.full_like(x, sentinel)
+        ops.compile_forward(fwd, dtype, log)(x[::3], y_third[::3])
+        assert_close(y_third[::3], reference(x[::3], log), dtype)
+        dx_third = torch.full_like(x, sentinel)
+        ops.compile_backward(bwd, dtype, log)(y[::3], dy[::3], dx_third[::3])
+        check_backward(dx_third[::3], y[::3], dy[::3], log)
+        for between in (y_third, dx_third):
+            untouched = torch.cat([between[1::3], between[2::3]])
+            assert torch.equal(untouched, torch.full_like(untouched, sentinel))
+
+        misaligned = torch.empty(m * n + 1, dtype=dtype, device="cuda")[1:].view(m, n)
+        misaligned.copy_(x)
+        assert not ops.forward_config(n, dtype, 1, False).row_shift
+        assert_close(ops.softmax_forward(misaligned, log), reference(x, log), dtype)

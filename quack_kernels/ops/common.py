@@ -132,6 +132,14 @@ def vector_limit(*tensors: torch.Tensor | None) -> int:
     return max(1, limit)
 
 
+def shiftable(*rows: torch.Tensor) -> bool:
+    """Whether rows of these (M, N) tensors may be read from the 16-byte boundary before
+    each (config.shifted_row_share): bases 16-byte aligned, and one row stride for all,
+    N (a kernel finds a row's shift from the first tensor's stride)."""
+    return all(t.data_ptr() % ACCESS_BYTES == 0
+               and (t.shape[0] <= 1 or t.stride(0) == t.shape[1]) for t in rows)
+
+
 def alignment_key(rows: torch.Tensor) -> tuple:
     """What vector_limit reads of a (M, N) tensor besides its dtype, cheaply: the base
     pointer and the row stride modulo 16 (every access width divides 16 elements) and
@@ -154,6 +162,7 @@ __all__ = [
     "flat",
     "rows_view",
     "vector_limit",
+    "shiftable",
     "alignment_key",
     "kernel_key",
     "compiled",

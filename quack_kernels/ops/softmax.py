@@ -5,6 +5,7 @@ dim there first."""
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 
 import torch
@@ -15,7 +16,7 @@ from ..native import module as native_module
 from ..primitives.compile_cache import compile_kernel, fake_rows, kernel_handle
 from ..primitives.config import (Y_SHARE_VALUES, RowConfig, copies_async,
                                  held_share, odd_row_forward_share, row_config,
-                                 widened_16bit_share, with_held_chunk)
+                                 shifted_row_share, widened_16bit_share, with_held_chunk)
 from .common import (
     as_rows,
     check_float_dtype,
@@ -25,28 +26,37 @@ from .common import (
     eager_cuda,
     kernel_key,
     rows_view,
+    shiftable,
     vector_limit,
 )
 
 
 # ----------------------------------------------------------------------------- configs
 @functools.lru_cache(maxsize=None)
-def forward_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None) -> RowConfig:
+def forward_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None,
+                   shifted: bool = False) -> RowConfig:
     """Wide 16-bit shares in chunks of WIDE_SHARE_VALUES per thread where that halves
     their staged chunks (config.widened_16bit_share); chunks held in registers by
-    config.with_held_chunk; odd 16-bit rows staged as config.odd_row_forward_share
-    stages LayerNorm's."""
+    config.with_held_chunk; odd 16-bit rows read from the 16-byte boundary before each
+    where they may be (``shifted``: ops.common.shiftable) and the share of the aligned
+    span stages them (config.shifted_row_share), else staged as
+    config.odd_row_forward_share stages LayerNorm's."""
     elem = dtype.itemsize
     share = functools.partial(row_config, n_cols, elem, staged_tensors=1, max_vec=max_vec)
     cfg = with_held_chunk(widened_16bit_share(share, elem, elem), elem, full_clusters_too=False)
-    return odd_row_forward_share(share, cfg, elem, "staged") or cfg
+    cfg = odd_row_forward_share(share, cfg, elem, "staged") or cfg
+    if shifted:
+        return shifted_row_share(lambda span: forward_config(span, dtype), cfg, elem, elem) or cfg
+    return cfg
 
 
 @functools.lru_cache(maxsize=None)
-def backward_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None, *,
-                    log: bool) -> RowConfig:
-    """The share of the softmax (``log`` False) or log_softmax backward, in the order
-    checked:
+def backward_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None,
+                    shifted: bool = False, *, log: bool) -> RowConfig:
+    """The share of the softmax (``log`` False) or log_softmax backward: odd 16-bit rows
+    read from the 16-byte boundary before each where they may be (``shifted``:
+    ops.common.shiftable) and the share of the aligned span stages y and dy
+    (config.shifted_row_share); else, in the order checked:
     - y and dy staged together, where they fit;
     - 16-bit softmax rows: both staged on config.held_share's shares, their last chunks
       held in registers, where the rest then fits;
@@ -63,6 +73,15 @@ def backward_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None,
       would hold chunks (about 1.57M-1.6M);
     - else y and dy both re-read from global memory."""
     elem = dtype.itemsize
+    unshifted = _unshifted_backward_config(n_cols, elem, max_vec, log)
+    if shifted:
+        return shifted_row_share(lambda span: backward_config(span, dtype, log=log), unshifted,
+                                 elem, 2 * elem) or unshifted
+    return unshifted
+
+
+def _unshifted_backward_config(n_cols: int, elem: int, max_vec: int | None,
+                               log: bool) -> RowConfig:
     both = row_config(n_cols, elem, staged_tensors=2, max_vec=max_vec)
     if both.staging != "global":
         return with_held_chunk(both, 2 * elem, full_clusters_too=True)
@@ -86,12 +105,14 @@ def backward_config(n_cols: int, dtype: torch.dtype, max_vec: int | None = None,
 def forward_kernel(cfg: RowConfig, dtype: torch.dtype, log: bool):
     """(kernel object, *fake arguments it compiles against)."""
     dt = cutlass_dtype(dtype)
-    return SoftmaxForward(cfg, dt, log), *[fake_rows(dt, cfg.n_cols, cfg.vec) for _ in range(2)]
+    return SoftmaxForward(cfg, dt, log), *[fake_rows(dt, cfg.n_cols, cfg.vec, shifted=cfg.row_shift)
+                                           for _ in range(2)]
 
 
 def backward_kernel(cfg: RowConfig, dtype: torch.dtype, log: bool):
     dt = cutlass_dtype(dtype)
-    return SoftmaxBackward(cfg, dt, log), *[fake_rows(dt, cfg.n_cols, cfg.vec) for _ in range(3)]
+    return SoftmaxBackward(cfg, dt, log), *[
+        fake_rows(dt, cfg.n_cols, cfg.vec, shifted=cfg.row_shift) for _ in range(3)]
 
 
 def compile_forward(cfg: RowConfig, dtype: torch.dtype, log: bool):
@@ -106,15 +127,17 @@ def compile_backward(cfg: RowConfig, dtype: torch.dtype, log: bool):
 
 def report_variants(n_grid, dtypes):
     """Every kernel variant for the sm_90a resource report: (name, n, dtype, cfg, build)."""
-    for dtype in dtypes:
-        for n in n_grid:
-            for log in (False, True):
-                name = "log_softmax" if log else "softmax"
-                yield (f"{name}_fwd", n, dtype, forward_config(n, dtype),
-                       lambda n=n, dtype=dtype, log=log: forward_kernel(forward_config(n, dtype), dtype, log))
-                yield (f"{name}_bwd", n, dtype, backward_config(n, dtype, log=log),
-                       lambda n=n, dtype=dtype, log=log: backward_kernel(
-                           backward_config(n, dtype, log=log), dtype, log))
+    for dtype, n, log, shifted in itertools.product(dtypes, n_grid, (False, True), (False, True)):
+        name = ("log_softmax" if log else "softmax")
+        suffix = "_shifted" if shifted else ""
+        forward = forward_config(n, dtype, shifted=shifted)
+        if forward.row_shift == shifted:
+            yield (f"{name}_fwd{suffix}", n, dtype, forward,
+                   lambda cfg=forward, dtype=dtype, log=log: forward_kernel(cfg, dtype, log))
+        backward = backward_config(n, dtype, shifted=shifted, log=log)
+        if backward.row_shift == shifted:
+            yield (f"{name}_bwd{suffix}", n, dtype, backward,
+                   lambda cfg=backward, dtype=dtype, log=log: backward_kernel(cfg, dtype, log))
 
 
 # -------------------------------------------------------------------------- references
@@ -172,7 +195,7 @@ def _softmax_forward_checked(x: Tensor, log: bool, key) -> Tensor:
     rows = as_rows(x)
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if rows.numel() > 0:
-        cfg = forward_config(rows.shape[1], x.dtype, vector_limit(rows))
+        cfg = forward_config(rows.shape[1], x.dtype, vector_limit(rows), shiftable(rows))
         kernel = compile_forward(cfg, x.dtype, log)
         kernel(rows, out)
         if x.is_contiguous():
@@ -214,7 +237,8 @@ def _softmax_backward_checked(y: Tensor, dy: Tensor, log: bool, key) -> Tensor:
     y_rows, dy_rows = as_rows(y), as_rows(dy)
     dx = torch.empty(y_rows.shape, dtype=dy.dtype, device=dy.device)
     if dx.numel() > 0:
-        cfg = backward_config(y_rows.shape[1], y.dtype, vector_limit(y_rows, dy_rows), log=log)
+        cfg = backward_config(y_rows.shape[1], y.dtype, vector_limit(y_rows, dy_rows),
+                              shiftable(y_rows, dy_rows), log=log)
         kernel = compile_backward(cfg, y.dtype, log)
         kernel(y_rows, dy_rows, dx)
         if y.is_contiguous() and dy.is_contiguous():
@@ -295,12 +319,13 @@ def _native_plan(native, x: Tensor, log: bool) -> bool:
     check_gpu(x)
     n_cols = x.shape[-1]
     max_vec = vector_limit(as_rows(x))
-    forward = compile_forward(forward_config(n_cols, x.dtype, max_vec), x.dtype, log)
+    forward = compile_forward(forward_config(n_cols, x.dtype, max_vec, shiftable(as_rows(x))),
+                              x.dtype, log)
     backward = None
     if x.requires_grad and torch.is_grad_enabled():
         # y, dy and dx as the C++ backward hands them over: contiguous and aligned
-        backward = compile_backward(backward_config(n_cols, x.dtype, max_vec, log=log), x.dtype,
-                                    log)
+        backward = compile_backward(backward_config(n_cols, x.dtype, max_vec, True, log=log),
+                                    x.dtype, log)
     native.register_softmax_plan(x, log, kernel_handle(forward), kernel_handle(backward))
     return True
 

@@ -80,16 +80,17 @@ def kernel_handle(fn) -> int:
     return 0 if fn is None else fn._tvm_ffi_function.__chandle__()
 
 
-def fake_rows(dtype, n_cols: int, vec: int, rows=None):
+def fake_rows(dtype, n_cols: int, vec: int, rows=None, shifted: bool = False):
     """A fake (M, n_cols) tensor: M symbolic, unit column stride, row stride symbolic
     but a multiple of ``vec`` (64-bit, so tensors over 2^31 elements index safely), base
-    aligned to one vector."""
+    aligned to one vector. ``shifted``: a row stride of any value (rows read from the
+    16-byte boundary before them: config.shifted_row_share)."""
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
 
     if rows is None:
         rows = cute.sym_int()
-    row_stride = cute.sym_int(64, divisibility=vec)
+    row_stride = cute.sym_int(64, divisibility=1 if shifted else vec)
     return make_fake_tensor(
         dtype, (rows, n_cols), (row_stride, 1), assumed_align=vec * dtype.width // 8
     )

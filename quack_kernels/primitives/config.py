@@ -136,6 +136,9 @@ class RowConfig:
     # a looping one for the block that many iterations past those its staging buffers
     # hold. 0: none.
     l2_prefetch: int = 0
+    # Rows read in whole vectors from an aligned start before them (shifted_row_share):
+    # n_cols is the row's length, the tiles cover its aligned span.
+    row_shift: bool = False
 
     @property
     def smem_chunks(self) -> int:
@@ -980,6 +983,36 @@ def odd_row_forward_share(share: Callable[..., RowConfig], clustered: RowConfig,
             or staging == "smem" and not _within_staging(cfg, elem_bytes):
         return None
     return cfg
+
+
+# Odd 16-bit rows of contiguous tensors on a 16-byte-aligned base, read in whole 16-byte
+# vectors: row r starts s = r * N mod 8 values past a 16-byte boundary, so its CTAs tile
+# the aligned span from there (N + s values, rounded up to whole vectors) with the share
+# of an aligned row of N + 7 columns, read whole vectors (cp.async), pad the values
+# outside [s, s + N) in shared memory with the identity of the reduction, and store
+# whole vectors but the row's two edge vectors, which share 16 bytes with the rows
+# beside it and are stored value by value (RowTiles). One-value vectors instead take a
+# load, a predicate and an address a value and cannot use cp.async (softmax forward of
+# odd bf16 rows on odd_row_forward_share: 56-63% of the copy ceiling, aligned rows
+# 85-90%). Staged shares of one row a CTA only: the pad lives in shared memory, and a
+# CTA finds its row's shift once. The last row's last vector reads up to 14 bytes past
+# the tensor, inside its 16-byte block (no fault; a memory checker reports it).
+def shifted_row_share(share_of_span: Callable[[int], RowConfig], unshifted: RowConfig,
+                      elem_bytes: int, staged_bytes_per_col: int) -> RowConfig | None:
+    """The shifted share (see above) of the odd 16-bit rows ``unshifted`` was chosen for:
+    ``share_of_span(span)`` is the kernel's share of aligned rows of ``span`` columns;
+    None where that share does not stage the row tensors (``staged_bytes_per_col`` bytes
+    a column) in shared memory one row a CTA, or the rows are not odd 16-bit rows."""
+    n_cols = unshifted.n_cols
+    if elem_bytes != 2 or vector_width(n_cols, elem_bytes) != 1:
+        return None
+    per_access = ACCESS_BYTES // elem_bytes
+    cfg = share_of_span(-(-(n_cols + per_access - 1) // per_access) * per_access)
+    if not (stages_in_smem(cfg, staged_bytes_per_col) and cfg.rows_per_block == 1
+            and cfg.register_chunks == 0 and cfg.stages == 1 and cfg.l2_prefetch == 0
+            and whole_vectors(cfg, elem_bytes)):
+        return None
+    return dataclasses.replace(cfg, n_cols=n_cols, row_shift=True)
 
 
 def _narrow_row_off_registers(n_cols: int, elem_bytes: int, clustered: RowConfig) -> bool:

@@ -221,7 +221,13 @@ class RowTiles:
     vector costs as much as a select per value.
 
     ``integer_widening``: whether bf16 values may be widened by integer ops where
-    config.widens_by_integer_ops says so (to_fp32); False keeps the DSL's conversion."""
+    config.widens_by_integer_ops says so (to_fp32); False keeps the DSL's conversion.
+
+    Shifted rows (``cfg.row_shift``, config.shifted_row_share): the tiles start at the
+    16-byte boundary at or before the row's first value, ``shift`` values before it, so
+    the row is columns [shift, row_end) of them; the pad also covers the values outside
+    that range in the row's two edge vectors (they belong to the rows beside it), and
+    ``store`` writes those two vectors value by value."""
 
     def __init__(self, cfg: RowConfig, staged: list, smem, pad: float | None = None,
                  integer_widening: bool = True):
@@ -234,7 +240,19 @@ class RowTiles:
         self.cta_rank = cute.arch.block_idx()[1] if cutlass.const_expr(cfg.cluster_size > 1) else 0
         tiler = tiling.chunk_tiler(cfg)
         self.num_rows = staged[0].shape[0]
-        coords = cute.make_identity_tensor(staged[0].shape)
+        self.shift, self.row_end = 0, cfg.n_cols
+        if cutlass.const_expr(cfg.row_shift):
+            assert self.pad is not None and cfg.rows_per_block == 1, \
+                "shifted rows: one row a CTA, its edges padded in shared memory"
+            # (every tensor of the kernel has the row stride of the first: the host's
+            # condition for shifting)
+            start = Int64(block_row) * staged[0].stride[0]
+            self.shift = Int32(start & (cfg.vec - 1))
+            self.row_end = self.shift + cfg.n_cols
+            self.span_start = start - Int64(self.shift)
+            coords = cute.make_identity_tensor((self.num_rows, cfg.cols_covered))
+        else:
+            coords = cute.make_identity_tensor(staged[0].shape)
         self.block_row = block_row
         self.tidx = tidx
         self.staged = staged
@@ -263,7 +281,7 @@ class RowTiles:
             cC = cute.local_tile(coords, tiler, (block_row, self.chunk_index(c)))
             tXcX = thr.partition_S(cC)
             self.coords.append(tXcX)
-            self.preds.append(tiling.vector_predicate(tXcX, cfg.n_cols))
+            self.preds.append(tiling.vector_predicate(tXcX, self.row_end))
         self.row = self.coords[0][(0, 0), 0, 0][0]
         self.row_in_bounds = cute.elem_less(self.row, self.num_rows)
         self.stage = 0  # staging buffer of this view (cfg.stages of them)
@@ -272,6 +290,7 @@ class RowTiles:
         """The same tiles moved to row block ``block_row``, staged in buffer ``stage``
         (kernels looping over row blocks; shared-memory buffers, predicates and copies
         are shared)."""
+        assert not self.cfg.row_shift, "a shifted view is of one row"
         view = copy.copy(self)
         view.block_row = block_row
         view.stage = stage
@@ -322,7 +341,18 @@ class RowTiles:
         return self.cta_rank * self.cfg.num_chunks + chunk
 
     def _gmem_tile(self, mX, chunk: int):
+        if cutlass.const_expr(self.cfg.row_shift):
+            return cute.local_tile(self._row_span(mX), tiling.chunk_tiler(self.cfg),
+                                   (0, self.chunk_index(chunk)))
         return cute.local_tile(mX, tiling.chunk_tiler(self.cfg), (self.block_row, self.chunk_index(chunk)))
+
+    def _row_span(self, mX: cute.Tensor) -> cute.Tensor:
+        """This CTA's row of ``mX`` from the 16-byte boundary ``shift`` values before it:
+        whole vectors for the copies (see the class)."""
+        cfg = self.cfg
+        start = cute.assume(self.span_start, divby=cfg.vec)
+        return cute.make_tensor(mX.iterator + start, cute.make_layout(
+            (1, cfg.cols_covered), stride=(cfg.cols_covered, 1)))
 
     def in_registers(self, chunk: int) -> bool:
         """Whether ``chunk`` is held in registers rather than staged (cfg.register_chunks)."""
@@ -462,8 +492,48 @@ class RowTiles:
         tXsX = self.copy_vec[i].get_slice(self.tidx).partition_D(self._smem_slot(i, chunk))
         padding = cute.make_fragment_like(tXsX)
         padding.fill(self.pad)
-        outside = tiling.vector_predicate(self.coords[chunk], self.cfg.n_cols, inside=False)
+        outside = tiling.vector_predicate(self.coords[chunk], self.row_end, inside=False)
         cute.copy(self.copy_vec[i], padding, tXsX, pred=outside)
+        if cutlass.const_expr(self.cfg.row_shift):
+            self._copy_edge_values(chunk, padding, tXsX, in_row=False)
+
+    @cute.jit
+    def _copy_edge_values(self, chunk: cutlass.Constexpr[int], src: cute.Tensor,
+                          dst: cute.Tensor, in_row: cutlass.Constexpr[bool]):
+        """Copy ``src``'s values of this thread's edge vectors in ``chunk`` of a shifted row
+        (_edge_vector) to ``dst`` value by value: those in the row (``in_row``), or those
+        outside it (the rows' beside it). A branch only the edges' threads take."""
+        tXcX = self.coords[chunk]
+        for k in cutlass.range_constexpr(cute.size(tXcX, mode=[2])):
+            for v in cutlass.range_constexpr(cute.size(tXcX, mode=[0, 1])):
+                if self._edge_vector(chunk, v, k):
+                    for e in cutlass.range_constexpr(self.cfg.vec):
+                        if self._value_in_row(chunk, v, k, e, in_row):
+                            dst[(e, v), 0, k] = src[(e, v), 0, k]
+
+    def _value_in_row(self, chunk: int, v: int, k: int, e: int, in_row: bool):
+        """Whether value e of this thread's vector (v, k) in ``chunk`` is in the row
+        (``in_row``; else: outside it)."""
+        column = self._vector_start(chunk, v, k) + e
+        if in_row:
+            return (column >= self.shift) & (column < self.row_end)
+        return (column < self.shift) | (column >= self.row_end)
+
+    def _vector_start(self, chunk: int, v: int, k: int):
+        """Column (of the tiles) of this thread's vector (v, k) in ``chunk``."""
+        tXcX = self.coords[chunk]
+        return tXcX[0][1] + tiling.column_offset(tXcX, ((0, v), 0, k))
+
+    def _edge_vector(self, chunk: int, v: int, k: int):
+        """Whether this thread's vector (v, k) in ``chunk`` of a shifted row holds some of
+        the row but not all of it: the row starts or ends inside it."""
+        cfg = self.cfg
+        start = self._vector_start(chunk, v, k)
+        edge = (start < self.row_end) & (start + cfg.vec > self.row_end)
+        if chunk == 0 and tiling.column_offset(self.coords[chunk], ((0, v), 0, k)) < cfg.vec:
+            # (only a thread's first vector in a CTA's first chunk can start before the row)
+            edge = edge | (start < self.shift)
+        return edge
 
     def to_fp32(self, values: cute.TensorSSA) -> cute.TensorSSA:
         """``values`` (a chunk's, in their own dtype) widened to fp32 as this view's
@@ -535,6 +605,7 @@ class RowTiles:
         offset from the thread's first value). A thread holds vectors t, t +
         threads_per_row, ... (tiling.chunk_tv_layout)."""
         cfg = self.cfg
+        assert not cfg.row_shift, "columns of shifted rows are not taken one by one"
         offset = col - self.coords[chunk][0][1]
         stride = cfg.vec * cfg.threads_per_row  # a power of two
         held = (offset >= 0) & (offset < stride * cfg.vecs_per_thread) \
@@ -585,7 +656,7 @@ class RowTiles:
         """Per-vector in-row flags of ``chunk`` (see chunk_coords)."""
         if isinstance(chunk, int):
             return self.preds[chunk]
-        return tiling.vector_predicate(self.chunk_coords(chunk), self.cfg.n_cols)
+        return tiling.vector_predicate(self.chunk_coords(chunk), self.row_end)
 
     @cute.jit
     def load(self, mX: cute.Tensor, chunk, fill: cutlass.Constexpr = 0.0,
@@ -595,6 +666,7 @@ class RowTiles:
         ``broadcast_rows`` vector, with ``guard_rows=False``) in ``chunk`` (an int, or a
         runtime index), read straight from global memory; vectors past the row end (and
         rows past M when guarded) read as ``fill``."""
+        assert not self.cfg.row_shift, "shifted rows are staged: their edges padded there"
         atom = tiling.vector_copy_atom(mX.element_type, self.cfg)
         tiled = tiling.tiled_copy(atom, self.cfg)
         thr = tiled.get_slice(self.tidx)
@@ -648,8 +720,24 @@ class RowTiles:
         tYgY = thr.partition_D(self._gmem_tile(mY, chunk))
         tYrY = cute.make_fragment_like(tYgY)
         tYrY.store(values.to(mY.element_type))
-        if cutlass.const_expr(guard_rows):
+        if cutlass.const_expr(self.cfg.row_shift):
+            if self.row_in_bounds:
+                self._store_shifted(tiled, tYrY, tYgY, chunk)
+        elif cutlass.const_expr(guard_rows):
             if self.row_in_bounds:
                 cute.copy(tiled, tYrY, tYgY, pred=self.preds[chunk])
         else:
             cute.copy(tiled, tYrY, tYgY, pred=self.preds[chunk])
+
+    @cute.jit
+    def _store_shifted(self, tiled, tYrY: cute.Tensor, tYgY: cute.Tensor,
+                       chunk: cutlass.Constexpr[int]):
+        """A shifted row's store: whole vectors inside the row, its two edge vectors
+        value by value (their other values are the rows' beside it)."""
+        tXcX = self.coords[chunk]
+        inside = tiling.vector_predicate(tXcX, self.row_end - self.cfg.vec + 1)
+        if cutlass.const_expr(chunk == 0):
+            # the first vector of the row, where it starts inside it (shift > 0)
+            inside[0, 0, 0] = inside[0, 0, 0] & (self._vector_start(chunk, 0, 0) >= self.shift)
+        cute.copy(tiled, tYrY, tYgY, pred=inside)
+        self._copy_edge_values(chunk, tYrY, tYgY, in_row=True)
