@@ -872,10 +872,15 @@ def test_shifted_rows_only_for_odd_16bit_rows_their_span_stages():
     assert not softmax.backward_config(1000001, torch.bfloat16, 1, True, log=False).row_shift
 
 
-def test_shiftable_rows():
+def test_shiftable_rows(monkeypatch):
     """ops.common.shiftable: 16-byte-aligned bases and rows of stride N (one row: any
-    stride)."""
+    stride), where config.SHIFTED_ODD_ROWS is on; nothing where it is off."""
     from quack_kernels.ops.common import shiftable
+
+    monkeypatch.setattr(config, "SHIFTED_ODD_ROWS", False)
+    assert not shiftable(torch.empty(3, 1031, dtype=torch.bfloat16)) and not shiftable()
+    monkeypatch.setattr(config, "SHIFTED_ODD_ROWS", True)
+    assert shiftable()
 
     flat = torch.empty(64 * 1031 + 8, dtype=torch.bfloat16)
     assert flat.data_ptr() % 16 == 0

@@ -8,6 +8,7 @@ import math
 import torch
 
 from ..primitives.compile_cache import SUPPORTED_DTYPES, compiled, cutlass_dtype, target_arch
+from ..primitives import config
 from ..primitives.config import ACCESS_BYTES
 from ..primitives.occupancy import resident_clusters
 
@@ -134,9 +135,10 @@ def vector_limit(*tensors: torch.Tensor | None) -> int:
 
 def shiftable(*rows: torch.Tensor) -> bool:
     """Whether rows of these (M, N) tensors may be read from the 16-byte boundary before
-    each (config.shifted_row_share): bases 16-byte aligned, and one row stride for all,
-    N (a kernel finds a row's shift from the first tensor's stride)."""
-    return all(t.data_ptr() % ACCESS_BYTES == 0
+    each (config.shifted_row_share, where config.SHIFTED_ODD_ROWS is on): bases 16-byte
+    aligned, and one row stride for all, N (a kernel finds a row's shift from the first
+    tensor's stride). No rows: those the C++ backward hands over (aligned, contiguous)."""
+    return config.SHIFTED_ODD_ROWS and all(t.data_ptr() % ACCESS_BYTES == 0
                and (t.shape[0] <= 1 or t.stride(0) == t.shape[1]) for t in rows)
 
 

@@ -324,8 +324,8 @@ def _native_plan(native, x: Tensor, log: bool) -> bool:
     backward = None
     if x.requires_grad and torch.is_grad_enabled():
         # y, dy and dx as the C++ backward hands them over: contiguous and aligned
-        backward = compile_backward(backward_config(n_cols, x.dtype, max_vec, True, log=log),
-                                    x.dtype, log)
+        backward = compile_backward(backward_config(n_cols, x.dtype, max_vec, shiftable(),
+                                                    log=log), x.dtype, log)
     native.register_softmax_plan(x, log, kernel_handle(forward), kernel_handle(backward))
     return True
 
