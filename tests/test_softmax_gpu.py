@@ -7,6 +7,7 @@ import torch
 
 import quack_kernels as qk
 from quack_kernels.ops import softmax as ops
+from quack_kernels.ops.common import shiftable
 from quack_kernels.primitives.config import row_config
 
 from helpers import assert_close, poison_allocator
@@ -385,14 +386,15 @@ def shifted_rows_on(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("n", [4097, 16385, 50257, 131073, 262143])
+@pytest.mark.parametrize("n", [4095, 4097, 8191, 16385, 50257, 131073, 262143])
 def test_shifted_odd_rows(n, dtype, shifted_rows_on):
     """Odd 16-bit rows read from the 16-byte boundary before each
     (config.shifted_row_share), on poisoned outputs: 25 rows (every shift), the max of
     some rows in their first or last column, dy large at the rows' edges, through the op
     and the public API (the C++ path); every third row alone (row stride 3N: every shift
     again) leaves the rows between untouched, so no store crosses a row's edge; a
-    misaligned copy takes the unshifted share. (The C++ path's plans outlive the test:
+    misaligned copy takes the unshifted share. 4095 and 8191: for some shifts a cluster
+    CTA holds none of the row, for others the row ends on a CTA's last column. (The C++ path's plans outlive the test:
     a row length planned before it keeps its share there.)"""
     m = 25
     x = fresh((m, n), dtype)
@@ -430,5 +432,5 @@ def test_shifted_odd_rows(n, dtype, shifted_rows_on):
 
         misaligned = torch.empty(m * n + 1, dtype=dtype, device="cuda")[1:].view(m, n)
         misaligned.copy_(x)
-        assert not ops.forward_config(n, dtype, 1, False).row_shift
+        assert not shiftable(misaligned)
         assert_close(ops.softmax_forward(misaligned, log), reference(x, log), dtype)

@@ -426,6 +426,7 @@ class RowTiles:
         one after). ``also``: tensors read from global memory beside the staged ones."""
         cfg = self.cfg
         if cutlass.const_expr(cfg.l2_prefetch):
+            assert not cfg.row_shift, "a shifted row's span starts before it"
             tensors = [*self.staged, *also]
             if not all(whole_vectors(cfg, mX.element_type.width // 8) for mX in tensors):
                 # (a bulk prefetch starts and ends on 16 bytes: config.with_l2_prefetch)
@@ -461,6 +462,7 @@ class RowTiles:
         vectors of at least 4 bytes only). Each of a block's rows holds its own copy."""
         cfg = self.cfg
         assert tiling.copies_async(mV.element_type, cfg), "only cp.async zero-fills"
+        assert not cfg.row_shift, "per-column vectors are not shifted with the row"
         sV = smem.allocate_tensor(
             mV.element_type,
             cute.make_ordered_layout((*tiling.chunk_tiler(cfg), cfg.num_chunks), order=(1, 0, 2)),
@@ -592,6 +594,7 @@ class RowTiles:
         """How many of this thread's values lie inside the row (whole vectors are in or
         out: cfg.vec values per in-row flag)."""
         cfg = self.cfg
+        assert not cfg.row_shift, "a shifted row's edge vectors are partly in it"
         if not cfg.needs_col_predicate:
             return Int32(cfg.thread_values_per_chunk * cfg.num_chunks)
         count = Int32(0)
@@ -648,6 +651,7 @@ class RowTiles:
         long share chunk by chunk)."""
         if isinstance(chunk, int):
             return self.coords[chunk]
+        assert not self.cfg.row_shift, "shifted rows are not streamed chunk by chunk"
         tile = cute.local_tile(cute.make_identity_tensor(self.staged[0].shape),
                                tiling.chunk_tiler(self.cfg), (self.block_row, self.chunk_index(chunk)))
         return self.copy_vec[0].get_slice(self.tidx).partition_S(tile)

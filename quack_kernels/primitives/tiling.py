@@ -72,9 +72,9 @@ def column_offset(tXcX: cute.Tensor, coord) -> int:
 @cute.jit
 def vector_predicate(tXcX: cute.Tensor, n_cols: Int32,
                      inside: cutlass.Constexpr[bool] = True) -> cute.Tensor:
-    """One flag per vector of this thread: does it start inside the row (``inside``;
-    else: past its end)? Rows are a multiple of the vector width long, so a vector is
-    either all in or all out."""
+    """One flag per vector of this thread: does it start before ``n_cols`` (``inside``;
+    else: at or past it)? Rows are a multiple of the vector width long, so a vector is
+    either all in or all out, but for a shifted row's edge vectors (RowTiles)."""
     tXpX = cute.make_rmem_tensor(
         cute.make_layout(
             (cute.size(tXcX, mode=[0, 1]), cute.size(tXcX, mode=[1]), cute.size(tXcX, mode=[2])),
