@@ -997,11 +997,14 @@ def odd_row_forward_share(share: Callable[..., RowConfig], clustered: RowConfig,
 # 85-90%). Staged shares of one row a CTA only: the pad lives in shared memory, and a
 # CTA finds its row's shift once. The last row's last vector reads up to 14 bytes past
 # the tensor, inside its 16-byte block (no fault; a memory checker reports it).
-# The hosts take these shares only with SHIFTED_ODD_ROWS on (ops.common.shiftable): the
-# kernels compile for sm_90a and their tests pass there, but they have not run on a GPU
-# yet (forty-fourth session: none was lent). On once tests/test_softmax_gpu.py passes
-# on the H200 and compare_trees has measured them against the one-value vectors.
-SHIFTED_ODD_ROWS = False
+# H200, kernels alone, % of the copy ceiling, one-value vectors -> shifted (compare_trees
+# --abba, results/softmax_shifted_odd_rows_H200_20261205.txt): bf16 4096x50257 forward
+# 60.1 -> 95.5, backward 60.9 -> 99.0, log_softmax backward 63.4 -> 100.2; 1024x131073
+# 56.8 -> 89.0, 56.1 -> 83.6, 59.1 -> 83.4; 512x262143 53.2 -> 71.8, 41.3 -> 94.3, 44.0 ->
+# 92.5; 16384x4097 64.9 -> 83.5, 41.6 -> 75.9, 43.9 -> 78.6; fp16 4096x32001 61.8 ->
+# 93.5, 66.9 -> 98.7, 68.9 -> 98.8 (every cell won). The hosts take these shares where
+# SHIFTED_ODD_ROWS is on (ops.common.shiftable; tests turn it off to reach the others).
+SHIFTED_ODD_ROWS = True
 
 
 def shifted_row_share(share_of_span: Callable[[int], RowConfig], unshifted: RowConfig,
