@@ -1,6 +1,7 @@
 """The tiling heuristics: invariants that every kernel relies on."""
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -870,6 +871,48 @@ def test_shifted_rows_only_for_odd_16bit_rows_their_span_stages():
         assert not softmax.forward_config(n, dtype, None, True).row_shift, (n, dtype)
         assert not softmax.backward_config(n, dtype, None, True, log=False).row_shift
     assert not softmax.backward_config(1000001, torch.bfloat16, 1, True, log=False).row_shift
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [16385, 50257, 131073, 262143])
+def test_odd_16bit_cross_entropy_rows_are_shifted_where_they_may_be(n, dtype):
+    """The cross-entropy of odd 16-bit rows that may be shifted takes the gradient's
+    share of the aligned span, staged one row a CTA, with the gradient and for the
+    loss alone (whose unshifted long rows stream from global memory); with softcap the
+    gradient keeps its capped values in registers where that share does (then no
+    shift); never with the weight row staged."""
+    from quack_kernels.ops import cross_entropy as ce
+
+    for write_grad, softcap in itertools.product((False, True), repeat=2):
+        cfg = ce.forward_config(n, dtype, False, write_grad, softcap=softcap, shifted=True)
+        span = ce.forward_config(n + 7, dtype, False, True, softcap=softcap and write_grad)
+        if not cfg.row_shift:
+            assert write_grad and softcap and span.staging == "registers", cfg
+            continue
+        assert cfg.n_cols == n and cfg.vec == 8 and cfg.cols_covered >= n + 7, cfg
+        assert (cfg.staging, cfg.rows_per_block, cfg.register_chunks, cfg.stages,
+                cfg.l2_prefetch) == ("smem", 1, 0, 1, 0), cfg
+        assert not ce.forward_config(n, dtype, False, write_grad, softcap=softcap).row_shift
+    with pytest.raises(AssertionError):
+        ce.forward_config(n, dtype, True, True, shifted=True)
+
+
+def test_cross_entropy_shifts_rows_it_pads(monkeypatch):
+    """ops.cross_entropy.shifts_rows: shiftable rows, unless the weight row is staged or
+    label smoothing without softcap needs 0 past the row (kernels.cross_entropy.
+    pads_past_row), or shifting is off."""
+    from quack_kernels.ops import cross_entropy as ce
+
+    rows = torch.empty(4, 1031, dtype=torch.bfloat16)
+    monkeypatch.setattr(config, "SHIFTED_ODD_ROWS", True)
+    assert ce.shifts_rows(rows, rows, False, False, 0.0)
+    assert ce.shifts_rows(rows, rows, False, True, 30.0)
+    assert not ce.shifts_rows(rows, rows, False, True, 0.0)
+    assert not ce.shifts_rows(rows, rows, True, True, 30.0)
+    assert not ce.shifts_rows(rows, torch.empty(4, 1032, dtype=torch.bfloat16)[:, 1:], False,
+                              False, 0.0)
+    monkeypatch.setattr(config, "SHIFTED_ODD_ROWS", False)
+    assert not ce.shifts_rows(rows, rows, False, False, 0.0)
 
 
 def test_shiftable_rows(monkeypatch):

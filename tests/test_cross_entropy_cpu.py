@@ -3,6 +3,7 @@ ops (opcheck, fake kernels, gradcheck), errors, and the sm_90a compile with no s
 
 import itertools
 import math
+import re
 
 import pytest
 import torch
@@ -704,6 +705,43 @@ def test_looping_staged_gradient_reads_no_unwritten_register(tmp_path, cuobjdump
             fn = compile_kernel(kernel, *fakes, keep_cubin_in=str(folder))
             sass = disassembly(_cubin_file(fn.__cubin__, str(folder)), cuobjdump)
             assert uninitialized_reads(sass) == [], (n, dtype, chosen)
+
+
+@pytest.mark.parametrize("n, dtype", [(50257, torch.bfloat16), (262143, torch.float16)])
+def test_shifted_odd_rows_take_16_byte_accesses(n, dtype, tmp_path, cuobjdump):
+    """Odd 16-bit rows read from the 16-byte boundary before each
+    (config.shifted_row_share), in every option set the report compiles shifted: each
+    staged vector one 16-byte cp.async, no 2-byte global load, no spill, no register
+    read before it is written; the gradient in 16-byte stores but for the edge vectors'
+    values and the set-aside target's one value (2-byte stores). The unshifted loss of
+    such rows reads 2-byte values (the contrast the test relies on)."""
+    from quack_kernels.primitives.compile_cache import compile_kernel
+    from quack_kernels.report import _cubin_file, disassembly, resource_usage, uninitialized_reads
+
+    def sass_of(build, folder):
+        folder.mkdir()
+        fn = compile_kernel(*build(), keep_cubin_in=str(folder))
+        cubin = _cubin_file(fn.__cubin__, str(folder))
+        return resource_usage(cubin, cuobjdump), disassembly(cubin, cuobjdump)
+
+    shifted = [v for v in ops.report_variants([n], [dtype]) if v[0].endswith("_shifted")]
+    assert len(shifted) >= 3, shifted
+    for suffix, _, _, cfg, build in shifted:
+        assert cfg.row_shift, suffix
+        usage, sass = sass_of(build, tmp_path / suffix)
+        assert usage["stack"] == 0 and usage["local"] == 0, (suffix, usage)
+        assert uninitialized_reads(sass) == [], suffix
+        vectors = cfg.num_chunks * cfg.vecs_per_thread
+        assert len(re.findall(r"\bLDGSTS\.E\.128\b", sass)) == vectors, suffix
+        assert not re.findall(r"\bLDG\.E\.U16\b", sass), suffix
+        wide, narrow = (len(re.findall(rf"\bSTG\.E\.{w}\b", sass)) for w in ("128", "U16"))
+        if "grad" in suffix:
+            assert 0 < wide <= vectors and 0 < narrow <= vectors * cfg.vec + 1, (suffix, wide, narrow)
+        else:
+            assert wide == narrow == 0, suffix
+    cfg, flags = ops.variant(n, dtype, False, **ops.REPORT_OPTIONS["_plain_mean"])
+    unshifted = lambda: ops.forward_kernel(cfg, dtype, torch.int64, **flags)  # noqa: E731
+    assert re.findall(r"\bLDG\.E\.U16\b", sass_of(unshifted, tmp_path / "unshifted")[1])
 
 
 @pytest.mark.parametrize("inplace", [False, True])

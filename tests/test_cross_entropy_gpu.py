@@ -702,3 +702,65 @@ def test_inplace_backward_invalidates_other_uses_of_the_logits():
     loss = qk.cross_entropy(logits, target, inplace_backward=True) + aux
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+
+SHIFTED_OPTIONS = {"plain": (-100, 0.0, 0.0, 0.0), "zloss": (-100, 0.0, 1e-3, 0.0),
+                   "capped": (-100, 0.1, 1e-3, 30.0), "capped_wide": (-100, 0.0, 0.0, 50.0)}
+
+
+@pytest.mark.parametrize("options", list(SHIFTED_OPTIONS))
+@pytest.mark.parametrize("v,dtype", [(16385, torch.bfloat16), (32001, torch.float16),
+                                     (50257, torch.bfloat16), (131073, torch.bfloat16),
+                                     (262143, torch.bfloat16)])
+def test_shifted_odd_rows(monkeypatch, v, dtype, options):
+    """Odd 16-bit rows read from the 16-byte boundary before each
+    (config.shifted_row_share), loss alone and with the gradient, on poisoned outputs:
+    25 rows (every shift, 8 rows apart), targets in the rows' first and last columns
+    (their edge vectors, shared with the rows beside), the max of some rows there,
+    ignored rows (no target column: nothing of the row before may be taken or
+    written); every third row alone (row stride 3V: shifted all the same) leaves the
+    gradient rows between untouched; the public loss (the C++ step) and the in-place
+    backward."""
+    monkeypatch.setattr(config, "SHIFTED_ODD_ROWS", True)
+    monkeypatch.setattr(ops, "_forward_plans", {})
+    m = 25
+    options = SHIFTED_OPTIONS[options]
+    x, target = fresh(m, v, dtype, ignore_every=7)  # rows 1, 8, 15, 22 ignored
+    target[2::7] = 0
+    target[3::7] = v - 1
+    x[2::7, 0] = x[2::7].amax(-1) + 10  # confident at the first column
+    x[4::7, 0] = x[4::7].amax(-1) + 5  # the max in the first column, not the target
+    x[5::7, -1] = x[5::7].amax(-1) + 5
+    poison_allocator(torch.empty(2, m, device="cuda"), torch.empty(m, device="cuda"), x)
+    check_fused_forward(x, target, None, options, dtype)
+    # (the loss alone takes a shifted share at every V here; the gradient with softcap
+    # not where its capped values are kept in registers)
+    assert any(cfg.row_shift for _, cfg, _ in ops._forward_plans.values())
+
+    with monkeypatch.context() as patch:  # every third row, sentinels between
+        patch.setattr(ops, "shiftable", lambda *rows: True)
+        patch.setattr(ops, "_forward_plans", {})
+        sentinel = 7.0
+        grad_third = torch.full_like(x, sentinel)
+        stats = torch.empty(2, len(x[::3]), device="cuda")
+        lse = torch.empty(len(x[::3]), device="cuda")
+        ops._launch(x[::3], target[::3], None, stats, lse, grad_third[::3], None, *options)
+        ref_loss, ref_lse, ref_grad = reference(x[::3], target[::3], None, *options)
+        assert_close(stats[0], ref_loss, LOSS_TOL, scale=LOSS_SCALE, name="loss (every third)")
+        assert_close(lse, ref_lse, LOSS_TOL, scale=LOSS_SCALE, name="lse (every third)")
+        assert_close(grad_third[::3], ref_grad, dtype, scale=2.0, name="grad (every third)")
+        untouched = torch.cat([grad_third[1::3], grad_third[2::3]])
+        assert torch.equal(untouched, torch.full_like(untouched, sentinel))
+
+    _, smoothing, zloss, cap = options
+    kw = dict(label_smoothing=smoothing, lse_square_scale=zloss, softcap=cap or None)
+    xr = x.double().requires_grad_()
+    torch_cross_entropy(xr, target, None, **kw).backward()
+    for inplace in (False, True):
+        leaf = x.clone().requires_grad_()
+        poison_allocator(x, x)
+        loss = qk.cross_entropy(leaf * 1, target, inplace_backward=inplace, **kw)
+        loss.backward()
+        assert_close(leaf.grad, xr.grad, dtype, scale=2.0, name=f"grad (in place: {inplace})")
+        check_true_class_gradient(leaf.grad, xr.grad, x, target, 2e-2)

@@ -61,6 +61,14 @@ from ..primitives.config import (CE_LOOP_REGISTERS, CE_PLAIN_GRAD_LOOP_REGISTERS
 from ..primitives.rows import ReductionSlot, RowKernel, RowTiles, broadcast_rows
 
 
+def pads_past_row(smoothing: bool, softcap: bool) -> bool:
+    """Whether a share staged in shared memory without the weight row reads -inf past
+    the row end (its ``pad``: the max's and the sums' mask, capped to -s and counted with
+    softcap, see capped_placeholders); label smoothing without softcap sums z there, which
+    needs 0 instead."""
+    return softcap or not smoothing
+
+
 def _combine(a, b):
     """(max, sum of exp, sum of exp over the non-target classes) merged online, both
     sums rescaled to the new max; every further value is a plain sum."""
@@ -239,10 +247,7 @@ class CrossEntropyForward(RowKernel):
         staged = [mX]
         if cutlass.const_expr(self.stage_weight):
             staged.append(broadcast_rows(mWeight, mX.shape[0], cfg.n_cols))
-        # -inf past the row end stands for the mask of the max and the sum (capped to -s
-        # and counted with softcap, see capped_placeholders); without softcap not for
-        # smoothing's sum of z
-        pad = -math.inf if self.capped_placeholders or not (self.softcap or self.smoothing) \
+        pad = -math.inf if not self.stage_weight and pads_past_row(self.smoothing, self.softcap) \
             else None
         home = RowTiles(cfg, staged, smem, pad=pad, integer_widening=self.integer_widening)
         slot = ReductionSlot(smem, cfg, self.values_per_reduction, buffers=self.scratch_buffers)

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ..kernels.cross_entropy import CrossEntropyForward
+from ..kernels.cross_entropy import CrossEntropyForward, pads_past_row
 from ..kernels.mean_denominator import MeanDenominator
 from ..native import module as native_module
 from ..primitives.compile_cache import (
@@ -59,6 +59,7 @@ from ..primitives.config import (
     ce_prefetches_past_buffers,
     ce_reduces_in_kernel,
     grid_sum_slots,
+    shifted_row_share,
     mean_denominator_ctas,
     cross_entropy_row_config,
     loop_grid_rows,
@@ -76,6 +77,7 @@ from .common import (
     eager_cuda,
     kernel_key,
     resident_row_blocks,
+    shiftable,
     vector_limit,
 )
 
@@ -89,13 +91,24 @@ TARGET_DTYPES = (torch.int32, torch.int64)
 # ----------------------------------------------------------------------------- configs
 @functools.lru_cache(maxsize=None)
 def forward_config(n_cols: int, dtype: torch.dtype, stage_weight: bool, write_grad: bool,
-                   max_vec: int | None = None, softcap: bool = False) -> RowConfig:
+                   max_vec: int | None = None, softcap: bool = False,
+                   shifted: bool = False) -> RowConfig:
     """config.cross_entropy_row_config; rows one CTA holds loop with two staging buffers
     where they fit (prefetch of the next row block), and ask L2 for one block more where
-    config.ce_prefetches_past_buffers says so."""
+    config.ce_prefetches_past_buffers says so. ``shifted`` (shifts_rows): odd 16-bit rows
+    read from the 16-byte boundary before each where the gradient's share of the aligned
+    span stages them (config.shifted_row_share); the loss alone takes that share too (a
+    streamed share could not pad the row's edges in shared memory)."""
     elem_bytes = dtype.itemsize
     cfg = cross_entropy_row_config(n_cols, elem_bytes, stage_weight, write_grad, max_vec,
                                    softcap)
+    if shifted:
+        assert not stage_weight, "the weight row is not shifted with the logits"
+        span_share = functools.partial(forward_config, dtype=dtype, stage_weight=False,
+                                       write_grad=True, softcap=softcap and write_grad)
+        shifted_cfg = shifted_row_share(span_share, cfg, elem_bytes, elem_bytes)
+        if shifted_cfg is not None:
+            return shifted_cfg
     if not loops_over_row_blocks(cfg, write_grad):
         return cfg
     # sized for the variant with the most reduced values (every option on)
@@ -128,13 +141,13 @@ def forward_kernel(cfg: RowConfig, dtype: torch.dtype, target_dtype: torch.dtype
     rows = cute.sym_int()
     return (
         kernel,
-        fake_rows(dt, cfg.n_cols, cfg.vec, rows),
+        fake_rows(dt, cfg.n_cols, cfg.vec, rows, shifted=cfg.row_shift),
         fake_vector(tt, rows),
         fake_vector(cutlass.Float32, cute.sym_int(), cfg.vec if stage_weight else 1),
         fake_vector(cutlass.Float32, rows),
         fake_vector(cutlass.Float32, rows),
         fake_vector(cutlass.Float32, rows),
-        fake_rows(dt, cfg.n_cols, cfg.vec, rows),
+        fake_rows(dt, cfg.n_cols, cfg.vec, rows, shifted=cfg.row_shift),
         fake_strided_vector(cutlass.Float32, rows),
         fake_vector(cutlass.Float32, cute.sym_int()),
         fake_vector(cutlass.Int64, cute.sym_int()),
@@ -192,11 +205,22 @@ def kernel_flags(cfg: RowConfig, *, weighted: bool, smoothing: bool, zloss: bool
                 fixed_max=ce_fixed_max(softcap, cfg, weighted and smoothing, write_grad))
 
 
-def variant(n_cols: int, dtype: torch.dtype, **options) -> tuple[RowConfig, dict]:
+def shifts_rows(rows: Tensor, grad_out: Tensor, stage_weight: bool, smoothing: bool,
+                softcap: float) -> bool:
+    """Whether the forward may read these logits (and write ``grad_out``) shifted
+    (forward_config): ops.common.shiftable, where the kernel pads a staged row's edges
+    (pads_past_row) and stages no weight row beside it."""
+    return not stage_weight and pads_past_row(smoothing, softcap != 0.0) \
+        and shiftable(rows, grad_out)
+
+
+def variant(n_cols: int, dtype: torch.dtype, shifted: bool = False,
+            **options) -> tuple[RowConfig, dict]:
     """(config, kernel flags) of the forward launched with ``options`` (kernel_flags'
-    keywords) on rows of ``n_cols`` ``dtype`` logits."""
-    cfg = forward_config(n_cols, dtype, options["weighted"] and options["smoothing"],
-                         options["write_grad"], softcap=options["softcap"] != 0.0)
+    keywords) on rows of ``n_cols`` ``dtype`` logits (``shifted``: where shifts_rows)."""
+    stage_weight = options["weighted"] and options["smoothing"]
+    cfg = forward_config(n_cols, dtype, stage_weight, options["write_grad"],
+                         softcap=options["softcap"] != 0.0, shifted=shifted)
     return cfg, kernel_flags(cfg, **options)
 
 
@@ -230,15 +254,30 @@ REPORT_OPTIONS = {
 }
 
 
+# ... and those also run on shifted rows (the odd 16-bit rows of the grid): the training
+# step's, the loss alone with softcap (its placeholders counted on the shifted row) and
+# the plain mean of the loss alone
+SHIFTED_REPORT_OPTIONS = ("_grad", "_loss", "_plain_mean", "_grad_mean")
+
+
 def report_variants(n_grid, dtypes):
-    """Kernel variants for the sm_90a resource report: (name, n, dtype, cfg, build)."""
+    """Kernel variants for the sm_90a resource report: (name, n, dtype, cfg, build);
+    "_shifted" ones where the shifted rows' share applies. Not the gradient with the
+    loss reduced in the kernel where the gradient is the backward's
+    (config.ce_gradient_in_backward: no call launches it)."""
     for dtype in dtypes:
         for n in n_grid:
             for suffix, options in REPORT_OPTIONS.items():
-                cfg, flags = variant(n, dtype, **options)
-                yield (f"xent_fwd{suffix}", n, dtype, cfg,
-                       lambda n=n, dtype=dtype, cfg=cfg, flags=flags:
-                       forward_kernel(cfg, dtype, torch.int64, **flags))
+                if options["write_grad"] and options.get("reduce", "none") != "none" \
+                        and ce_gradient_in_backward(dtype):
+                    continue
+                for shifted in (False, True) if suffix in SHIFTED_REPORT_OPTIONS else (False,):
+                    cfg, flags = variant(n, dtype, shifted, **options)
+                    if shifted and not cfg.row_shift:
+                        continue
+                    yield (f"xent_fwd{suffix}{'_shifted' if shifted else ''}", n, dtype, cfg,
+                           lambda n=n, dtype=dtype, cfg=cfg, flags=flags:
+                           forward_kernel(cfg, dtype, torch.int64, **flags))
     for weighted in (False, True):  # (no row length or logits dtype of its own)
         yield (f"xent_mean_den{'_w' if weighted else ''}", 0, torch.int64,
                MeanDenominatorConfig(weighted),
@@ -369,13 +408,14 @@ def _forward_plan(rows: Tensor, target: Tensor, grad_out: Tensor, weighted: bool
                   write_grad: bool, reduce: str):
     """(compiled kernel, its config, the resident row blocks of a looping kernel or None
     for one row block per CTA)."""
+    shifted = shifts_rows(rows, grad_out, stage_weight, smoothing, softcap)
     key = (rows.shape[1], rows.dtype, target.dtype, rows.device.index, *alignment_key(rows),
-           *alignment_key(grad_out), weighted, stage_weight, smoothing, zloss, softcap,
-           write_grad, reduce)
+           *alignment_key(grad_out), shifted, weighted, stage_weight, smoothing, zloss,
+           softcap, write_grad, reduce)
     plan = _forward_plans.get(key)
     if plan is None:
         cfg = forward_config(rows.shape[1], rows.dtype, stage_weight, write_grad,
-                             vector_limit(rows, grad_out), softcap != 0.0)
+                             vector_limit(rows, grad_out), softcap != 0.0, shifted)
         flags = kernel_flags(cfg, weighted=weighted, smoothing=smoothing, zloss=zloss,
                              softcap=softcap, write_grad=write_grad, reduce=reduce)
         fn = compile_forward(cfg, rows.dtype, target.dtype, **flags)

@@ -308,7 +308,8 @@ class RowTiles:
             tiles = self.at_block(block_row, iteration % 2)
             self.at_block(block_row + grid_rows, (iteration + 1) % 2).issue_loads()
             return tiles
-        tiles = self.at_block(block_row)
+        # (a shifted view is of its CTA's own row: one row block per CTA)
+        tiles = self if self.cfg.row_shift else self.at_block(block_row)
         if not refills:
             tiles.issue_loads()
         return tiles
@@ -592,9 +593,10 @@ class RowTiles:
 
     def values_in_row(self) -> Int32:
         """How many of this thread's values lie inside the row (whole vectors are in or
-        out: cfg.vec values per in-row flag)."""
+        out: cfg.vec values per in-row flag; a shifted row's edge vectors partly)."""
         cfg = self.cfg
-        assert not cfg.row_shift, "a shifted row's edge vectors are partly in it"
+        if cutlass.const_expr(cfg.row_shift):
+            return self._shifted_values_in_row()
         if not cfg.needs_col_predicate:
             return Int32(cfg.thread_values_per_chunk * cfg.num_chunks)
         count = Int32(0)
@@ -603,16 +605,34 @@ class RowTiles:
                 count = count + cutlass.select_(self.preds[c][i], Int32(cfg.vec), Int32(0))
         return count
 
+    def _shifted_values_in_row(self) -> Int32:
+        """values_in_row of a shifted row: each vector's values before the row end, less
+        the ``shift`` values before the row in its first vector (the span's first)."""
+        cfg = self.cfg
+        count = Int32(0)
+        for c in range(cfg.num_chunks):
+            tXcX = self.coords[c]
+            for k in range(cute.size(tXcX, mode=[2])):
+                for v in range(cute.size(tXcX, mode=[0, 1])):
+                    before_end = self.row_end - self._vector_start(c, v, k)
+                    count = count + cutlass.min(cutlass.max(before_end, Int32(0)), Int32(cfg.vec))
+        starts_span = self._vector_start(0, 0, 0) == 0
+        return count - cutlass.select_(starts_span, self.shift, Int32(0))
+
     def holds_column(self, chunk: int, col: Int32):
         """(does this thread hold column ``col`` of its row in ``chunk``, the column's
-        offset from the thread's first value). A thread holds vectors t, t +
-        threads_per_row, ... (tiling.chunk_tv_layout)."""
+        offset from the thread's first value); ``col`` negative: none. A thread holds
+        vectors t, t + threads_per_row, ... (tiling.chunk_tv_layout)."""
         cfg = self.cfg
-        assert not cfg.row_shift, "columns of shifted rows are not taken one by one"
         offset = col - self.coords[chunk][0][1]
+        if cutlass.const_expr(cfg.row_shift):
+            # (a column -1 would be the row before's last, inside the span)
+            offset = col + self.shift - self.coords[chunk][0][1]
         stride = cfg.vec * cfg.threads_per_row  # a power of two
         held = (offset >= 0) & (offset < stride * cfg.vecs_per_thread) \
             & ((offset & (stride - 1)) < cfg.vec)
+        if cutlass.const_expr(cfg.row_shift):
+            held = held & (col >= 0)
         return held, offset
 
     @cute.jit
