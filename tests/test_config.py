@@ -897,22 +897,18 @@ def test_odd_16bit_cross_entropy_rows_are_shifted_where_they_may_be(n, dtype):
         ce.forward_config(n, dtype, True, True, shifted=True)
 
 
-def test_cross_entropy_shifts_rows_it_pads(monkeypatch):
-    """ops.cross_entropy.shifts_rows: shiftable rows, unless the weight row is staged or
-    label smoothing without softcap needs 0 past the row (kernels.cross_entropy.
-    pads_past_row), or shifting is off."""
+def test_cross_entropy_shifts_shiftable_rows_without_the_weight_row(monkeypatch):
+    """ops.cross_entropy.shifts_rows: shiftable logits and gradient rows, unless the
+    weight row is staged beside them, or shifting is off."""
     from quack_kernels.ops import cross_entropy as ce
 
     rows = torch.empty(4, 1031, dtype=torch.bfloat16)
     monkeypatch.setattr(config, "SHIFTED_ODD_ROWS", True)
-    assert ce.shifts_rows(rows, rows, False, False, 0.0)
-    assert ce.shifts_rows(rows, rows, False, True, 30.0)
-    assert not ce.shifts_rows(rows, rows, False, True, 0.0)
-    assert not ce.shifts_rows(rows, rows, True, True, 30.0)
-    assert not ce.shifts_rows(rows, torch.empty(4, 1032, dtype=torch.bfloat16)[:, 1:], False,
-                              False, 0.0)
+    assert ce.shifts_rows(rows, rows, False)
+    assert not ce.shifts_rows(rows, rows, True)
+    assert not ce.shifts_rows(rows, torch.empty(4, 1032, dtype=torch.bfloat16)[:, 1:], False)
     monkeypatch.setattr(config, "SHIFTED_ODD_ROWS", False)
-    assert not ce.shifts_rows(rows, rows, False, False, 0.0)
+    assert not ce.shifts_rows(rows, rows, False)
 
 
 def test_shiftable_rows(monkeypatch):

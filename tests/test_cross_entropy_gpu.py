@@ -705,8 +705,9 @@ def test_inplace_backward_invalidates_other_uses_of_the_logits():
 
 
 
-SHIFTED_OPTIONS = {"plain": (-100, 0.0, 0.0, 0.0), "zloss": (-100, 0.0, 1e-3, 0.0),
-                   "capped": (-100, 0.1, 1e-3, 30.0), "capped_wide": (-100, 0.0, 0.0, 50.0)}
+SHIFTED_OPTIONS = {"plain": (-100, 0.0, 0.0, 0.0), "smoothing": (-100, 0.1, 0.0, 0.0),
+                   "zloss": (-100, 0.0, 1e-3, 0.0), "capped": (-100, 0.1, 1e-3, 30.0),
+                   "capped_wide": (-100, 0.0, 0.0, 50.0)}
 
 
 @pytest.mark.parametrize("options", list(SHIFTED_OPTIONS))

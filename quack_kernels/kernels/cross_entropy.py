@@ -61,14 +61,6 @@ from ..primitives.config import (CE_LOOP_REGISTERS, CE_PLAIN_GRAD_LOOP_REGISTERS
 from ..primitives.rows import ReductionSlot, RowKernel, RowTiles, broadcast_rows
 
 
-def pads_past_row(smoothing: bool, softcap: bool) -> bool:
-    """Whether a share staged in shared memory without the weight row reads -inf past
-    the row end (its ``pad``: the max's and the sums' mask, capped to -s and counted with
-    softcap, see capped_placeholders); label smoothing without softcap sums z there, which
-    needs 0 instead."""
-    return softcap or not smoothing
-
-
 def _combine(a, b):
     """(max, sum of exp, sum of exp over the non-target classes) merged online, both
     sums rescaled to the new max; every further value is a plain sum."""
@@ -247,8 +239,12 @@ class CrossEntropyForward(RowKernel):
         staged = [mX]
         if cutlass.const_expr(self.stage_weight):
             staged.append(broadcast_rows(mWeight, mX.shape[0], cfg.n_cols))
-        pad = -math.inf if not self.stage_weight and pads_past_row(self.smoothing, self.softcap) \
-            else None
+        # -inf past the row end stands for the mask of the max and the sum (capped to -s
+        # and counted with softcap, see capped_placeholders); without softcap not for
+        # smoothing's sum of z, but for shifted rows (their edge vectors hold the rows'
+        # beside, which only the pad hides; smoothing's sum skips it, RowTiles.in_row_sum)
+        pad = -math.inf if self.capped_placeholders or not (self.softcap or self.smoothing) \
+            or cfg.row_shift else None
         home = RowTiles(cfg, staged, smem, pad=pad, integer_widening=self.integer_widening)
         slot = ReductionSlot(smem, cfg, self.values_per_reduction, buffers=self.scratch_buffers)
         if cutlass.const_expr(cfg.stages == 2):
@@ -379,8 +375,7 @@ class CrossEntropyForward(RowKernel):
                 tiles.wait_chunk(c)
                 if cutlass.const_expr(self.smoothing_aside):
                     # every class's z, the target's among them, before it is set aside
-                    sum_z = running[4] + red.thread_reduce(tiles.values(0, c, fill=0.0),
-                                                           cute.ReductionOp.ADD, 0.0)
+                    sum_z = running[4] + tiles.in_row_sum(0, c)
                     running = (*running[:4], sum_z, running[5])
                 if cutlass.const_expr(self.target_aside):
                     z_target = running[3] + tiles.take_column(0, c, target_col, -math.inf)

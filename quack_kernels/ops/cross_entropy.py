@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ..kernels.cross_entropy import CrossEntropyForward, pads_past_row
+from ..kernels.cross_entropy import CrossEntropyForward
 from ..kernels.mean_denominator import MeanDenominator
 from ..native import module as native_module
 from ..primitives.compile_cache import (
@@ -205,13 +205,10 @@ def kernel_flags(cfg: RowConfig, *, weighted: bool, smoothing: bool, zloss: bool
                 fixed_max=ce_fixed_max(softcap, cfg, weighted and smoothing, write_grad))
 
 
-def shifts_rows(rows: Tensor, grad_out: Tensor, stage_weight: bool, smoothing: bool,
-                softcap: float) -> bool:
+def shifts_rows(rows: Tensor, grad_out: Tensor, stage_weight: bool) -> bool:
     """Whether the forward may read these logits (and write ``grad_out``) shifted
-    (forward_config): ops.common.shiftable, where the kernel pads a staged row's edges
-    (pads_past_row) and stages no weight row beside it."""
-    return not stage_weight and pads_past_row(smoothing, softcap != 0.0) \
-        and shiftable(rows, grad_out)
+    (forward_config): ops.common.shiftable, without the weight row staged beside them."""
+    return not stage_weight and shiftable(rows, grad_out)
 
 
 def variant(n_cols: int, dtype: torch.dtype, shifted: bool = False,
@@ -255,9 +252,10 @@ REPORT_OPTIONS = {
 
 
 # ... and those also run on shifted rows (the odd 16-bit rows of the grid): the training
-# step's, the loss alone with softcap (its placeholders counted on the shifted row) and
-# the plain mean of the loss alone
-SHIFTED_REPORT_OPTIONS = ("_grad", "_loss", "_plain_mean", "_grad_mean")
+# step's, the loss alone with softcap (its placeholders counted on the shifted row), the
+# plain mean of the loss alone, and label smoothing (its sum of z masked value by value)
+SHIFTED_REPORT_OPTIONS = ("_grad", "_loss", "_plain_mean", "_grad_mean", "_smooth",
+                          "_smooth_mean")
 
 
 def report_variants(n_grid, dtypes):
@@ -408,7 +406,7 @@ def _forward_plan(rows: Tensor, target: Tensor, grad_out: Tensor, weighted: bool
                   write_grad: bool, reduce: str):
     """(compiled kernel, its config, the resident row blocks of a looping kernel or None
     for one row block per CTA)."""
-    shifted = shifts_rows(rows, grad_out, stage_weight, smoothing, softcap)
+    shifted = shifts_rows(rows, grad_out, stage_weight)
     key = (rows.shape[1], rows.dtype, target.dtype, rows.device.index, *alignment_key(rows),
            *alignment_key(grad_out), shifted, weighted, stage_weight, smoothing, zloss,
            softcap, write_grad, reduce)

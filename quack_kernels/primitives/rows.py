@@ -591,6 +591,34 @@ class RowTiles:
             # vector, plain-load staging and load() fill 0 before their predicated copies)
         return x
 
+    @cute.jit
+    def in_row_sum(self, i: cutlass.Constexpr[int], chunk: cutlass.Constexpr[int]) -> Float32:
+        """Sum of this thread's fp32 values of staged tensor ``i`` in ``chunk`` that lie in
+        the row. A shifted row's pad is no sum's identity, so its vectors are summed
+        whole where they lie inside the row (a select per vector) and its two edge
+        vectors value by value, in a branch only their threads take."""
+        if cutlass.const_expr(not self.cfg.row_shift):
+            return red.thread_reduce(self.values(i, chunk, fill=0.0), cute.ReductionOp.ADD, 0.0)
+        tXcX = self.coords[chunk]
+        values = cute.make_rmem_tensor(cute.make_layout(tXcX.shape), Float32)
+        values.store(self.values(i, chunk))
+        whole = tiling.vector_predicate(tXcX, self.row_end - self.cfg.vec + 1)
+        if cutlass.const_expr(chunk == 0):
+            whole[0, 0, 0] = whole[0, 0, 0] & (self._vector_start(chunk, 0, 0) >= self.shift)
+        total = cute.make_rmem_tensor(cute.make_layout(1), Float32)
+        total[0] = Float32(0.0)
+        for k in cutlass.range_constexpr(cute.size(tXcX, mode=[2])):
+            for v in cutlass.range_constexpr(cute.size(tXcX, mode=[0, 1])):
+                vector_sum = values[(0, v), 0, k]
+                for e in cutlass.range_constexpr(1, self.cfg.vec):
+                    vector_sum = vector_sum + values[(e, v), 0, k]
+                total[0] = total[0] + cutlass.select_(whole[v, 0, k], vector_sum, Float32(0.0))
+                if self._edge_vector(chunk, v, k):
+                    for e in cutlass.range_constexpr(self.cfg.vec):
+                        if self._value_in_row(chunk, v, k, e, in_row=True):
+                            total[0] = total[0] + values[(e, v), 0, k]
+        return total[0]
+
     def values_in_row(self) -> Int32:
         """How many of this thread's values lie inside the row (whole vectors are in or
         out: cfg.vec values per in-row flag; a shifted row's edge vectors partly)."""
