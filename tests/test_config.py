@@ -877,22 +877,28 @@ def test_shifted_rows_only_for_odd_16bit_rows_their_span_stages():
 @pytest.mark.parametrize("n", [16385, 50257, 131073, 262143])
 def test_odd_16bit_cross_entropy_rows_are_shifted_where_they_may_be(n, dtype):
     """The cross-entropy of odd 16-bit rows that may be shifted takes the gradient's
-    share of the aligned span, staged one row a CTA, with the gradient and for the
-    loss alone (whose unshifted long rows stream from global memory); with softcap the
-    gradient keeps its capped values in registers where that share does (then no
-    shift); never with the weight row staged."""
+    share of the aligned span, staged one row a CTA; the loss alone without softcap
+    or smoothing the span's streamed share where it has one (its loads fill the edges),
+    else the gradient's; with softcap the gradient keeps its capped values in registers
+    where that share does (then no shift); never with the weight row staged."""
     from quack_kernels.ops import cross_entropy as ce
 
-    for write_grad, softcap in itertools.product((False, True), repeat=2):
-        cfg = ce.forward_config(n, dtype, False, write_grad, softcap=softcap, shifted=True)
-        span = ce.forward_config(n + 7, dtype, False, True, softcap=softcap and write_grad)
+    span = -(-(n + 7) // 8) * 8
+    for write_grad, softcap, smoothing in itertools.product((False, True), repeat=3):
+        cfg = ce.forward_config(n, dtype, False, write_grad, softcap=softcap, shifted=True,
+                                smoothing=smoothing)
+        grad_share = ce.forward_config(span, dtype, False, True, softcap=softcap and write_grad)
         if not cfg.row_shift:
-            assert write_grad and softcap and span.staging == "registers", cfg
+            assert write_grad and softcap and grad_share.staging == "registers", cfg
             continue
+        streams = not (write_grad or softcap or smoothing) \
+            and ce.forward_config(span, dtype, False, False).staging == "global"
         assert cfg.n_cols == n and cfg.vec == 8 and cfg.cols_covered >= n + 7, cfg
         assert (cfg.staging, cfg.rows_per_block, cfg.register_chunks, cfg.stages,
-                cfg.l2_prefetch) == ("smem", 1, 0, 1, 0), cfg
+                cfg.l2_prefetch) == ("global" if streams else "smem", 1, 0, 1, 0), cfg
         assert not ce.forward_config(n, dtype, False, write_grad, softcap=softcap).row_shift
+    assert ce.forward_config(n, dtype, False, False, shifted=True).staging == \
+        ("global" if n > 65536 else "smem")  # (128 KiB rows and longer stream)
     with pytest.raises(AssertionError):
         ce.forward_config(n, dtype, True, True, shifted=True)
 

@@ -158,6 +158,12 @@ class CrossEntropyForward(RowKernel):
             self.block_registers = KEPT_CAPPED_REGISTERS
         # the loss alone of a share re-read from global memory: one streaming pass
         self.streams = cfg.staging == "global" and not write_grad and not self.stage_weight
+        # a shifted row streamed: its loads fill -inf outside it (RowTiles.load), which
+        # masks the max and the sum of exp; not the softcap's nor smoothing's terms
+        # (ops.cross_entropy.forward_config)
+        self.streams_shifted = self.streams and cfg.row_shift
+        assert not (self.streams_shifted and (softcap or smoothing)), \
+            "a streamed shifted row's fill is no capped logit's nor a sum of z's mask"
         plain_terms = not (weighted or smoothing or softcap)  # z-loss at most
         # whole 16-byte vectors in whole chunks (narrowed vectors of a misaligned tensor
         # and a partial last chunk spilled under the holds below)
@@ -362,12 +368,16 @@ class CrossEntropyForward(RowKernel):
                                       cutlass.select_(valid, target_col, Int32(0))]
                 running = (*running[:3], cutlass.select_(lead & valid, z_t.to(Float32),
                                                          Float32(0.0)), *running[4:])
+            # the target's column in the tiles, which a shifted row's start moves (none: -1)
+            tile_target = target_col
+            if cutlass.const_expr(cfg.row_shift):
+                tile_target = cutlass.select_(valid, target_col + tiles.shift, Int32(-1))
             # a dynamic loop, a few chunks unrolled so that their loads overlap
             row_max, row_sum, other_sum, z_t, sum_wz, sum_w = running
             for c in cutlass.range(cfg.num_chunks, unroll=STREAM_UNROLL):
                 # one method call per iteration (see RowKernel.for_each_row_block)
                 row_max, row_sum, other_sum, z_t, sum_wz, sum_w = self._streamed_chunk_stats(
-                    tiles, c, target_col, inv_softcap, softcap,
+                    tiles, c, tile_target, inv_softcap, softcap,
                     (row_max, row_sum, other_sum, z_t, sum_wz, sum_w))
             running = (row_max, row_sum, other_sum, z_t, sum_wz, sum_w)
         else:
@@ -508,8 +518,10 @@ class CrossEntropyForward(RowKernel):
     def _streamed_chunk_stats(self, tiles: RowTiles, chunk: Int32, target_col: Int32,
                               inv_softcap: Float32, softcap: Float32, running: tuple) -> tuple:
         """_chunk_stats of chunk ``chunk`` (a runtime index), read from global memory
-        (the target, when set aside, as -inf)."""
-        z = self._cap(tiles.load(tiles.staged[0], chunk), inv_softcap, softcap)
+        (the target, when set aside, as -inf); ``target_col`` is the target's column in
+        the tiles."""
+        fill = -math.inf if self.streams_shifted else 0.0
+        z = self._cap(tiles.load(tiles.staged[0], chunk, fill=fill), inv_softcap, softcap)
         tXcX = tiles.chunk_coords(chunk)
         if cutlass.const_expr(self.target_aside):
             z = cute.where(tiling.is_column(tXcX, target_col, self.column_offsets), -math.inf, z)
@@ -526,7 +538,8 @@ class CrossEntropyForward(RowKernel):
         n_cols = self.cfg.n_cols
         z_max_in = z
         z_sum_in = z
-        if cutlass.const_expr(self.cfg.needs_col_predicate and tiles.pad is None):
+        if cutlass.const_expr(self.cfg.needs_col_predicate and tiles.pad is None
+                              and not self.streams_shifted):
             z_max_in = tiling.mask_out_of_row(z, tXcX, n_cols, -math.inf)
             z_sum_in = tiling.mask_out_of_row(z, tXcX, n_cols, 0.0)
         bound = softcap if self.fixed_max \

@@ -92,23 +92,28 @@ TARGET_DTYPES = (torch.int32, torch.int64)
 @functools.lru_cache(maxsize=None)
 def forward_config(n_cols: int, dtype: torch.dtype, stage_weight: bool, write_grad: bool,
                    max_vec: int | None = None, softcap: bool = False,
-                   shifted: bool = False) -> RowConfig:
+                   shifted: bool = False, smoothing: bool = False) -> RowConfig:
     """config.cross_entropy_row_config; rows one CTA holds loop with two staging buffers
     where they fit (prefetch of the next row block), and ask L2 for one block more where
     config.ce_prefetches_past_buffers says so. ``shifted`` (shifts_rows): odd 16-bit rows
-    read from the 16-byte boundary before each where the gradient's share of the aligned
-    span stages them (config.shifted_row_share); the loss alone takes that share too (a
-    streamed share could not pad the row's edges in shared memory)."""
+    read from the 16-byte boundary before each (config.shifted_row_share): the loss alone
+    on the span's streamed share where it has one and its values need no mask beyond
+    the -inf its loads fill in (CrossEntropyForward.streams_shifted: no ``smoothing``, no
+    softcap), else on the gradient's share where that stages the span."""
     elem_bytes = dtype.itemsize
     cfg = cross_entropy_row_config(n_cols, elem_bytes, stage_weight, write_grad, max_vec,
                                    softcap)
     if shifted:
         assert not stage_weight, "the weight row is not shifted with the logits"
-        span_share = functools.partial(forward_config, dtype=dtype, stage_weight=False,
-                                       write_grad=True, softcap=softcap and write_grad)
-        shifted_cfg = shifted_row_share(span_share, cfg, elem_bytes, elem_bytes)
-        if shifted_cfg is not None:
-            return shifted_cfg
+        shares = [(True, False)] if write_grad or softcap or smoothing else \
+            [(False, True), (True, False)]  # (the span's share with the gradient, streamed)
+        for grad_share, streamed in shares:
+            span_share = functools.partial(forward_config, dtype=dtype, stage_weight=False,
+                                           write_grad=grad_share,
+                                           softcap=softcap and write_grad)
+            shifted_cfg = shifted_row_share(span_share, cfg, elem_bytes, elem_bytes, streamed)
+            if shifted_cfg is not None:
+                return shifted_cfg
     if not loops_over_row_blocks(cfg, write_grad):
         return cfg
     # sized for the variant with the most reduced values (every option on)
@@ -217,7 +222,8 @@ def variant(n_cols: int, dtype: torch.dtype, shifted: bool = False,
     keywords) on rows of ``n_cols`` ``dtype`` logits (``shifted``: where shifts_rows)."""
     stage_weight = options["weighted"] and options["smoothing"]
     cfg = forward_config(n_cols, dtype, stage_weight, options["write_grad"],
-                         softcap=options["softcap"] != 0.0, shifted=shifted)
+                         softcap=options["softcap"] != 0.0, shifted=shifted,
+                         smoothing=options["smoothing"])
     return cfg, kernel_flags(cfg, **options)
 
 
@@ -413,7 +419,7 @@ def _forward_plan(rows: Tensor, target: Tensor, grad_out: Tensor, weighted: bool
     plan = _forward_plans.get(key)
     if plan is None:
         cfg = forward_config(rows.shape[1], rows.dtype, stage_weight, write_grad,
-                             vector_limit(rows, grad_out), softcap != 0.0, shifted)
+                             vector_limit(rows, grad_out), softcap != 0.0, shifted, smoothing)
         flags = kernel_flags(cfg, weighted=weighted, smoothing=smoothing, zloss=zloss,
                              softcap=softcap, write_grad=write_grad, reduce=reduce)
         fn = compile_forward(cfg, rows.dtype, target.dtype, **flags)

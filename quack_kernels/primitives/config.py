@@ -1008,19 +1008,22 @@ SHIFTED_ODD_ROWS = True
 
 
 def shifted_row_share(share_of_span: Callable[[int], RowConfig], unshifted: RowConfig,
-                      elem_bytes: int, staged_bytes_per_col: int) -> RowConfig | None:
+                      elem_bytes: int, staged_bytes_per_col: int,
+                      streamed: bool = False) -> RowConfig | None:
     """The shifted share (see above) of the odd 16-bit rows ``unshifted`` was chosen for:
     ``share_of_span(span)`` is the kernel's share of aligned rows of ``span`` columns;
     None where that share does not stage the row tensors (``staged_bytes_per_col`` bytes
-    a column) in shared memory one row a CTA, or the rows are not odd 16-bit rows."""
+    a column) in shared memory one row a CTA (or, ``streamed``, read them from global
+    memory, the edges filled as loaded: RowTiles.load), or the rows are not odd 16-bit
+    rows."""
     n_cols = unshifted.n_cols
     if elem_bytes != 2 or vector_width(n_cols, elem_bytes) != 1:
         return None
     per_access = ACCESS_BYTES // elem_bytes
     cfg = share_of_span(-(-(n_cols + per_access - 1) // per_access) * per_access)
-    if not (stages_in_smem(cfg, staged_bytes_per_col) and cfg.rows_per_block == 1
-            and cfg.register_chunks == 0 and cfg.stages == 1 and cfg.l2_prefetch == 0
-            and whole_vectors(cfg, elem_bytes)):
+    placed = cfg.staging == "global" if streamed else stages_in_smem(cfg, staged_bytes_per_col)
+    if not (placed and cfg.rows_per_block == 1 and cfg.register_chunks == 0
+            and cfg.stages == 1 and cfg.l2_prefetch == 0 and whole_vectors(cfg, elem_bytes)):
         return None
     return dataclasses.replace(cfg, n_cols=n_cols, row_shift=True)
 

@@ -242,17 +242,18 @@ class RowTiles:
         self.num_rows = staged[0].shape[0]
         self.shift, self.row_end = 0, cfg.n_cols
         if cutlass.const_expr(cfg.row_shift):
-            assert self.pad is not None and cfg.rows_per_block == 1, \
-                "shifted rows: one row a CTA, its edges padded in shared memory"
+            assert (self.pad is not None or cfg.staging == "global") and cfg.rows_per_block == 1, \
+                "shifted rows: one row a CTA, its edges padded in shared memory or by load()"
             # (every tensor of the kernel has the row stride of the first: the host's
             # condition for shifting)
             start = Int64(block_row) * staged[0].stride[0]
             self.shift = Int32(start & (cfg.vec - 1))
             self.row_end = self.shift + cfg.n_cols
             self.span_start = start - Int64(self.shift)
-            coords = cute.make_identity_tensor((self.num_rows, cfg.cols_covered))
+            self.coord_shape = (self.num_rows, cfg.cols_covered)
         else:
-            coords = cute.make_identity_tensor(staged[0].shape)
+            self.coord_shape = staged[0].shape
+        coords = cute.make_identity_tensor(self.coord_shape)
         self.block_row = block_row
         self.tidx = tidx
         self.staged = staged
@@ -501,12 +502,13 @@ class RowTiles:
             self._copy_edge_values(chunk, padding, tXsX, in_row=False)
 
     @cute.jit
-    def _copy_edge_values(self, chunk: cutlass.Constexpr[int], src: cute.Tensor,
-                          dst: cute.Tensor, in_row: cutlass.Constexpr[bool]):
-        """Copy ``src``'s values of this thread's edge vectors in ``chunk`` of a shifted row
-        (_edge_vector) to ``dst`` value by value: those in the row (``in_row``), or those
-        outside it (the rows' beside it). A branch only the edges' threads take."""
-        tXcX = self.coords[chunk]
+    def _copy_edge_values(self, chunk, src: cute.Tensor, dst: cute.Tensor,
+                          in_row: cutlass.Constexpr[bool]):
+        """Copy ``src``'s values of this thread's edge vectors in ``chunk`` (an int or a
+        runtime index) of a shifted row (_edge_vector) to ``dst`` value by value: those in
+        the row (``in_row``), or those outside it (the rows' beside it). A branch only the
+        edges' threads take."""
+        tXcX = self.chunk_coords(chunk)
         for k in cutlass.range_constexpr(cute.size(tXcX, mode=[2])):
             for v in cutlass.range_constexpr(cute.size(tXcX, mode=[0, 1])):
                 if self._edge_vector(chunk, v, k):
@@ -522,18 +524,20 @@ class RowTiles:
             return (column >= self.shift) & (column < self.row_end)
         return (column < self.shift) | (column >= self.row_end)
 
-    def _vector_start(self, chunk: int, v: int, k: int):
+    def _vector_start(self, chunk, v: int, k: int):
         """Column (of the tiles) of this thread's vector (v, k) in ``chunk``."""
-        tXcX = self.coords[chunk]
+        tXcX = self.chunk_coords(chunk)
         return tXcX[0][1] + tiling.column_offset(tXcX, ((0, v), 0, k))
 
-    def _edge_vector(self, chunk: int, v: int, k: int):
-        """Whether this thread's vector (v, k) in ``chunk`` of a shifted row holds some of
-        the row but not all of it: the row starts or ends inside it."""
+    def _edge_vector(self, chunk, v: int, k: int):
+        """Whether this thread's vector (v, k) in ``chunk`` (an int or a runtime index) of
+        a shifted row holds some of the row but not all of it: the row starts or ends
+        inside it."""
         cfg = self.cfg
         start = self._vector_start(chunk, v, k)
         edge = (start < self.row_end) & (start + cfg.vec > self.row_end)
-        if chunk == 0 and tiling.column_offset(self.coords[chunk], ((0, v), 0, k)) < cfg.vec:
+        first_chunk = chunk == 0 if isinstance(chunk, int) else True
+        if first_chunk and tiling.column_offset(self.chunk_coords(chunk), ((0, v), 0, k)) < cfg.vec:
             # (only a thread's first vector in a CTA's first chunk can start before the row)
             edge = edge | (start < self.shift)
         return edge
@@ -699,8 +703,7 @@ class RowTiles:
         long share chunk by chunk)."""
         if isinstance(chunk, int):
             return self.coords[chunk]
-        assert not self.cfg.row_shift, "shifted rows are not streamed chunk by chunk"
-        tile = cute.local_tile(cute.make_identity_tensor(self.staged[0].shape),
+        tile = cute.local_tile(cute.make_identity_tensor(self.coord_shape),
                                tiling.chunk_tiler(self.cfg), (self.block_row, self.chunk_index(chunk)))
         return self.copy_vec[0].get_slice(self.tidx).partition_S(tile)
 
@@ -717,8 +720,8 @@ class RowTiles:
         """fp32 values (``raw``: in mX's own dtype) of an unstaged (M, N) tensor (or a
         ``broadcast_rows`` vector, with ``guard_rows=False``) in ``chunk`` (an int, or a
         runtime index), read straight from global memory; vectors past the row end (and
-        rows past M when guarded) read as ``fill``."""
-        assert not self.cfg.row_shift, "shifted rows are staged: their edges padded there"
+        rows past M when guarded) read as ``fill``, as do the values of a shifted row's
+        edge vectors outside it."""
         atom = tiling.vector_copy_atom(mX.element_type, self.cfg)
         tiled = tiling.tiled_copy(atom, self.cfg)
         thr = tiled.get_slice(self.tidx)
@@ -732,6 +735,10 @@ class RowTiles:
                 cute.copy(tiled, tXgX, tXrX, pred=self.chunk_predicate(chunk))
         else:
             cute.copy(tiled, tXgX, tXrX, pred=self.chunk_predicate(chunk))
+        if cutlass.const_expr(self.cfg.row_shift):
+            padding = cute.make_fragment_like(tXrX)
+            padding.fill(fill)
+            self._copy_edge_values(chunk, padding, tXrX, in_row=False)
         return tXrX.load() if cutlass.const_expr(raw) else self.to_fp32(tXrX.load())
 
     def accumulator(self, smem, chunk: int, in_registers: bool) -> cute.Tensor:
