@@ -606,9 +606,7 @@ class RowTiles:
         tXcX = self.coords[chunk]
         values = cute.make_rmem_tensor(cute.make_layout(tXcX.shape), Float32)
         values.store(self.values(i, chunk))
-        whole = tiling.vector_predicate(tXcX, self.row_end - self.cfg.vec + 1)
-        if cutlass.const_expr(chunk == 0):
-            whole[0, 0, 0] = whole[0, 0, 0] & (self._vector_start(chunk, 0, 0) >= self.shift)
+        whole = self._whole_vectors_in_row(chunk)
         total = cute.make_rmem_tensor(cute.make_layout(1), Float32)
         total[0] = Float32(0.0)
         for k in cutlass.range_constexpr(cute.size(tXcX, mode=[2])):
@@ -793,10 +791,14 @@ class RowTiles:
                        chunk: cutlass.Constexpr[int]):
         """A shifted row's store: whole vectors inside the row, its two edge vectors
         value by value (their other values are the rows' beside it)."""
-        tXcX = self.coords[chunk]
-        inside = tiling.vector_predicate(tXcX, self.row_end - self.cfg.vec + 1)
-        if cutlass.const_expr(chunk == 0):
+        cute.copy(tiled, tYrY, tYgY, pred=self._whole_vectors_in_row(chunk))
+        self._copy_edge_values(chunk, tYrY, tYgY, in_row=True)
+
+    def _whole_vectors_in_row(self, chunk: int) -> cute.Tensor:
+        """Per-vector flags of ``chunk`` of a shifted row: does the vector lie wholly
+        inside the row (not an edge vector, nor past the row end)?"""
+        inside = tiling.vector_predicate(self.coords[chunk], self.row_end - self.cfg.vec + 1)
+        if chunk == 0:
             # the first vector of the row, where it starts inside it (shift > 0)
             inside[0, 0, 0] = inside[0, 0, 0] & (self._vector_start(chunk, 0, 0) >= self.shift)
-        cute.copy(tiled, tYrY, tYgY, pred=inside)
-        self._copy_edge_values(chunk, tYrY, tYgY, in_row=True)
+        return inside
