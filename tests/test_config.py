@@ -878,9 +878,9 @@ def test_shifted_rows_only_for_odd_16bit_rows_their_span_stages():
 def test_odd_16bit_cross_entropy_rows_are_shifted_where_they_may_be(n, dtype):
     """The cross-entropy of odd 16-bit rows that may be shifted takes the gradient's
     share of the aligned span, staged one row a CTA; the loss alone without softcap
-    or smoothing the span's streamed share where it has one (its loads fill the edges),
-    else the gradient's; with softcap the gradient keeps its capped values in registers
-    where that share does (then no shift); never with the weight row staged."""
+    or smoothing the span's streamed share (its loads fill the edges: 16K columns and
+    more), else the gradient's; with softcap the gradient keeps its capped values in
+    registers where that share does (then no shift); never with the weight row staged."""
     from quack_kernels.ops import cross_entropy as ce
 
     span = -(-(n + 7) // 8) * 8
@@ -891,14 +891,17 @@ def test_odd_16bit_cross_entropy_rows_are_shifted_where_they_may_be(n, dtype):
         if not cfg.row_shift:
             assert write_grad and softcap and grad_share.staging == "registers", cfg
             continue
-        streams = not (write_grad or softcap or smoothing) \
-            and ce.forward_config(span, dtype, False, False).staging == "global"
+        streams = not (write_grad or softcap or smoothing)
         assert cfg.n_cols == n and cfg.vec == 8 and cfg.cols_covered >= n + 7, cfg
         assert (cfg.staging, cfg.rows_per_block, cfg.register_chunks, cfg.stages,
                 cfg.l2_prefetch) == ("global" if streams else "smem", 1, 0, 1, 0), cfg
         assert not ce.forward_config(n, dtype, False, write_grad, softcap=softcap).row_shift
-    assert ce.forward_config(n, dtype, False, False, shifted=True).staging == \
-        ("global" if n > 65536 else "smem")  # (128 KiB rows and longer stream)
+    streamed = ce.forward_config(n, dtype, False, False, shifted=True)
+    assert streamed == dataclasses.replace(config.streamed_loss_row_config(span, 2), n_cols=n,
+                                           row_shift=True)
+    short = ce.forward_config(config.SHIFTED_STREAMED_LOSS_MIN_COLS - 1, dtype, False, False,
+                              shifted=True)
+    assert short.staging != "global" or not short.row_shift
     with pytest.raises(AssertionError):
         ce.forward_config(n, dtype, True, True, shifted=True)
 

@@ -52,6 +52,7 @@ from ..primitives.config import (
     MEAN_DENOMINATOR_MAX_CTAS,
     MEAN_DENOMINATOR_THREADS,
     MEAN_TARGETS_IN_FLIGHT,
+    SHIFTED_STREAMED_LOSS_MIN_COLS,
     MeanDenominatorConfig,
     RowConfig,
     ce_fixed_max,
@@ -60,6 +61,7 @@ from ..primitives.config import (
     ce_reduces_in_kernel,
     grid_sum_slots,
     shifted_row_share,
+    streamed_loss_row_config,
     mean_denominator_ctas,
     cross_entropy_row_config,
     loop_grid_rows,
@@ -97,23 +99,24 @@ def forward_config(n_cols: int, dtype: torch.dtype, stage_weight: bool, write_gr
     where they fit (prefetch of the next row block), and ask L2 for one block more where
     config.ce_prefetches_past_buffers says so. ``shifted`` (shifts_rows): odd 16-bit rows
     read from the 16-byte boundary before each (config.shifted_row_share): the loss alone
-    on the span's streamed share where it has one and its values need no mask beyond
-    the -inf its loads fill in (CrossEntropyForward.streams_shifted: no ``smoothing``, no
-    softcap), else on the gradient's share where that stages the span."""
+    without softcap or ``smoothing`` streamed on the span's streamed share
+    (config.SHIFTED_STREAMED_LOSS_MIN_COLS), else on the gradient's share where that
+    stages the span."""
     elem_bytes = dtype.itemsize
     cfg = cross_entropy_row_config(n_cols, elem_bytes, stage_weight, write_grad, max_vec,
                                    softcap)
     if shifted:
         assert not stage_weight, "the weight row is not shifted with the logits"
-        shares = [(True, False)] if write_grad or softcap or smoothing else \
-            [(False, True), (True, False)]  # (the span's share with the gradient, streamed)
-        for grad_share, streamed in shares:
+        streams = not (write_grad or softcap or smoothing) \
+            and n_cols >= SHIFTED_STREAMED_LOSS_MIN_COLS
+        if streams:
+            span_share = functools.partial(streamed_loss_row_config, elem=elem_bytes)
+        else:
             span_share = functools.partial(forward_config, dtype=dtype, stage_weight=False,
-                                           write_grad=grad_share,
-                                           softcap=softcap and write_grad)
-            shifted_cfg = shifted_row_share(span_share, cfg, elem_bytes, elem_bytes, streamed)
-            if shifted_cfg is not None:
-                return shifted_cfg
+                                           write_grad=True, softcap=softcap and write_grad)
+        shifted_cfg = shifted_row_share(span_share, cfg, elem_bytes, elem_bytes, streams)
+        if shifted_cfg is not None:
+            return shifted_cfg
     if not loops_over_row_blocks(cfg, write_grad):
         return cfg
     # sized for the variant with the most reduced values (every option on)

@@ -1028,6 +1028,18 @@ def shifted_row_share(share_of_span: Callable[[int], RowConfig], unshifted: RowC
     return dataclasses.replace(cfg, n_cols=n_cols, row_shift=True)
 
 
+# The loss alone of shifted odd 16-bit rows without softcap or label smoothing (the -inf
+# its loads fill outside the row masks the max and the sum of exp, not their terms:
+# kernels.cross_entropy, streams_shifted) streams the span's streamed loss share (one
+# CTA a row or two) from this many columns, like the aligned rows of 128 KiB and more.
+# H200, kernels alone, % of the copy ceiling, the gradient's staged share of the span ->
+# streamed (results/cross_entropy_shifted_loss_streamed_H200_20261205.txt): bf16
+# 8192x16385 59.2 -> 75.1, 4096x50257 64.7 -> 71.9, 2048x100001 67.0 -> 73.6, 1024x131073
+# 66.3 -> 71.2, 512x262143 63.9 -> 75.1; fp16 4096x32001 83.3 -> 89.1. Shorter rows take
+# the gradient's share where it stages the span (not measured).
+SHIFTED_STREAMED_LOSS_MIN_COLS = 16 * 1024
+
+
 def _narrow_row_off_registers(n_cols: int, elem_bytes: int, clustered: RowConfig) -> bool:
     """Whether ``clustered`` is a share of odd 16-bit rows (one-value vectors) that does
     not hold them in registers (staged in shared memory, or re-read from global
@@ -1505,7 +1517,7 @@ def ce_reduces_in_kernel(num_rows: int, stage_weight: bool) -> bool:
     return num_rows > 0 and not stage_weight
 
 
-def _streamed_loss_row_config(n_cols: int, elem: int, max_vec: int | None) -> RowConfig:
+def streamed_loss_row_config(n_cols: int, elem: int, max_vec: int | None = None) -> RowConfig:
     """The streamed loss alone (see CE_STREAM_CHUNK_BYTES): chunks of four whole 16-byte
     vectors per thread; narrower vectors (a misaligned or odd row) keep
     streamed_row_config's values per thread."""
@@ -1627,7 +1639,7 @@ def _clustered_ce_row_config(n_cols: int, elem: int, stage_weight: bool, write_g
     """cross_entropy_row_config without its odd-row rule (see there)."""
     if not write_grad and not stage_weight:
         if n_cols * elem >= CE_STREAM_MIN_ROW_BYTES:
-            return _streamed_loss_row_config(n_cols, elem, max_vec)
+            return streamed_loss_row_config(n_cols, elem, max_vec)
         short = _short_loss_row_config(n_cols, elem, max_vec)
         if short is not None:
             return short
