@@ -915,7 +915,9 @@ def test_cross_entropy_shifts_shiftable_rows_without_the_weight_row(monkeypatch)
     monkeypatch.setattr(config, "SHIFTED_ODD_ROWS", True)
     assert ce.shifts_rows(rows, rows, False)
     assert not ce.shifts_rows(rows, rows, True)
-    assert not ce.shifts_rows(rows, torch.empty(4, 1032, dtype=torch.bfloat16)[:, 1:], False)
+    assert not ce.shifts_rows(rows, torch.empty(4, 1032, dtype=torch.bfloat16)[:, :1031], False)
+    assert not ce.shifts_rows(torch.empty(4 * 1031 + 1, dtype=torch.bfloat16)[1:].view(4, 1031),
+                              rows, False)  # (a misaligned base)
     monkeypatch.setattr(config, "SHIFTED_ODD_ROWS", False)
     assert not ce.shifts_rows(rows, rows, False)
 

@@ -754,9 +754,14 @@ def test_shifted_odd_rows(monkeypatch, v, dtype, options):
     x[5::7, -1] = x[5::7].amax(-1) + 5
     poison_allocator(torch.empty(2, m, device="cuda"), torch.empty(m, device="cuda"), x)
     check_fused_forward(x, target, None, options, dtype)
-    # (the loss alone takes a shifted share at every V here; the gradient with softcap
-    # not where its capped values are kept in registers)
-    assert any(cfg.row_shift for _, cfg, _ in ops._forward_plans.values())
+    # the plans it ran (by write_grad, the key's last but one): the loss alone shifted,
+    # streamed but with softcap or smoothing; the gradient shifted but with softcap where
+    # the capped values are kept in registers (up to 50257 columns here)
+    plans = {key[-2]: cfg for key, (_, cfg, _) in ops._forward_plans.items()}
+    softcap, smoothing = options[3] != 0.0, options[1] != 0.0
+    assert plans[False].row_shift
+    assert (plans[False].staging == "global") == (not softcap and not smoothing)
+    assert plans[True].row_shift == (not softcap or v > 50257), plans[True]
 
     with monkeypatch.context() as patch:  # every third row, sentinels between
         patch.setattr(ops, "shiftable", lambda *rows: True)

@@ -262,9 +262,10 @@ REPORT_OPTIONS = {
 
 # ... and those also run on shifted rows (the odd 16-bit rows of the grid): the training
 # step's, the loss alone with softcap (its placeholders counted on the shifted row), the
-# plain mean of the loss alone, and label smoothing (its sum of z masked value by value)
+# plain mean of the loss alone (streamed), label smoothing (its sum of z over the row's
+# values alone) and the capped gradient where its share stages the span
 SHIFTED_REPORT_OPTIONS = ("_grad", "_loss", "_plain_mean", "_grad_mean", "_smooth",
-                          "_smooth_mean")
+                          "_smooth_mean", "_capped", "_capped_wide")
 
 
 def report_variants(n_grid, dtypes):
