@@ -133,3 +133,15 @@ def assert_looping_launch_fits(kernel, name, n, dtype, cfg, res) -> None:
     regs = -(-res["regs"] // 8) * 8  # allocation granularity
     assert ctas * cfg.threads_per_block * regs <= REGISTERS_PER_SM, \
         f"{ctas} CTAs/SM of {name} n={n} {dtype} do not fit: {res}"
+
+
+def compiled_sass(kernel_and_fakes, folder, cuobjdump: str) -> tuple[dict, str]:
+    """(resource usage, SASS) of a kernel (``(kernel, *fake arguments)``) compiled with
+    its cubin kept in ``folder`` (a pathlib.Path, made if missing)."""
+    from quack_kernels.primitives.compile_cache import compile_kernel
+    from quack_kernels.report import _cubin_file, disassembly, resource_usage
+
+    folder.mkdir(exist_ok=True)
+    fn = compile_kernel(*kernel_and_fakes, keep_cubin_in=str(folder))
+    cubin = _cubin_file(fn.__cubin__, str(folder))
+    return resource_usage(cubin, cuobjdump), disassembly(cubin, cuobjdump)

@@ -20,6 +20,7 @@ from helpers import (
     assert_looping_launch_fits,
     check_cross_entropy_backward_paths,
     check_plain_backward_rescales_no_row,
+    compiled_sass,
     torch_cross_entropy,
 )
 
@@ -716,20 +717,13 @@ def test_shifted_odd_rows_take_16_byte_accesses(n, dtype, tmp_path, cuobjdump):
     gradient in 16-byte stores but for the edge vectors' values and the set-aside
     target's one value (2-byte stores). The unshifted loss of such rows reads 2-byte
     values (the contrast the test relies on)."""
-    from quack_kernels.primitives.compile_cache import compile_kernel
-    from quack_kernels.report import _cubin_file, disassembly, resource_usage, uninitialized_reads
-
-    def sass_of(build, folder):
-        folder.mkdir()
-        fn = compile_kernel(*build(), keep_cubin_in=str(folder))
-        cubin = _cubin_file(fn.__cubin__, str(folder))
-        return resource_usage(cubin, cuobjdump), disassembly(cubin, cuobjdump)
+    from quack_kernels.report import uninitialized_reads
 
     shifted = [v for v in ops.report_variants([n], [dtype]) if v[0].endswith("_shifted")]
     assert len(shifted) >= 3, shifted
     for suffix, _, _, cfg, build in shifted:
         assert cfg.row_shift, suffix
-        usage, sass = sass_of(build, tmp_path / suffix)
+        usage, sass = compiled_sass(build(), tmp_path / suffix, cuobjdump)
         assert usage["stack"] == 0 and usage["local"] == 0, (suffix, usage)
         assert uninitialized_reads(sass) == [], suffix
         vectors = cfg.num_chunks * cfg.vecs_per_thread
@@ -745,8 +739,9 @@ def test_shifted_odd_rows_take_16_byte_accesses(n, dtype, tmp_path, cuobjdump):
         else:
             assert wide == narrow == 0, suffix
     cfg, flags = ops.variant(n, dtype, False, **ops.REPORT_OPTIONS["_plain_mean"])
-    unshifted = lambda: ops.forward_kernel(cfg, dtype, torch.int64, **flags)  # noqa: E731
-    assert re.findall(r"\bLDG\.E\.U16\b", sass_of(unshifted, tmp_path / "unshifted")[1])
+    unshifted = ops.forward_kernel(cfg, dtype, torch.int64, **flags)
+    assert re.findall(r"\bLDG\.E\.U16\b", compiled_sass(unshifted, tmp_path / "unshifted",
+                                                         cuobjdump)[1])
 
 
 @pytest.mark.parametrize("inplace", [False, True])

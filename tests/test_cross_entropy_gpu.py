@@ -740,8 +740,8 @@ def test_shifted_odd_rows(monkeypatch, v, dtype, options):
     ignored rows (no target column: nothing of the row before may be taken or
     written); every third row alone (row stride 3V: shifted all the same) leaves the
     gradient rows between untouched; the public loss (the C++ step) and the in-place
-    backward. The loss alone of the longer rows without softcap or smoothing streams
-    them, its loads filling the edges (131073, 262143)."""
+    backward. The loss alone without softcap or smoothing streams the rows, its loads
+    filling the edges."""
     monkeypatch.setattr(config, "SHIFTED_ODD_ROWS", True)
     monkeypatch.setattr(ops, "_forward_plans", {})
     m = 25

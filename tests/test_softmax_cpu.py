@@ -9,9 +9,9 @@ from torch.library import opcheck
 
 import quack_kernels as qk
 from quack_kernels.ops import softmax as ops
-from quack_kernels.report import measure, resource_usage, spills
+from quack_kernels.report import measure, spills
 
-from helpers import assert_close
+from helpers import assert_close, compiled_sass
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -153,13 +153,8 @@ def test_shifted_odd_rows_take_16_byte_accesses(n, dtype, tmp_path, cuobjdump):
     vector store but the row's two edges' one 16-byte store, with no 2-byte global
     load, no spill; the edges' values are stored one by one (2-byte stores). Rows that
     may not be shifted keep 2-byte loads (the contrast the test relies on)."""
-    from quack_kernels.report import _cubin_file, disassembly
-    from quack_kernels.primitives.compile_cache import compile_kernel
-
     def sass_of(kernel_and_fakes):
-        fn = compile_kernel(*kernel_and_fakes, keep_cubin_in=str(tmp_path))
-        cubin = _cubin_file(fn.__cubin__, str(tmp_path))
-        return resource_usage(cubin, cuobjdump), disassembly(cubin, cuobjdump)
+        return compiled_sass(kernel_and_fakes, tmp_path, cuobjdump)
 
     fwd = ops.forward_config(n, dtype, 1, True)
     builds = [(fwd, 1, ops.forward_kernel(fwd, dtype, log)) for log in (False, True)]

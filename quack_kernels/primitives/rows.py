@@ -654,15 +654,13 @@ class RowTiles:
         offset from the thread's first value); ``col`` negative: none. A thread holds
         vectors t, t + threads_per_row, ... (tiling.chunk_tv_layout)."""
         cfg = self.cfg
-        offset = col - self.coords[chunk][0][1]
-        if cutlass.const_expr(cfg.row_shift):
-            # (a column -1 would be the row before's last, inside the span)
-            offset = col + self.shift - self.coords[chunk][0][1]
+        tile_col = col + self.shift if cutlass.const_expr(cfg.row_shift) else col
+        offset = tile_col - self.coords[chunk][0][1]
         stride = cfg.vec * cfg.threads_per_row  # a power of two
         held = (offset >= 0) & (offset < stride * cfg.vecs_per_thread) \
             & ((offset & (stride - 1)) < cfg.vec)
         if cutlass.const_expr(cfg.row_shift):
-            held = held & (col >= 0)
+            held = held & (col >= 0)  # (-1 + shift would be the row before's last value)
         return held, offset
 
     @cute.jit
