@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -145,3 +146,16 @@ def compiled_sass(kernel_and_fakes, folder, cuobjdump: str) -> tuple[dict, str]:
     fn = compile_kernel(*kernel_and_fakes, keep_cubin_in=str(folder))
     cubin = _cubin_file(fn.__cubin__, str(folder))
     return resource_usage(cubin, cuobjdump), disassembly(cubin, cuobjdump)
+
+
+def switched_on(monkeypatch, switch: str, caches) -> Iterator[None]:
+    """A fixture's body: config.``switch`` on for one test, the launch caches
+    (dicts) emptied before and after it (their keys do not hold the switch)."""
+    from quack_kernels.primitives import config
+
+    monkeypatch.setattr(config, switch, True)
+    for cache in caches:
+        cache.clear()
+    yield
+    for cache in caches:
+        cache.clear()

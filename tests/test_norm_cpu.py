@@ -2,6 +2,8 @@
 input errors, and compile-for-sm_90a of every kernel variant with zero spills."""
 
 
+import re
+
 import pytest
 import torch
 
@@ -351,6 +353,53 @@ def test_sm90a_variants_compile_without_spills(tmp_path, cuobjdump):
             assert res["regs"] <= 128, f"{name} n={n} {dtype}: {res}"
         if name == "bwd":
             assert_looping_launch_fits(kernel, name, n, dtype, cfg, res)
+
+
+@pytest.mark.parametrize("n, dtype, weight_dtype, rms, residual", [
+    (4097, torch.float16, torch.float16, False, False),
+    (50257, torch.bfloat16, torch.bfloat16, True, False),
+    (50257, torch.bfloat16, torch.float32, False, False),
+    (131073, torch.bfloat16, torch.bfloat16, False, True),
+    (262143, torch.float16, torch.float16, True, True)])
+def test_shifted_odd_rows_take_16_byte_accesses(n, dtype, weight_dtype, rms, residual, tmp_path,
+                                                cuobjdump):
+    """The norm forward of odd 16-bit rows read from the 16-byte boundary before each
+    (forward_config's ``shifted``): every staged vector of x (and the residual) one
+    16-byte cp.async, every vector of y (and the stream) but the row's two edges' one
+    16-byte store, the edges' values stored one by one; the weight and bias read one
+    value a thread and copy (coalesced), staged once a row, no spill. The rows that may
+    not be shifted take a load a value (the contrast the test relies on)."""
+    from helpers import compiled_sass
+
+    bias = None if rms else weight_dtype
+    args = (n, rms, dtype, dtype, residual, dtype, weight_dtype, bias, 1, None)
+    cfg = ops.forward_config(*args, True)
+    assert cfg.row_shift
+    usage, sass = compiled_sass(ops.forward_kernel(
+        cfg, rms, dtype, dtype, residual, residual, weight_dtype, bias, dtype),
+        tmp_path / "shifted", cuobjdump)
+    assert usage["stack"] == 0 and usage["local"] == 0, usage
+    vectors = cfg.num_chunks * cfg.vecs_per_thread
+    rows = 1 + residual
+    assert len(re.findall(r"\bLDGSTS\.E\.128\b", sass)) == rows * vectors
+    # (ptxas drops the stores of vectors that start past every shift's row end)
+    assert 0 < len(re.findall(r"\bSTG\.E\.128\b", sass)) <= rows * vectors
+    assert 0 < len(re.findall(r"\bSTG\.E\.U16\b", sass)) <= rows * vectors * cfg.vec
+    column_loads = cfg.cols_per_cta // cfg.threads_per_row * (1 if rms else 2)
+    # (LayerNorm reducing once reads the row's first value: its moments' reference)
+    moments = int(ops.NormForward(cfg, rms, *[ops.cutlass_dtype(dtype)] * 3, residual,
+                                  residual).moments)
+    # (ptxas drops the loads of columns past every shift's row end)
+    narrow = len(re.findall(r"\bLDG\.E\.U16\b", sass))
+    if weight_dtype == torch.float32:
+        assert 0 < len(re.findall(r"\bLDG\.E\s", sass)) <= column_loads and narrow == moments
+    else:
+        assert 0 < narrow - moments <= column_loads, (narrow, column_loads)
+    unshifted = ops.forward_config(*args)
+    _, sass = compiled_sass(ops.forward_kernel(
+        unshifted, rms, dtype, dtype, residual, residual, weight_dtype, bias, dtype),
+        tmp_path / "unshifted", cuobjdump)
+    assert re.findall(r"\bLDG\.E\.U16\b", sass) and not re.findall(r"\bLDGSTS\.E\.128\b", sass)
 
 
 def test_rows_too_long_for_shared_memory_are_refused_with_a_clear_error():

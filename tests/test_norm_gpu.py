@@ -11,7 +11,7 @@ from quack_kernels.ops import norm as ops
 from quack_kernels.primitives.config import (ODD_ROW_FORWARD_SHARES, ODD_ROW_FORWARD_VALUES,
                                              ODD_ROW_SHARES, loop_grid_rows)
 
-from helpers import assert_close, poison_allocator
+from helpers import assert_close, poison_allocator, switched_on
 
 pytestmark = pytest.mark.gpu
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -369,6 +369,96 @@ def test_forward_of_odd_rows(n, dtype, weight_dtype, rms):
     w = fresh(n, weight_dtype, 0.5, 1.0)
     b = None if rms else fresh(n, weight_dtype, 0.5)
     check_forward(x, w, b, 1e-5, rms)
+
+
+@pytest.fixture
+def shifted_norm_rows(monkeypatch):
+    yield from switched_on(monkeypatch, "SHIFTED_NORM_ROWS",
+                           (ops._forward_plans, ops._backward_plans))
+
+
+@pytest.mark.parametrize("n, dtype, weight_dtype", [
+    (2049, torch.bfloat16, torch.bfloat16), (4095, torch.float16, torch.float16),
+    (12289, torch.bfloat16, torch.float32), (50257, torch.bfloat16, torch.bfloat16),
+    (131071, torch.float16, torch.float16), (262143, torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("rms", [True, False])
+def test_shifted_odd_rows(n, dtype, weight_dtype, residual, rms, shifted_norm_rows):
+    """The forward of odd 16-bit rows read from the 16-byte boundary before each
+    (forward_config's ``shifted``), its weight and bias staged at each row's shift: 25
+    rows (every shift), large values in the rows' and the weight's first and last
+    columns, one row with a large mean; y, the stored stream, rstd and mean on poisoned
+    outputs against the fp64 reference, through the op and the public API (the C++
+    path, its backward unshifted); every third row alone (row stride 3N: every shift
+    again) leaves the rows between untouched; a misaligned copy takes the unshifted
+    share. Row lengths used by no other test of the C++ path (its plans outlive a
+    test)."""
+    from quack_kernels.ops.common import shiftable
+
+    m, eps = 25, 1e-5
+    x = fresh((m, n), dtype, 2.0, 0.5)
+    x[1::3, 0] = 30.0
+    x[2::3, -1] = -30.0
+    x[m // 2] += 300.0
+    r = fresh((m, n), dtype) if residual else None
+    w = fresh(n, weight_dtype, 0.5, 1.0)
+    w[0], w[-1] = 4.0, -4.0
+    b = None if rms else fresh(n, weight_dtype, 0.5)
+    if b is not None:
+        b[0], b[-1] = -5.0, 5.0
+    bias_dtype = None if rms else weight_dtype
+    cfg = ops.forward_config(n, rms, dtype, dtype, residual, dtype, weight_dtype, bias_dtype, 1,
+                             None, True)
+    # (LayerNorm's 262143 prenorm with a 16-bit weight fits: with fp32 it would not)
+    assert cfg.row_shift, cfg
+    ry, rh, rmean, rrstd = forward_ref(x, w, b, r, eps, 0.0, rms)
+
+    def check(y, h, mean, rstd, rows=slice(None)):
+        assert_close(y, ry[rows], dtype)
+        assert_close(rstd, rrstd[rows], torch.float32, name="rstd")
+        if residual:
+            assert_close(h, rh[rows], dtype, name="stream")
+        if not rms:
+            assert_close(mean, rmean[rows], torch.float32, name="mean",
+                         magnitude=rh[rows].float().abs().mean(-1))
+
+    stats = torch.empty(m, dtype=torch.float32, device="cuda")
+    poison_allocator(x, x, stats, stats)
+    check(*ops.norm_forward(x, w, b, r, eps, 0.0, rms, None, None, residual))
+
+    leaves = [t.clone().requires_grad_() for t in (x, w)]
+    norm = qk.rms_norm if rms else qk.layer_norm
+    kwargs = dict(eps=eps, residual=r, prenorm=residual, return_stats=True)
+    out = norm(*leaves, **kwargs) if rms else norm(*leaves, b, **kwargs)
+    y, h = out[0], out[1] if residual else None
+    check(y, h, None if rms else out[-2], out[-1])
+    dy = fresh((m, n), dtype)
+    y.backward(dy)
+    mean = None if rms else rmean.float()
+    ref_dh, ref_dw, _ = ops.norm_backward_reference(dy, rh, w, mean, rrstd.float(), None, 0.0,
+                                                    rms, compute_dtype=F64)
+    assert_close(leaves[0].grad, ref_dh, dtype, scale=4.0, name="dx")
+    assert_close(leaves[1].grad, ref_dw, weight_dtype, scale=4.0 * math.sqrt(m), name="dweight")
+
+    sentinel = 7.0
+    y_third = torch.full_like(x, sentinel)
+    h_third = torch.full_like(x, sentinel) if residual else None
+    mean_third = torch.empty(len(range(0, m, 3)), dtype=torch.float32, device="cuda")
+    rstd_third = torch.empty_like(mean_third)
+    fn = ops.compile_forward(cfg, rms, dtype, dtype, residual, residual, weight_dtype,
+                             bias_dtype, dtype)
+    fn(x[::3], r[::3] if residual else None, w, b, y_third[::3],
+       h_third[::3] if residual else None, None if rms else mean_third, rstd_third, eps, 0.0)
+    check(y_third[::3], h_third[::3] if residual else None, mean_third, rstd_third,
+          slice(None, None, 3))
+    for between in [t for t in (y_third, h_third) if t is not None]:
+        untouched = torch.cat([between[1::3], between[2::3]])
+        assert torch.equal(untouched, torch.full_like(untouched, sentinel))
+
+    misaligned = torch.empty(m * n + 1, dtype=dtype, device="cuda")[1:].view(m, n)
+    misaligned.copy_(x)
+    assert not shiftable(misaligned)
+    check(*ops.norm_forward(misaligned, w, b, r, eps, 0.0, rms, None, None, residual))
 
 
 @pytest.mark.parametrize("dtype, mean_value", [(torch.float16, 1e4), (torch.bfloat16, 1e3)])

@@ -10,7 +10,7 @@ from quack_kernels.ops import softmax as ops
 from quack_kernels.ops.common import shiftable
 from quack_kernels.primitives.config import row_config
 
-from helpers import assert_close, poison_allocator
+from helpers import assert_close, poison_allocator, switched_on
 
 pytestmark = pytest.mark.gpu
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -373,16 +373,8 @@ def test_rows_prefetched_to_l2(n, dtype, ahead):
 
 @pytest.fixture
 def shifted_rows_on(monkeypatch):
-    """config.SHIFTED_ODD_ROWS on for one test, the Python launch caches emptied before
-    and after it (their keys do not hold the switch)."""
-    from quack_kernels.primitives import config
-
-    monkeypatch.setattr(config, "SHIFTED_ODD_ROWS", True)
-    ops._forward_launch.clear()
-    ops._backward_launch.clear()
-    yield
-    ops._forward_launch.clear()
-    ops._backward_launch.clear()
+    yield from switched_on(monkeypatch, "SHIFTED_ODD_ROWS",
+                           (ops._forward_launch, ops._backward_launch))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -58,7 +58,7 @@ class NormForward(RowKernel):
     are compile-time switches (pass None for the absent ones)."""
 
     def __init__(self, cfg: RowConfig, rms: bool, x_dtype, residual_in_dtype, residual_dtype,
-                 has_residual: bool, store_residual: bool):
+                 has_residual: bool, store_residual: bool, column_dtypes: tuple = ()):
         self.cfg = cfg
         self.rms = rms
         self.has_residual = has_residual
@@ -81,6 +81,11 @@ class NormForward(RowKernel):
         self.columns_before_reduction = norm_forward_columns_before_reduction(
             len(self.staged_dtypes), self.staged_bytes_per_col, cfg)
         self.late_columns_together = late_columns_together(cfg)
+        if cfg.row_shift:
+            # a shifted row's weight and bias (``column_dtypes``) are staged in shared
+            # memory at its shift (RowTiles.stage_shifted_columns), read from there late
+            self.column_dtypes = column_dtypes
+            self.early_columns = self.columns_before_reduction = False
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mR, mW, mB, mY: cute.Tensor, mResOut, mMean,
@@ -92,7 +97,8 @@ class NormForward(RowKernel):
         """h = x (+ residual) of ``chunk``, 0 past the row end."""
         if cutlass.const_expr(self.adds_in_stream_dtype):
             h = tiles.to_fp32(tiles.values(0, chunk, raw=True) + tiles.values(1, chunk, raw=True))
-            if cutlass.const_expr(self.cfg.needs_col_predicate):
+            # (a shifted row's pad is 0 already)
+            if cutlass.const_expr(self.cfg.needs_col_predicate and not self.cfg.row_shift):
                 h = tiling.mask_out_of_row(h, tiles.coords[chunk], self.cfg.n_cols, 0.0)
             return h
         h = tiles.values(0, chunk, fill=0.0)
@@ -108,15 +114,18 @@ class NormForward(RowKernel):
             h = kept[c] if cfg.staging == "registers" else self._stream(tiles, c)
             d = h - center
             if cfg.needs_col_predicate:
-                d = tiling.mask_out_of_row(d, tiles.coords[c], cfg.n_cols, 0.0)
+                d = tiles.mask_outside_row(d, c, 0.0)
             total = total + red.thread_sum_of_squares(d)
         return total
 
     def _column(self, tiles: RowTiles, mV, chunk: int, raw: bool = False):
         """fp32 (``raw``: own dtype) values of the per-column vector ``mV`` in ``chunk``
-        (None for an absent one)."""
-        return None if mV is None else tiles.load(tiles.broadcast_rows(mV), chunk,
-                                                  guard_rows=False, raw=raw)
+        (None for an absent one; a shifted row's, staged: stage_shifted_columns)."""
+        if cutlass.const_expr(mV is None):
+            return None
+        if cutlass.const_expr(self.cfg.row_shift):
+            return tiles.column_values(mV, chunk, raw=raw)
+        return tiles.load(tiles.broadcast_rows(mV), chunk, guard_rows=False, raw=raw)
 
     def _share_columns(self, tiles: RowTiles, mW, mB) -> list:
         """(weight, bias) of every chunk of this CTA's share, loaded now in their own
@@ -137,11 +146,15 @@ class NormForward(RowKernel):
         cfg = self.cfg
         smem = SmemAllocator()
         staged = [mX, mR] if cutlass.const_expr(self.has_residual) else [mX]
-        tiles = RowTiles(cfg, staged, smem)
+        # (a shifted row's edge vectors hold the rows' beside it: padded with 0, no
+        # sum's term)
+        tiles = RowTiles(cfg, staged, smem, pad=0.0 if cutlass.const_expr(cfg.row_shift) else None)
         slots = [ReductionSlot(smem, cfg, self.values_per_reduction,
                                arrive=i == self.reductions - 1)
                  for i in range(self.reductions)]
         tiles.issue_loads()
+        if cutlass.const_expr(cfg.row_shift):
+            mW, mB = (None if v is None else tiles.stage_shifted_columns(smem, v) for v in (mW, mB))
         # (config.norm_forward_early_columns: the share's weight and bias in flight with
         # its row, instead of loaded per chunk in the output pass)
         held_columns = self._share_columns(tiles, mW, mB) \
@@ -174,7 +187,7 @@ class NormForward(RowKernel):
                     shift = h[0]
                 d = h - shift
                 if cutlass.const_expr(cfg.needs_col_predicate):
-                    d = tiling.mask_out_of_row(d, tiles.coords[c], cfg.n_cols, 0.0)
+                    d = tiles.mask_outside_row(d, c, 0.0)
                 partial = partial + red.thread_reduce(d, cute.ReductionOp.ADD, 0.0)
                 shifted_squares = shifted_squares + red.thread_sum_of_squares(d)
             else:

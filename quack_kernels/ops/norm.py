@@ -15,6 +15,7 @@ Ops (namespace ``quack_kernels``), usable directly by callers who want the stati
 from __future__ import annotations
 
 import functools
+import itertools
 
 from typing import Optional
 
@@ -24,6 +25,7 @@ from torch import Tensor
 from ..kernels.column_sum import ColumnSum
 from ..kernels.norm import NormBackward, NormForward
 from ..native import module as native_module
+from ..primitives import config
 from ..primitives.compile_cache import (SUPPORTED_DTYPES, compile_kernel, fake_rows, fake_vector,
                                         kernel_handle)
 from ..primitives.config import (
@@ -39,6 +41,7 @@ from ..primitives.config import (
     norm_forward_share,
     odd_row_forward_share,
     odd_row_register_share,
+    shifted_row_share,
     row_blocks_in_flight,
     register_share,
     row_config,
@@ -61,6 +64,7 @@ from .common import (
     kernel_key,
     resident_row_blocks,
     rows_view,
+    shiftable,
     vector_limit,
 )
 
@@ -73,6 +77,14 @@ def _stream_dtype(x: Tensor, residual: Optional[Tensor], residual_dtype) -> torc
 
 
 # ----------------------------------------------------------------------------- configs
+def shifts_rows(*rows: Tensor) -> bool:
+    """Whether the forward may read these (M, N) row tensors from the 16-byte boundary
+    before each (forward_config's ``shifted``): shiftable ones, where
+    config.SHIFTED_NORM_ROWS is on. The outputs the kernel writes (fresh, contiguous)
+    are among them, or (the C++ path's) shiftable whenever the inputs are."""
+    return config.SHIFTED_NORM_ROWS and shiftable(*rows)
+
+
 def _bytes(*dtypes) -> list[int]:
     return [d.itemsize for d in dtypes if d is not None]
 
@@ -80,17 +92,29 @@ def _bytes(*dtypes) -> list[int]:
 @functools.lru_cache(maxsize=None)  # on every call
 def forward_config(n_cols: int, rms: bool, x_dtype, residual_dtype, has_residual: bool,
                    out_dtype, weight_dtype=None, bias_dtype=None, max_vec: int | None = None,
-                   residual_in_dtype=None) -> RowConfig:
+                   residual_in_dtype=None, shifted: bool = False) -> RowConfig:
     """Vector width from the widest tensor touched per column (a 16-byte access of it);
     staged: x, and the residual (of ``residual_in_dtype``, default the stream's
     ``residual_dtype``) when given; CTA shares from config.norm_forward_share, RMSNorm's
     of x alone widened by config.widened_16bit_share, LayerNorm's of x alone staged by
-    config.staged_layer_norm_share; odd 16-bit rows of x alone as
-    config.odd_row_forward_share gives them."""
+    config.staged_layer_norm_share. Odd 16-bit rows: read from the 16-byte boundary
+    before each where they may be (``shifted``: shifts_rows) and the share of the
+    aligned span stages them with the weight and bias (config.shifted_row_share), else
+    those of x alone as config.odd_row_forward_share gives them."""
     residual_in_dtype = residual_in_dtype or residual_dtype
     staged = [x_dtype, residual_in_dtype] if has_residual else [x_dtype]
-    widest = max(_bytes(*staged, residual_dtype if has_residual else None, out_dtype,
-                        weight_dtype, bias_dtype))
+    row_widest = max(_bytes(*staged, residual_dtype if has_residual else None, out_dtype))
+    widest = max([row_widest, *_bytes(weight_dtype, bias_dtype)])
+    if shifted:
+        unshifted = forward_config(n_cols, rms, x_dtype, residual_dtype, has_residual,
+                                   out_dtype, weight_dtype, bias_dtype, max_vec,
+                                   residual_in_dtype)
+        # (the weight and bias are staged value by value: their width sets no vector)
+        rows_alone = functools.partial(
+            forward_config, rms=rms, x_dtype=x_dtype, residual_dtype=residual_dtype,
+            has_residual=has_residual, out_dtype=out_dtype, residual_in_dtype=residual_in_dtype)
+        return shifted_row_share(rows_alone, unshifted, row_widest,
+                                 sum(_bytes(*staged, weight_dtype, bias_dtype))) or unshifted
     bytes_per_col = sum(_bytes(*staged))
     cta_row_bytes, wide_clusters, values_per_thread = norm_forward_share(
         rms, len(staged), n_cols, bytes_per_col)
@@ -205,17 +229,21 @@ def forward_kernel(cfg: RowConfig, rms: bool, x_dtype, residual_dtype, has_resid
     residual_in_dtype = residual_in_dtype or residual_dtype
     vec, n, dt = cfg.vec, cfg.n_cols, cutlass_dtype
     rdt = dt(residual_dtype)
+    column_dtypes = tuple(dt(d) for d in (weight_dtype, bias_dtype) if d is not None)
     kernel = NormForward(cfg, rms, dt(x_dtype), dt(residual_in_dtype), rdt, has_residual,
-                         store_residual)
+                         store_residual, column_dtypes)
     rows = cute.sym_int()
+    row_tensor = functools.partial(fake_rows, n_cols=n, vec=vec, shifted=cfg.row_shift)
+    # (a shifted row's weight and bias are read value by value: any alignment)
+    column_align = 1 if cfg.row_shift else vec
     return (
         kernel,
-        fake_rows(dt(x_dtype), n, vec),
-        fake_rows(dt(residual_in_dtype), n, vec) if has_residual else None,
-        fake_vector(dt(weight_dtype), n, vec) if weight_dtype is not None else None,
-        fake_vector(dt(bias_dtype), n, vec) if bias_dtype is not None else None,
-        fake_rows(dt(out_dtype), n, vec),
-        fake_rows(rdt, n, vec) if store_residual else None,
+        row_tensor(dt(x_dtype)),
+        row_tensor(dt(residual_in_dtype)) if has_residual else None,
+        fake_vector(dt(weight_dtype), n, column_align) if weight_dtype is not None else None,
+        fake_vector(dt(bias_dtype), n, column_align) if bias_dtype is not None else None,
+        row_tensor(dt(out_dtype)),
+        row_tensor(rdt) if store_residual else None,
         fake_vector(Float32, rows) if not rms else None,
         fake_vector(Float32, rows),
         Float32(1e-6),
@@ -294,17 +322,22 @@ def _backward_kernel_object(cfg: RowConfig, rms: bool, h_dtype, dy_dtype, need_d
 def report_variants(n_grid, dtypes):
     """Kernel variants for the sm_90a resource report: (name, n, dtype, cfg, build).
     Per norm: forward with weight (and bias for LayerNorm); forward with a residual
-    whose stream is stored (prenorm); backward without and with dweight/dbias and a
+    whose stream is stored (prenorm); each of them shifted where its rows may be
+    (odd 16-bit rows: forward_config's ``shifted``); backward without and with dweight/dbias and a
     residual gradient."""
     for dtype in dtypes:
         for n in n_grid:
             for rms in (True, False):
                 name = "rms_norm" if rms else "layer_norm"
                 bias = None if rms else dtype
-                for has_residual in (False, True):
-                    cfg = forward_config(n, rms, dtype, dtype, has_residual, dtype, dtype, bias)
+                for has_residual, shifted in itertools.product((False, True), (False, True)):
+                    cfg = forward_config(n, rms, dtype, dtype, has_residual, dtype, dtype, bias,
+                                         shifted=shifted)
+                    if cfg.row_shift != shifted:
+                        continue  # (rows that are not shifted: the unshifted variant)
                     args = (cfg, rms, dtype, dtype, has_residual, has_residual, dtype, bias, dtype)
-                    yield (f"{name}_fwd" + ("_res" if has_residual else ""), n, dtype, cfg,
+                    yield (f"{name}_fwd" + ("_res" if has_residual else "")
+                           + ("_shifted" if shifted else ""), n, dtype, cfg,
                            lambda args=args: forward_kernel(*args))
                 for accumulators in (0, 1 if rms else 2):
                     dres = accumulators > 0
@@ -416,7 +449,7 @@ def _norm_forward_checked(x, weight, bias, residual, eps, weight_offset, rms, ou
                          weight.dtype if weight is not None else None,
                          bias.dtype if bias is not None else None, out_dtype,
                          residual.dtype if has_residual else None,
-                         vector_limit(*tensors, weight, bias))
+                         vector_limit(*tensors, weight, bias), shifts_rows(*tensors))
         fn(rows, res_rows, weight, bias, y, h if store_residual else None,
            mean if not rms else None, rstd, eps, weight_offset)
         if plan_key is not None:
@@ -526,11 +559,12 @@ def _norm_backward_checked(dy, h, weight, mean, rstd, dresidual_out, weight_offs
 
 def _forward_fn(n_cols: int, rms: bool, x_dtype, residual_dtype, has_residual: bool,
                 store_residual: bool, weight_dtype, bias_dtype, out_dtype, residual_in_dtype,
-                max_vec: int):
+                max_vec: int, shifted: bool):
     """The compiled forward for these dtypes and flags, ``max_vec`` elements per access
-    at most (the alignment of the tensors it runs on)."""
+    at most (the alignment of the tensors it runs on), rows read from the 16-byte
+    boundary before each where ``shifted`` (shifts_rows)."""
     cfg = forward_config(n_cols, rms, x_dtype, residual_dtype, has_residual, out_dtype,
-                         weight_dtype, bias_dtype, max_vec, residual_in_dtype)
+                         weight_dtype, bias_dtype, max_vec, residual_in_dtype, shifted)
     return compile_forward(cfg, rms, x_dtype, residual_dtype, has_residual, store_residual,
                            weight_dtype, bias_dtype, out_dtype, residual_in_dtype)
 
@@ -755,7 +789,8 @@ def _native_plan(native, x, weight, bias, residual, residual_dtype, eps, weight_
     store = has_residual and (prenorm or any(need))
     forward = _forward_fn(n_cols, rms, x.dtype, stream_dtype, has_residual, store, weight_dtype,
                           bias_dtype, x.dtype, residual.dtype if has_residual else None,
-                          vector_limit(x, residual, weight, bias))
+                          vector_limit(x, residual, weight, bias),
+                          shifts_rows(*(as_rows(t) for t in (x, residual) if t is not None)))
     variants, sums = [[0, 0, 0], [0, 0, 0]], [0, 0, 0]
     if any(need):
         # h as the backward reads it (x itself, or the stored stream: fresh, aligned) and

@@ -1005,6 +1005,10 @@ def odd_row_forward_share(share: Callable[..., RowConfig], clustered: RowConfig,
 # 93.5, 66.9 -> 98.7, 68.9 -> 98.8 (every cell won). The hosts take these shares where
 # SHIFTED_ODD_ROWS is on (ops.common.shiftable; tests turn it off to reach the others).
 SHIFTED_ODD_ROWS = True
+# The norm forward takes them too (ops.norm.shifts_rows), its weight and bias staged in
+# shared memory at each row's shift (RowTiles.stage_shifted_columns): off until measured
+# and tested on a GPU.
+SHIFTED_NORM_ROWS = False
 
 
 def shifted_row_share(share_of_span: Callable[[int], RowConfig], unshifted: RowConfig,

@@ -51,7 +51,7 @@ class RowKernel(GridSum):
     values_per_reduction: int = 1
     scratch_buffers: int = 1  # 2 for kernels looping over row blocks
     accumulators: int = 0  # fp32 per-column accumulators (see RowTiles.accumulator)
-    column_dtypes: tuple = ()  # per-column vectors staged once (RowTiles.stage_columns)
+    column_dtypes: tuple = ()  # per-column vectors staged (RowTiles.stage_[shifted_]columns)
     grid_sums: int = 0  # fp32 values summed over the grid at the end (block_sum scratch)
     loop_registers: int = LOOP_REGS_PER_THREAD  # per thread, when looping over row blocks
     block_registers: int | None = None  # per thread of a one-block-per-CTA launch, if held
@@ -464,11 +464,8 @@ class RowTiles:
         vectors of at least 4 bytes only). Each of a block's rows holds its own copy."""
         cfg = self.cfg
         assert tiling.copies_async(mV.element_type, cfg), "only cp.async zero-fills"
-        assert not cfg.row_shift, "per-column vectors are not shifted with the row"
-        sV = smem.allocate_tensor(
-            mV.element_type,
-            cute.make_ordered_layout((*tiling.chunk_tiler(cfg), cfg.num_chunks), order=(1, 0, 2)),
-            byte_alignment=16)
+        assert not cfg.row_shift, "a shifted row's columns: stage_shifted_columns"
+        sV = self._column_buffer(smem, mV.element_type)
         copy = tiling.tiled_copy(tiling.g2s_copy_atom(mV.element_type, cfg), cfg)
         thr = copy.get_slice(self.tidx)
         rows = self.broadcast_rows(mV)
@@ -479,16 +476,48 @@ class RowTiles:
         cute.arch.cp_async_wait_group(0)
         return sV
 
+    def _column_buffer(self, smem, dtype) -> cute.Tensor:
+        """Shared memory for this CTA's columns of a per-column vector, every chunk."""
+        cfg = self.cfg
+        return smem.allocate_tensor(
+            dtype,
+            cute.make_ordered_layout((*tiling.chunk_tiler(cfg), cfg.num_chunks), order=(1, 0, 2)),
+            byte_alignment=16)
+
     @cute.jit
-    def column_values(self, sV: cute.Tensor, chunk: cutlass.Constexpr[int]) -> cute.TensorSSA:
-        """fp32 values of chunk ``chunk`` of a ``stage_columns`` vector (each thread reads
-        what it copied itself: no barrier)."""
+    def stage_shifted_columns(self, smem, mV: cute.Tensor) -> cute.Tensor:
+        """This CTA's columns of the per-column vector ``mV`` (N,) lined up with its
+        shifted row: tile column p holds mV[p - shift] (0 outside the vector), read back
+        in whole vectors with ``column_values``. The row's shift moves each of mV's
+        values to another vector's place, so the values are copied one by one, by
+        consecutive threads (coalesced 2-byte loads, conflict-free stores), and the block
+        barrier here makes them visible to the threads that read them. Call after
+        ``issue_loads``: the row's copies are in flight meanwhile."""
+        cfg = self.cfg
+        assert cfg.row_shift and cfg.rows_per_block == 1, "one shifted row a CTA"
+        sV = self._column_buffer(smem, mV.element_type)
+        share = cute.make_tensor(sV.iterator, cute.make_layout(cfg.cols_per_cta))
+        first = self.cta_rank * cfg.cols_per_cta - self.shift  # mV's column at share column 0
+        for i in cutlass.range(cfg.cols_per_cta // cfg.threads_per_block, unroll_full=True):
+            at = i * cfg.threads_per_block + self.tidx
+            col = first + at
+            value = mV[cutlass.max(cutlass.min(col, Int32(cfg.n_cols - 1)), Int32(0))]
+            inside = (col >= 0) & (col < cfg.n_cols)
+            share[at] = cutlass.select_(inside, value, mV.element_type(0))
+        cute.arch.barrier()
+        return sV
+
+    @cute.jit
+    def column_values(self, sV: cute.Tensor, chunk: cutlass.Constexpr[int],
+                      raw: cutlass.Constexpr[bool] = False) -> cute.TensorSSA:
+        """fp32 values (``raw``: in sV's own dtype) of chunk ``chunk`` of a
+        ``stage_columns`` or ``stage_shifted_columns`` vector."""
         thr = tiling.tiled_copy(tiling.vector_copy_atom(sV.element_type, self.cfg),
                                 self.cfg).get_slice(self.tidx)
         src = thr.partition_S(sV[None, None, chunk])
         values = cute.make_fragment_like(src)
         cute.autovec_copy(src, values)
-        return self.to_fp32(values.load())
+        return values.load() if cutlass.const_expr(raw) else self.to_fp32(values.load())
 
     @cute.jit
     def _pad_row_end(self, i: cutlass.Constexpr[int], chunk: cutlass.Constexpr[int]):
@@ -620,6 +649,27 @@ class RowTiles:
                         if self._value_in_row(chunk, v, k, e, in_row=True):
                             total[0] = total[0] + values[(e, v), 0, k]
         return total[0]
+
+    @cute.jit
+    def mask_outside_row(self, values: cute.TensorSSA, chunk: cutlass.Constexpr[int],
+                         fill: Float32) -> cute.TensorSSA:
+        """``values`` (fp32, this thread's of ``chunk``) with those outside the row
+        replaced by ``fill`` (the identity of the reduction that follows): vectors past
+        the row end (tiling.mask_out_of_row); a shifted row's whole vectors by one flag
+        each, its two edge vectors value by value, in a branch only their threads take."""
+        if cutlass.const_expr(not self.cfg.row_shift):
+            return tiling.mask_out_of_row(values, self.coords[chunk], self.cfg.n_cols, fill)
+        tXcX = self.coords[chunk]
+        inside = cute.make_rmem_tensor(cute.make_layout(tXcX.shape), Boolean)
+        whole = self._whole_vectors_in_row(chunk)
+        for k in cutlass.range_constexpr(cute.size(tXcX, mode=[2])):
+            for v in cutlass.range_constexpr(cute.size(tXcX, mode=[0, 1])):
+                for e in cutlass.range_constexpr(self.cfg.vec):
+                    inside[(e, v), 0, k] = whole[v, 0, k]
+                if self._edge_vector(chunk, v, k):
+                    for e in cutlass.range_constexpr(self.cfg.vec):
+                        inside[(e, v), 0, k] = self._value_in_row(chunk, v, k, e, in_row=True)
+        return cute.where(inside.load(), values, fill)
 
     def values_in_row(self) -> Int32:
         """How many of this thread's values lie inside the row (whole vectors are in or
