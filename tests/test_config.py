@@ -957,6 +957,46 @@ def test_odd_16bit_norm_rows_are_shifted_where_they_may_be(n, dtype, weight_dtyp
         assert kernel.smem_bytes() <= config.SMEM_BYTES_PER_CTA
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [2049, 16385, 50257, 131073])
+def test_odd_16bit_norm_backward_rows_are_shifted_where_they_may_be(n, dtype):
+    """The norm backward of odd 16-bit rows that may be shifted takes the looping share
+    of the aligned span (config.shifted_row_share, looping): one row a CTA, one chunk in
+    registers or chunks in shared memory, one or two staging buffers, no L2 prefetch; the
+    weight staged (at the CTA's shift) and its launch within shared memory."""
+    from quack_kernels.ops import norm
+
+    for rms, dres in itertools.product((True, False), (False, True)):
+        sums = 1 if rms else 2
+        outs = (dtype,) * (3 if dres else 1)
+        cfg = norm.backward_config(n, dtype, dtype, outs, dtype, sums, 1, rms=rms, shifted=True)
+        assert not norm.backward_config(n, dtype, dtype, outs, dtype, sums, 1, rms=rms).row_shift
+        assert cfg.row_shift and cfg.n_cols == n and cfg.vec == 8, cfg
+        assert cfg.cols_covered >= n + 7 and cfg.staging in ("smem", "registers"), cfg
+        assert (cfg.rows_per_block, cfg.register_chunks, cfg.l2_prefetch) == (1, 0, 0), cfg
+        kernel = norm._backward_kernel_object(cfg, rms, dtype, dtype, True, not rms, dtype)
+        assert kernel.weight_staged and not kernel.holds_weight
+        assert kernel.launch_smem_bytes() <= config.SMEM_BYTES_PER_CTA
+
+
+def test_shifted_looping_grids_launch_multiples_of_8_row_blocks():
+    """config.shifted_resident_blocks: a looping grid of shifted rows launches a multiple
+    of 8 row blocks (at least 8), so each CTA visits rows of one shift; other grids as
+    many as are resident."""
+    shifted = config.RowConfig(n_cols=4097, vec=8, threads_per_row=256, rows_per_block=1,
+                               cluster_size=1, vecs_per_thread=2, num_chunks=1,
+                               staging="registers", row_shift=True)
+    assert [config.shifted_resident_blocks(shifted, r) for r in (132, 264, 396, 5, 8, 15)] == \
+        [128, 264, 392, 8, 8, 8]
+    unshifted = dataclasses.replace(shifted, row_shift=False)
+    assert config.shifted_resident_blocks(unshifted, 132) == 132
+    for resident in (128, 264):
+        for rows in (1, 7, 127, 128, 129, 100000):
+            grid = config.loop_grid_rows(shifted, rows, config.shifted_resident_blocks(
+                shifted, resident))
+            assert grid == rows or grid % 8 == 0
+
+
 def test_norm_shifts_shiftable_rows_where_switched_on(monkeypatch):
     """ops.norm.shifts_rows: shiftable rows (ops.common.shiftable) where
     config.SHIFTED_NORM_ROWS is on."""

@@ -356,6 +356,8 @@ def test_sm90a_variants_compile_without_spills(tmp_path, cuobjdump):
 
 
 @pytest.mark.parametrize("n, dtype, weight_dtype, rms, residual", [
+    (1001, torch.bfloat16, torch.bfloat16, False, True),  # one chunk held in registers
+    (2049, torch.bfloat16, torch.bfloat16, True, False),
     (4097, torch.float16, torch.float16, False, False),
     (50257, torch.bfloat16, torch.bfloat16, True, False),
     (50257, torch.bfloat16, torch.float32, False, False),
@@ -400,6 +402,35 @@ def test_shifted_odd_rows_take_16_byte_accesses(n, dtype, weight_dtype, rms, res
         unshifted, rms, dtype, dtype, residual, residual, weight_dtype, bias, dtype),
         tmp_path / "unshifted", cuobjdump)
     assert re.findall(r"\bLDG\.E\.U16\b", sass) and not re.findall(r"\bLDGSTS\.E\.128\b", sass)
+
+
+@pytest.mark.parametrize("n, dtype, rms, dres", [
+    (2049, torch.float16, False, False), (50257, torch.bfloat16, True, True),
+    (131073, torch.bfloat16, False, True)])
+def test_shifted_backward_takes_16_byte_accesses(n, dtype, rms, dres, tmp_path, cuobjdump):
+    """The norm backward of shifted odd 16-bit rows: h and dy staged in 16-byte cp.async
+    vectors (each row block's, issued for the next one too), the residual gradient read
+    and dx (and dresidual) stored in 16-byte vectors but their edges', the weight read
+    one value a copy once a CTA, the per-column sums stored one fp32 value a store at
+    the rows' own columns (the shift moves them off the vectors); no spill."""
+    from helpers import compiled_sass
+
+    sums = 1 if rms else 2
+    outs = (dtype,) * (3 if dres else 1)
+    cfg = ops.backward_config(n, dtype, dtype, outs, dtype, sums, 1, rms=rms, shifted=True)
+    assert cfg.row_shift
+    usage, sass = compiled_sass(ops.backward_kernel(
+        cfg, rms, dtype, dtype, dtype, dres, dtype if dres else None, dtype,
+        dtype if dres else None, True, not rms), tmp_path, cuobjdump)
+    assert usage["stack"] == 0 and usage["local"] == 0, usage
+    vectors = cfg.num_chunks * cfg.vecs_per_thread
+    # (issued in and before the loop; LTC128B: the DSL's L2 sector hint)
+    copies = len(re.findall(r"\bLDGSTS\.E(?:\.LTC128B)?\.128\b", sass))
+    assert copies in (2 * vectors, 4 * vectors), copies
+    assert 0 < len(re.findall(r"\bSTG\.E\.128\b", sass)) <= (1 + dres) * vectors
+    assert len(re.findall(r"\bLDG\.E\.128\b", sass)) == (vectors if dres else 0)
+    assert 0 < len(re.findall(r"\bLDG\.E\.U16\b", sass)) <= cfg.cols_per_cta // cfg.threads_per_row
+    assert 0 < len(re.findall(r"\bSTG\.E\s", sass)) <= sums * vectors * cfg.vec
 
 
 def test_rows_too_long_for_shared_memory_are_refused_with_a_clear_error():

@@ -377,10 +377,14 @@ def shifted_norm_rows(monkeypatch):
                            (ops._forward_plans, ops._backward_plans))
 
 
-@pytest.mark.parametrize("n, dtype, weight_dtype", [
-    (2049, torch.bfloat16, torch.bfloat16), (4095, torch.float16, torch.float16),
-    (12289, torch.bfloat16, torch.float32), (50257, torch.bfloat16, torch.bfloat16),
-    (131071, torch.float16, torch.float16), (262143, torch.bfloat16, torch.bfloat16)])
+# (row length, row dtype, weight dtype) of the shifted rows' tests, beside a short row each
+SHIFTED_ROWS = [(4095, torch.float16, torch.float16), (12289, torch.bfloat16, torch.float32),
+                (50257, torch.bfloat16, torch.bfloat16), (131071, torch.float16, torch.float16),
+                (262143, torch.bfloat16, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("n, dtype, weight_dtype",
+                         [(2049, torch.bfloat16, torch.bfloat16), *SHIFTED_ROWS])
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("rms", [True, False])
 def test_shifted_odd_rows(n, dtype, weight_dtype, residual, rms, shifted_norm_rows):
@@ -459,6 +463,39 @@ def test_shifted_odd_rows(n, dtype, weight_dtype, residual, rms, shifted_norm_ro
     misaligned.copy_(x)
     assert not shiftable(misaligned)
     check(*ops.norm_forward(misaligned, w, b, r, eps, 0.0, rms, None, None, residual))
+
+
+@pytest.mark.parametrize("n, dtype, weight_dtype",
+                         [(1001, torch.bfloat16, torch.bfloat16), *SHIFTED_ROWS])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("rms", [True, False])
+def test_shifted_odd_rows_backward(n, dtype, weight_dtype, residual, rms, shifted_norm_rows):
+    """The backward of odd 16-bit rows read from the 16-byte boundary before each
+    (backward_config's ``shifted``): its looping grid launches a multiple of 8 row
+    blocks (config.shifted_resident_blocks: each CTA visits rows of one shift, its
+    weight staged once at that shift), three row blocks a CTA and more; dx (and the
+    residual gradient), dweight and dbias on poisoned outputs against fp64, dy large at
+    the rows' edges and in the weight's first and last columns (LayerNorm of 1001 and
+    262143 columns: unshifted)."""
+    dres_dtype = dtype if residual else None
+    plan = ops._backward_plan(n, rms, dtype, dtype, weight_dtype, dres_dtype, dtype, dres_dtype,
+                              True, None if rms else weight_dtype, 1, True,
+                              torch.device("cuda"))
+    cfg, resident = plan[1], plan[2]
+    # (LayerNorm's span shares at 1001 and 262143 columns hold two rows a CTA, or re-read
+    # them: those rows keep their one-value share)
+    assert cfg.row_shift == (rms or n not in (1001, 262143)), cfg
+    assert resident % 8 == 0 or not cfg.row_shift, resident
+    m = 3 * resident + 5
+    h = fresh((m, n), dtype, 2.0, 0.5)
+    dy = fresh((m, n), dtype)
+    dy[:, 0] *= 40
+    dy[:, -1] *= 40
+    w = fresh(n, weight_dtype, 0.5, 1.0)
+    w[0], w[-1] = 4.0, -4.0
+    _, _, mean, rstd = ops.norm_reference(h, None, None, None, 1e-5, 0.0, rms)
+    check_backward(dy, h, w, None if rms else mean, rstd, 0.0, rms,
+                   dres_out=fresh((m, n), dtype) if residual else None, need_db=not rms)
 
 
 @pytest.mark.parametrize("dtype, mean_value", [(torch.float16, 1e4), (torch.bfloat16, 1e3)])

@@ -277,7 +277,10 @@ class NormBackward(RowKernel):
         # chunk in registers (its columns are the same in every block), else staged once
         # in shared memory where config.stage_columns_once says so (not with vectors
         # under 4 bytes, which cp.async cannot zero-fill past the row end).
-        if weight_dtype is not None and tiling.copies_async(weight_dtype, cfg) \
+        if cfg.row_shift:
+            # (staged at the shift of the rows this CTA visits: stage_shifted_columns)
+            self.column_dtypes = () if weight_dtype is None else (weight_dtype,)
+        elif weight_dtype is not None and tiling.copies_async(weight_dtype, cfg) \
                 and not self.holds_weight:
             alone = loop_ctas_per_sm(cfg, self.smem_bytes(), self.loop_registers)
             self.column_dtypes = (weight_dtype,)
@@ -302,8 +305,8 @@ class NormBackward(RowKernel):
     @property
     def holds_weight(self) -> bool:
         """Whether weight + offset is loaded once into registers before the loop over row
-        blocks (config.norm_backward_holds_weight)."""
-        return norm_backward_holds_weight(self.cfg, self.fma_form)
+        blocks (config.norm_backward_holds_weight; a shifted row's is staged)."""
+        return norm_backward_holds_weight(self.cfg, self.fma_form) and not self.cfg.row_shift
 
     @property
     def rereads_unmasked(self) -> bool:
@@ -337,7 +340,8 @@ class NormBackward(RowKernel):
                mdResOut, mdX, mdRes, mdW, mdB, weight_offset: Float32, grid_rows: Int32):
         cfg = self.cfg
         smem = SmemAllocator()
-        home = RowTiles(cfg, [mH, mdY], smem)
+        # (a shifted row's edge vectors hold the rows' beside it: padded with 0)
+        home = RowTiles(cfg, [mH, mdY], smem, pad=0.0 if cutlass.const_expr(cfg.row_shift) else None)
         slot = ReductionSlot(smem, cfg, self.values_per_reduction, buffers=self.scratch_buffers)
         acc_w = [home.accumulator(smem, c, self.sums_in_registers)
                  for c in range(cfg.num_chunks)] if self.need_dweight else []
@@ -347,7 +351,8 @@ class NormBackward(RowKernel):
         if cutlass.const_expr(mW is not None and self.holds_weight):
             sW = home.kept_in_registers(self._weight(home, mW, 0, weight_offset), 0)
         elif cutlass.const_expr(mW is not None and self.weight_staged):
-            sW = home.stage_columns(smem, mW)
+            sW = home.stage_shifted_columns(smem, mW) if cutlass.const_expr(cfg.row_shift) \
+                else home.stage_columns(smem, mW)
         if cutlass.const_expr(cfg.cluster_size > 1):
             cute.arch.cluster_wait()
         if cutlass.const_expr(cfg.stages == 2 or self.refills_chunks):
@@ -361,9 +366,17 @@ class NormBackward(RowKernel):
 
         for c in cutlass.range_constexpr(cfg.num_chunks):
             if cutlass.const_expr(self.need_dweight):
-                home.store(mdW, c, acc_w[c].load(), guard_rows=False)
+                self._store_sums(home, mdW, c, acc_w[c].load())
             if cutlass.const_expr(self.need_dbias):
-                home.store(mdB, c, acc_b[c].load(), guard_rows=False)
+                self._store_sums(home, mdB, c, acc_b[c].load())
+
+    def _store_sums(self, home: RowTiles, mP: cute.Tensor, c: int, sums: cute.TensorSSA):
+        """This CTA's per-column sums of chunk ``c`` as its row of the partials ``mP`` (a
+        shifted row's at their own columns)."""
+        if cutlass.const_expr(self.cfg.row_shift):
+            home.store_shifted_columns(mP, c, sums)
+        else:
+            home.store(mP, c, sums, guard_rows=False)
 
     def _row_stats(self, tiles: RowTiles, mMean, mRstd):
         """(rstd, mean) of this thread's row of ``tiles`` loaded from global memory (mean
@@ -490,7 +503,7 @@ class NormBackward(RowKernel):
         xhat = (h - mean) * rstd
         if cutlass.const_expr(self.cfg.needs_col_predicate and not self.rms):
             # (RMSNorm's is 0 there already: h is, and its mean is 0)
-            xhat = tiling.mask_out_of_row(xhat, tiles.coords[c], self.cfg.n_cols, 0.0)
+            xhat = tiles.mask_outside_row(xhat, c, 0.0)
         g = self._g(tiles, c, mW, dy, weight_offset)
         if cutlass.const_expr(acc_w is not None and self.need_dweight):
             acc_w[c].store(acc_w[c].load() + dy * xhat)

@@ -30,6 +30,7 @@ from ..primitives.compile_cache import (SUPPORTED_DTYPES, compile_kernel, fake_r
                                         kernel_handle)
 from ..primitives.config import (
     ColumnSumConfig,
+    SMEM_BYTES_PER_CTA,
     SUM_THREADS_PER_ROW,
     RowConfig,
     column_sum_config,
@@ -43,6 +44,7 @@ from ..primitives.config import (
     odd_row_register_share,
     shifted_row_share,
     row_blocks_in_flight,
+    shifted_resident_blocks,
     register_share,
     row_config,
     rows_alone_in_smem,
@@ -114,7 +116,8 @@ def forward_config(n_cols: int, rms: bool, x_dtype, residual_dtype, has_residual
             forward_config, rms=rms, x_dtype=x_dtype, residual_dtype=residual_dtype,
             has_residual=has_residual, out_dtype=out_dtype, residual_in_dtype=residual_in_dtype)
         return shifted_row_share(rows_alone, unshifted, row_widest,
-                                 sum(_bytes(*staged, weight_dtype, bias_dtype))) or unshifted
+                                 sum(_bytes(*staged, weight_dtype, bias_dtype)),
+                                 through_smem=True) or unshifted
     bytes_per_col = sum(_bytes(*staged))
     cta_row_bytes, wide_clusters, values_per_thread = norm_forward_share(
         rms, len(staged), n_cols, bytes_per_col)
@@ -134,14 +137,18 @@ def backward_config(n_cols: int, h_dtype, dy_dtype, out_dtypes: tuple, weight_dt
                     accumulators: int, max_vec: int | None = None,
                     cta_row_bytes: int | None = None,
                     values_per_thread: int | None = None,
-                    max_threads_per_row: int | None = None, rms: bool = False) -> RowConfig:
+                    max_threads_per_row: int | None = None, rms: bool = False,
+                    shifted: bool = False) -> RowConfig:
     """Staged: h and dy; every fp32 dweight/dbias accumulator counts as one more
     tensor kept per column (in registers when config.sums_in_registers, else shared
     memory). ``cta_row_bytes``, ``values_per_thread`` and ``max_threads_per_row``
     default to the norm backward's tuning (config.norm_backward_register_threads, else
     config.norm_backward_share, and SUM_THREADS_PER_ROW for shares whose sums would
     otherwise leave registers); sweeps override them. ``rms``: the config of an RMSNorm
-    (else one LayerNorm fits too)."""
+    (else one LayerNorm fits too). Odd 16-bit rows read from the 16-byte boundary
+    before each where they may be (``shifted``: shifts_rows) take the share of the
+    aligned span (config.shifted_row_share, through shared memory) where it fits with the weight
+    staged beside it."""
     widest = max(_bytes(h_dtype, dy_dtype, weight_dtype, *out_dtypes))
     staged_bytes = _bytes(h_dtype, dy_dtype)
     staged = max(staged_bytes)
@@ -151,6 +158,17 @@ def backward_config(n_cols: int, h_dtype, dy_dtype, out_dtypes: tuple, weight_dt
     # changed no config of 1344 checked: those shares take one CTA per SM either way)
     kernel_for = lambda c: _backward_kernel_object(  # noqa: E731
         c, False, h_dtype, dy_dtype, accumulators >= 1, accumulators >= 2, weight_dtype)
+    if shifted:
+        unshifted = backward_config(n_cols, h_dtype, dy_dtype, out_dtypes, weight_dtype,
+                                    accumulators, max_vec, rms=rms)
+        # (the weight is staged value by value: its width sets no vector)
+        rows_alone = functools.partial(backward_config, h_dtype=h_dtype, dy_dtype=dy_dtype,
+                                       out_dtypes=out_dtypes, weight_dtype=None,
+                                       accumulators=accumulators, rms=rms)
+        cfg = shifted_row_share(rows_alone, unshifted, max(_bytes(h_dtype, dy_dtype, *out_dtypes)),
+                                sum(_bytes(h_dtype, dy_dtype, weight_dtype)), through_smem=True)
+        fits = cfg is not None and kernel_for(cfg).launch_smem_bytes() <= SMEM_BYTES_PER_CTA
+        return cfg if fits else unshifted
     tuned = all(v is None for v in (cta_row_bytes, values_per_thread, max_threads_per_row))
     register_threads = norm_backward_register_threads(staged, accumulators, n_cols, rms,
                                                       max_vec)
@@ -234,8 +252,7 @@ def forward_kernel(cfg: RowConfig, rms: bool, x_dtype, residual_dtype, has_resid
                          store_residual, column_dtypes)
     rows = cute.sym_int()
     row_tensor = functools.partial(fake_rows, n_cols=n, vec=vec, shifted=cfg.row_shift)
-    # (a shifted row's weight and bias are read value by value: any alignment)
-    column_align = 1 if cfg.row_shift else vec
+    column_align = _column_alignment(cfg)
     return (
         kernel,
         row_tensor(dt(x_dtype)),
@@ -249,6 +266,12 @@ def forward_kernel(cfg: RowConfig, rms: bool, x_dtype, residual_dtype, has_resid
         Float32(1e-6),
         Float32(0.0),
     )
+
+
+def _column_alignment(cfg: RowConfig) -> int:
+    """Elements the per-column vectors' bases are aligned to: a vector, but for shifted
+    rows, whose weight and bias are read value by value (stage_shifted_columns)."""
+    return 1 if cfg.row_shift else cfg.vec
 
 
 def compile_forward(cfg: RowConfig, rms: bool, x_dtype, residual_dtype, has_residual: bool,
@@ -271,16 +294,18 @@ def backward_kernel(cfg: RowConfig, rms: bool, h_dtype, dy_dtype, weight_dtype,
     kernel = _backward_kernel_object(cfg, rms, h_dtype, dy_dtype, need_dweight, need_dbias,
                                      weight_dtype)
     rows = cute.sym_int()
+    row_tensor = functools.partial(fake_rows, n_cols=n, vec=vec, shifted=cfg.row_shift)
     return (
         kernel,
-        fake_rows(dt(h_dtype), n, vec),
-        fake_rows(dt(dy_dtype), n, vec),
-        fake_vector(dt(weight_dtype), n, vec) if weight_dtype is not None else None,
+        row_tensor(dt(h_dtype)),
+        row_tensor(dt(dy_dtype)),
+        fake_vector(dt(weight_dtype), n, _column_alignment(cfg)) if weight_dtype is not None
+        else None,
         fake_vector(Float32, rows) if not rms else None,
         fake_vector(Float32, rows),
-        fake_rows(dt(dresidual_out_dtype), n, vec) if has_dresidual_out else None,
-        fake_rows(dt(dx_dtype), n, vec) if dx_dtype is not None else None,
-        fake_rows(dt(dresidual_dtype), n, vec) if dresidual_dtype is not None else None,
+        row_tensor(dt(dresidual_out_dtype)) if has_dresidual_out else None,
+        row_tensor(dt(dx_dtype)) if dx_dtype is not None else None,
+        row_tensor(dt(dresidual_dtype)) if dresidual_dtype is not None else None,
         fake_rows(Float32, n, vec) if need_dweight else None,
         fake_rows(Float32, n, vec) if need_dbias else None,
         Float32(0.0),
@@ -339,13 +364,18 @@ def report_variants(n_grid, dtypes):
                     yield (f"{name}_fwd" + ("_res" if has_residual else "")
                            + ("_shifted" if shifted else ""), n, dtype, cfg,
                            lambda args=args: forward_kernel(*args))
-                for accumulators in (0, 1 if rms else 2):
+                for accumulators, shifted in itertools.product((0, 1 if rms else 2),
+                                                               (False, True)):
                     dres = accumulators > 0
                     outs = (dtype, dtype) if dres else (dtype,)
-                    cfg = backward_config(n, dtype, dtype, outs, dtype, accumulators, rms=rms)
+                    cfg = backward_config(n, dtype, dtype, outs, dtype, accumulators, rms=rms,
+                                          shifted=shifted)
+                    if cfg.row_shift != shifted:
+                        continue
                     args = (cfg, rms, dtype, dtype, dtype, dres, dtype if dres else None, dtype,
                             dtype if dres else None, dres, accumulators == 2)
-                    yield (f"{name}_bwd" + ("_dw" if dres else ""), n, dtype, cfg,
+                    yield (f"{name}_bwd" + ("_dw" if dres else "")
+                           + ("_shifted" if shifted else ""), n, dtype, cfg,
                            lambda args=args: backward_kernel(*args))
             for segments in (1, 2):
                 cfg = column_sum_config(n, segments)
@@ -543,7 +573,8 @@ def _norm_backward_checked(dy, h, weight, mean, rstd, dresidual_out, weight_offs
         plan = _backward_plan(n_cols, rms, h.dtype, dy.dtype, weight_dtype,
                               dres_rows.dtype if dres_rows is not None else None, dx_dtype,
                               dresidual_dtype, need_dweight, dbias_dtype,
-                              vector_limit(h_rows, dy_rows, *outs, weight_c), device)
+                              vector_limit(h_rows, dy_rows, *outs, weight_c),
+                              shifts_rows(h_rows, dy_rows, *outs), device)
         if plan_key is not None:
             _backward_plans[plan_key] = plan
         dw, db = _launch_backward(
@@ -571,13 +602,15 @@ def _forward_fn(n_cols: int, rms: bool, x_dtype, residual_dtype, has_residual: b
 
 def _backward_plan(n_cols: int, rms: bool, h_dtype, dy_dtype, weight_dtype, dres_out_dtype,
                    dx_dtype, dresidual_dtype, need_dweight: bool, dbias_dtype, max_vec: int,
-                   device: torch.device) -> tuple:
-    """(compiled backward, its config, resident row blocks on ``device``, compiled column
-    sum, its config) for these dtypes (None: not given / not computed)."""
+                   shifted: bool, device: torch.device) -> tuple:
+    """(compiled backward, its config, the row blocks its looping grid launches at most
+    on ``device``, compiled column sum, its config) for these dtypes (None: not given /
+    not computed); rows read from the 16-byte boundary before each where ``shifted``
+    (shifts_rows)."""
     need_dbias = dbias_dtype is not None
     out_dtypes = tuple(d for d in (dres_out_dtype, dx_dtype, dresidual_dtype) if d is not None)
     cfg = backward_config(n_cols, h_dtype, dy_dtype, out_dtypes, weight_dtype,
-                          int(need_dweight) + int(need_dbias), max_vec, rms=rms)
+                          int(need_dweight) + int(need_dbias), max_vec, rms=rms, shifted=shifted)
     fn = compile_backward(cfg, rms, h_dtype, dy_dtype, weight_dtype, dres_out_dtype is not None,
                           dres_out_dtype, dx_dtype, dresidual_dtype, need_dweight, need_dbias)
     kernel = _backward_kernel_object(cfg, rms, h_dtype, dy_dtype, need_dweight, need_dbias,
@@ -585,7 +618,8 @@ def _backward_plan(n_cols: int, rms: bool, h_dtype, dy_dtype, weight_dtype, dres
     sum_dtypes = tuple(d for d in (weight_dtype if need_dweight else None, dbias_dtype) if d)
     sum_cfg = column_sum_config(n_cols, len(sum_dtypes)) if sum_dtypes else None
     column_sum = compile_column_sum(sum_cfg, sum_dtypes) if sum_dtypes else None
-    return fn, cfg, resident_row_blocks(kernel, device), column_sum, sum_cfg
+    return (fn, cfg, shifted_resident_blocks(cfg, resident_row_blocks(kernel, device)),
+            column_sum, sum_cfg)
 
 
 def _launch_backward(plan, h_rows, dy_rows, weight, mean, rstd, dresidual_out_rows, dx_rows,
@@ -796,13 +830,14 @@ def _native_plan(native, x, weight, bias, residual, residual_dtype, eps, weight_
         # h as the backward reads it (x itself, or the stored stream: fresh, aligned) and
         # dy, dh as the C++ backward hands them over: contiguous, aligned
         max_vec = vector_limit(weight) if has_residual else vector_limit(x, weight)
+        shifted = shifts_rows() if has_residual else shifts_rows(as_rows(x))
         # the variant with the stream's own gradient: only where the stream is returned
         dres_out_dtypes = (None, stream_dtype) if has_residual and prenorm else (None,)
         for i, dres_out_dtype in enumerate(dres_out_dtypes):
             backward, cfg, resident, column_sum, sum_cfg = _backward_plan(
                 n_cols, rms, stream_dtype, x.dtype, weight_dtype, dres_out_dtype,
                 x.dtype if need[0] else None, residual.dtype if need[3] else None, need[1],
-                bias_dtype if need[2] else None, max_vec, x.device)
+                bias_dtype if need[2] else None, max_vec, shifted, x.device)
             variants[i] = [kernel_handle(backward), cfg.rows_per_block, resident]
         if sum_cfg is not None:
             sums = [kernel_handle(column_sum), sum_cfg.width, sum_cfg.padded]

@@ -1013,23 +1013,44 @@ SHIFTED_NORM_ROWS = False
 
 def shifted_row_share(share_of_span: Callable[[int], RowConfig], unshifted: RowConfig,
                       elem_bytes: int, staged_bytes_per_col: int,
-                      streamed: bool = False) -> RowConfig | None:
+                      streamed: bool = False, through_smem: bool = False) -> RowConfig | None:
     """The shifted share (see above) of the odd 16-bit rows ``unshifted`` was chosen for:
     ``share_of_span(span)`` is the kernel's share of aligned rows of ``span`` columns;
     None where that share does not stage the row tensors (``staged_bytes_per_col`` bytes
     a column) in shared memory one row a CTA (or, ``streamed``, read them from global
     memory, the edges filled as loaded: RowTiles.load), or the rows are not odd 16-bit
-    rows."""
+    rows. ``through_smem``: any share whose rows pass through shared memory (the norms':
+    one chunk held in registers, staged on the way, and a looping grid's second buffer,
+    see shifted_resident_blocks); its L2 prefetch is dropped (a shifted row's span
+    starts before it, off the 16 bytes a bulk prefetch needs)."""
     n_cols = unshifted.n_cols
     if elem_bytes != 2 or vector_width(n_cols, elem_bytes) != 1:
         return None
     per_access = ACCESS_BYTES // elem_bytes
     cfg = share_of_span(-(-(n_cols + per_access - 1) // per_access) * per_access)
-    placed = cfg.staging == "global" if streamed else stages_in_smem(cfg, staged_bytes_per_col)
+    if through_smem:
+        cfg = dataclasses.replace(cfg, l2_prefetch=0)
+        placed = cfg.staging in ("smem", "registers") \
+            and cfg.staging_smem_bytes(staged_bytes_per_col) <= STAGING_SMEM_BYTES
+    else:
+        placed = cfg.stages == 1 and (cfg.staging == "global" if streamed
+                                      else stages_in_smem(cfg, staged_bytes_per_col))
     if not (placed and cfg.rows_per_block == 1 and cfg.register_chunks == 0
-            and cfg.stages == 1 and cfg.l2_prefetch == 0 and whole_vectors(cfg, elem_bytes)):
+            and cfg.l2_prefetch == 0 and whole_vectors(cfg, elem_bytes)):
         return None
     return dataclasses.replace(cfg, n_cols=n_cols, row_shift=True)
+
+
+def shifted_resident_blocks(cfg: RowConfig, resident_blocks: int) -> int:
+    """The row blocks a looping grid of ``cfg`` launches at most (loop_grid_rows): for
+    shifted rows a multiple of ACCESS_BYTES // 2, so that the rows each CTA visits (x,
+    x + grid, ...) all start as many values past a 16-byte boundary (row r's shift is
+    r N mod 8): the per-column vector it stages once at that shift, and its per-column
+    sums, line up with every one of them."""
+    if not cfg.row_shift:
+        return resident_blocks
+    per_access = ACCESS_BYTES // 2
+    return max(per_access, resident_blocks - resident_blocks % per_access)
 
 
 # The loss alone of shifted odd 16-bit rows without softcap or label smoothing (the -inf

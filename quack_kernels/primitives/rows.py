@@ -246,7 +246,8 @@ class RowTiles:
                 "shifted rows: one row a CTA, its edges padded in shared memory or by load()"
             # (every tensor of the kernel has the row stride of the first: the host's
             # condition for shifting)
-            start = Int64(block_row) * staged[0].stride[0]
+            self.row_stride = staged[0].stride[0]
+            start = Int64(block_row) * self.row_stride
             self.shift = Int32(start & (cfg.vec - 1))
             self.row_end = self.shift + cfg.n_cols
             self.span_start = start - Int64(self.shift)
@@ -290,13 +291,15 @@ class RowTiles:
     def at_block(self, block_row, stage=0):
         """The same tiles moved to row block ``block_row``, staged in buffer ``stage``
         (kernels looping over row blocks; shared-memory buffers, predicates and copies
-        are shared)."""
-        assert not self.cfg.row_shift, "a shifted view is of one row"
+        are shared). A shifted row's view keeps its shift: a looping grid of shifted rows
+        visits rows of one shift a CTA (config.shifted_resident_blocks)."""
         view = copy.copy(self)
         view.block_row = block_row
         view.stage = stage
         view.row = self.row + (block_row - self.block_row) * self.cfg.rows_per_block
         view.row_in_bounds = cute.elem_less(view.row, self.num_rows)
+        if cutlass.const_expr(self.cfg.row_shift):
+            view.span_start = Int64(view.row) * self.row_stride - Int64(self.shift)
         return view
 
     def begin_block(self, block_row, grid_rows, iteration, refills: bool = False):
@@ -309,8 +312,7 @@ class RowTiles:
             tiles = self.at_block(block_row, iteration % 2)
             self.at_block(block_row + grid_rows, (iteration + 1) % 2).issue_loads()
             return tiles
-        # (a shifted view is of its CTA's own row: one row block per CTA)
-        tiles = self if self.cfg.row_shift else self.at_block(block_row)
+        tiles = self.at_block(block_row)
         if not refills:
             tiles.issue_loads()
         return tiles
@@ -491,8 +493,8 @@ class RowTiles:
         in whole vectors with ``column_values``. The row's shift moves each of mV's
         values to another vector's place, so the values are copied one by one, by
         consecutive threads (coalesced 2-byte loads, conflict-free stores), and the block
-        barrier here makes them visible to the threads that read them. Call after
-        ``issue_loads``: the row's copies are in flight meanwhile."""
+        barrier here makes them visible to the threads that read them (the row's copies
+        may be in flight meanwhile)."""
         cfg = self.cfg
         assert cfg.row_shift and cfg.rows_per_block == 1, "one shifted row a CTA"
         sV = self._column_buffer(smem, mV.element_type)
@@ -506,6 +508,25 @@ class RowTiles:
             share[at] = cutlass.select_(inside, value, mV.element_type(0))
         cute.arch.barrier()
         return sV
+
+    @cute.jit
+    def store_shifted_columns(self, mP: cute.Tensor, chunk: cutlass.Constexpr[int],
+                              values: cute.TensorSSA):
+        """Write this thread's per-column ``values`` of ``chunk`` of a shifted row (such as
+        sums over the rows a CTA visits, all of one shift) to row ``block_row`` of ``mP``
+        (N per-column values a row) at their own columns, tile column less the shift: one
+        value a store, since the shift moves them off the vector boundaries (once a
+        CTA)."""
+        cfg = self.cfg
+        tXcX = self.coords[chunk]
+        held = cute.make_rmem_tensor(cute.make_layout(tXcX.shape), Float32)
+        held.store(values)
+        for k in cutlass.range_constexpr(cute.size(tXcX, mode=[2])):
+            for v in cutlass.range_constexpr(cute.size(tXcX, mode=[0, 1])):
+                start = self._vector_start(chunk, v, k) - self.shift
+                for e in cutlass.range_constexpr(cfg.vec):
+                    if (start + e >= 0) & (start + e < cfg.n_cols):
+                        mP[self.block_row, start + e] = held[(e, v), 0, k].to(mP.element_type)
 
     @cute.jit
     def column_values(self, sV: cute.Tensor, chunk: cutlass.Constexpr[int],
