@@ -72,14 +72,39 @@ def check_true_class_gradient(grad, ref_grad, x, target, rel):
                            f"{got[bad][:5].tolist()} vs {want[bad][:5].tolist()}")
 
 
+def check_gradient_values(grad, ref, target, dtype, floor):
+    """Every gradient value but the targets' (check_true_class_gradient) against fp64 to
+    its dtype's rounding (bf16 2^-7, fp16 2^-9 relative, fp16's subnormal step): a
+    whole-tensor norm would pass wrong values of the many tiny ones. ``floor``: the size
+    of the terms that cancel in a value (label smoothing's eps / C times the row's
+    scale), which its error scales with."""
+    rel = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-9}[dtype]
+    info = torch.finfo(dtype)
+    bound = rel * (ref.abs() + floor) + info.smallest_normal * info.eps
+    bad = (grad.double() - ref).abs() > bound
+    kept = (target >= 0).nonzero()[:, 0]
+    bad[kept, target[kept]] = False
+    if bad.any():
+        idx = tuple(bad.nonzero()[0].tolist())
+        raise AssertionError(f"{int(bad.sum())} gradient values off; first at {idx}: "
+                             f"{grad[idx].item()!r} vs {ref[idx].item()!r}")
+
+
 def check_fused_forward(x, target, weight, options, dtype):
     """The forward with the gradient, and the loss alone (long rows are streamed from
-    global memory instead of staged), against the reference; returns the row weights."""
+    global memory instead of staged), on poisoned outputs against the reference, a
+    16-bit gradient value by value (label smoothing's eps / C times the largest class
+    weight: the floor of its cancelling terms); returns the row weights."""
+    poison_allocator(torch.empty(2, x.shape[0], device="cuda"),
+                     torch.empty(x.shape[0], device="cuda"), x)
     (loss, weights), lse, grad = ops.cross_entropy_forward(x, target, weight, *options, True)
     ref_loss, ref_lse, ref_grad = reference(x, target, weight, *options)
     assert_close(loss, ref_loss, LOSS_TOL, scale=LOSS_SCALE, name="loss")
     assert_close(lse, ref_lse, LOSS_TOL, scale=LOSS_SCALE, name="lse")
     assert_close(grad, ref_grad, dtype, scale=2.0, name="grad")
+    if dtype != torch.float32:
+        largest = 1.0 if weight is None else weight.max().item()
+        check_gradient_values(grad, ref_grad, target, dtype, options[1] / x.shape[1] * largest)
     (loss_only, _), lse_only, _ = ops.cross_entropy_forward(x, target, weight, *options, False)
     assert_close(loss_only, ref_loss, LOSS_TOL, scale=LOSS_SCALE, name="loss only")
     assert_close(lse_only, ref_lse, LOSS_TOL, scale=LOSS_SCALE, name="lse only")
@@ -91,6 +116,7 @@ def check_fused_forward(x, target, weight, options, dtype):
 def test_loss_and_gradient(v, dtype):
     m = 37 if v <= 151936 else 7
     x, target = fresh(m, v, dtype)
+    poison_allocator(torch.empty(2, m, device="cuda"), torch.empty(m, device="cuda"), x)
     (loss, weights), lse, grad = ops.cross_entropy_forward(x, target, None, -100, 0.0, 0.0, 0.0,
                                                            True)
     ref_loss, ref_lse, ref_grad = reference(x, target)
@@ -99,6 +125,8 @@ def test_loss_and_gradient(v, dtype):
     assert_close(lse, ref_lse, LOSS_TOL, scale=LOSS_SCALE, name="lse")
     assert_close(grad, ref_grad, dtype, scale=2.0, name="grad")
     check_true_class_gradient(grad, ref_grad, x, target, 2e-2 if dtype != torch.float32 else 2e-3)
+    if dtype != torch.float32:
+        check_gradient_values(grad, ref_grad, target, dtype, 0.0)
     # loss only: same loss and lse
     (loss_only, _), lse_only, empty = ops.cross_entropy_forward(x, target, None, -100, 0.0, 0.0,
                                                                 0.0, False)
@@ -703,24 +731,6 @@ def test_inplace_backward_invalidates_other_uses_of_the_logits():
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
 
-
-
-def check_gradient_values(grad, ref, target, dtype, floor):
-    """Every gradient value but the targets' (check_true_class_gradient) against fp64 to
-    its dtype's rounding (bf16 2^-7, fp16 2^-9 relative, fp16's subnormal step): a
-    whole-tensor norm would pass wrong values of the many tiny ones. ``floor``: the size
-    of the terms that cancel in a value (label smoothing's eps / C times the row's
-    scale), which its error scales with."""
-    rel = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-9}[dtype]
-    info = torch.finfo(dtype)
-    bound = rel * (ref.abs() + floor) + info.smallest_normal * info.eps
-    bad = (grad.double() - ref).abs() > bound
-    kept = (target >= 0).nonzero()[:, 0]
-    bad[kept, target[kept]] = False
-    if bad.any():
-        idx = tuple(bad.nonzero()[0].tolist())
-        raise AssertionError(f"{int(bad.sum())} gradient values off; first at {idx}: "
-                             f"{grad[idx].item()!r} vs {ref[idx].item()!r}")
 
 
 SHIFTED_OPTIONS = {"plain": (-100, 0.0, 0.0, 0.0), "smoothing": (-100, 0.1, 0.0, 0.0),
