@@ -981,13 +981,13 @@ def test_odd_16bit_norm_backward_rows_are_shifted_where_they_may_be(n, dtype):
 
 def test_shifted_looping_grids_launch_multiples_of_8_row_blocks():
     """config.shifted_resident_blocks: a looping grid of shifted rows launches a multiple
-    of 8 row blocks (at least 8), so each CTA visits rows of one shift; other grids as
-    many as are resident."""
+    of 8 row blocks, so each CTA visits rows of one shift; other grids as many as are
+    resident. config.shifted_grid_fills: only where that keeps 3/4 of them."""
     shifted = config.RowConfig(n_cols=4097, vec=8, threads_per_row=256, rows_per_block=1,
                                cluster_size=1, vecs_per_thread=2, num_chunks=1,
                                staging="registers", row_shift=True)
-    assert [config.shifted_resident_blocks(shifted, r) for r in (132, 264, 396, 5, 8, 15)] == \
-        [128, 264, 392, 8, 8, 8]
+    assert [config.shifted_resident_blocks(shifted, r) for r in (132, 264, 396, 8, 15)] == \
+        [128, 264, 392, 8, 8]
     unshifted = dataclasses.replace(shifted, row_shift=False)
     assert config.shifted_resident_blocks(unshifted, 132) == 132
     for resident in (128, 264):
@@ -995,6 +995,8 @@ def test_shifted_looping_grids_launch_multiples_of_8_row_blocks():
             grid = config.loop_grid_rows(shifted, rows, config.shifted_resident_blocks(
                 shifted, resident))
             assert grid == rows or grid % 8 == 0
+    assert [config.shifted_grid_fills(r) for r in (7, 8, 10, 12, 14, 16, 20, 132)] == \
+        [False, True, True, False, False, True, True, True]
 
 
 def test_norm_shifts_shiftable_rows_where_switched_on(monkeypatch):

@@ -393,7 +393,7 @@ def test_shifted_odd_rows(n, dtype, weight_dtype, residual, rms, shifted_norm_ro
     rows (every shift), large values in the rows' and the weight's first and last
     columns, one row with a large mean; y, the stored stream, rstd and mean on poisoned
     outputs against the fp64 reference, through the op and the public API (the C++
-    path, its backward unshifted); every third row alone (row stride 3N: every shift
+    path, its backward shifted too, one row a CTA); every third row alone (row stride 3N: every shift
     again) leaves the rows between untouched; a misaligned copy takes the unshifted
     share. Row lengths used by no other test of the C++ path (its plans outlive a
     test)."""
@@ -469,22 +469,35 @@ def test_shifted_odd_rows(n, dtype, weight_dtype, residual, rms, shifted_norm_ro
                          [(1001, torch.bfloat16, torch.bfloat16), *SHIFTED_ROWS])
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("rms", [True, False])
-def test_shifted_odd_rows_backward(n, dtype, weight_dtype, residual, rms, shifted_norm_rows):
+def test_shifted_odd_rows_backward(n, dtype, weight_dtype, residual, rms, shifted_norm_rows,
+                                   monkeypatch):
     """The backward of odd 16-bit rows read from the 16-byte boundary before each
-    (backward_config's ``shifted``): its looping grid launches a multiple of 8 row
-    blocks (config.shifted_resident_blocks: each CTA visits rows of one shift, its
+    (backward_config's ``shifted``, taken wherever its grid rounds to 8 row blocks or
+    more: config.SHIFTED_GRID_MIN_SHARE 0 here): its looping grid launches a multiple of
+    8 row blocks (config.shifted_resident_blocks: each CTA visits rows of one shift, its
     weight staged once at that shift), three row blocks a CTA and more; dx (and the
     residual gradient), dweight and dbias on poisoned outputs against fp64, dy large at
-    the rows' edges and in the weight's first and last columns (LayerNorm of 1001 and
-    262143 columns: unshifted)."""
+    the rows' edges and in the weight's first and last columns; then the public API (the
+    C++ path) on the same rows (LayerNorm of 1001 and 262143 columns: unshifted)."""
+    from quack_kernels.primitives import config
+
+    monkeypatch.setattr(config, "SHIFTED_GRID_MIN_SHARE", 0.0)
     dres_dtype = dtype if residual else None
+    sums = 1 if rms else 2
+    outs = (dtype, dtype, dtype) if residual else (dtype,)
+    shifted = ops.backward_config(n, dtype, dtype, outs, weight_dtype, sums, 1, rms=rms,
+                                  shifted=True)
+    # (LayerNorm's span shares at 1001 and 262143 columns hold two rows a CTA, or re-read
+    # them: those rows keep their one-value share)
+    assert shifted.row_shift == (rms or n not in (1001, 262143)), shifted
+    kernel = ops._backward_kernel_object(shifted, rms, dtype, dtype, True, not rms,
+                                         weight_dtype)
+    fills = config.shifted_grid_fills(ops.resident_row_blocks(kernel, torch.device("cuda")))
     plan = ops._backward_plan(n, rms, dtype, dtype, weight_dtype, dres_dtype, dtype, dres_dtype,
                               True, None if rms else weight_dtype, 1, True,
                               torch.device("cuda"))
     cfg, resident = plan[1], plan[2]
-    # (LayerNorm's span shares at 1001 and 262143 columns hold two rows a CTA, or re-read
-    # them: those rows keep their one-value share)
-    assert cfg.row_shift == (rms or n not in (1001, 262143)), cfg
+    assert cfg.row_shift == (shifted.row_shift and fills), (cfg, resident)
     assert resident % 8 == 0 or not cfg.row_shift, resident
     m = 3 * resident + 5
     h = fresh((m, n), dtype, 2.0, 0.5)
@@ -494,8 +507,21 @@ def test_shifted_odd_rows_backward(n, dtype, weight_dtype, residual, rms, shifte
     w = fresh(n, weight_dtype, 0.5, 1.0)
     w[0], w[-1] = 4.0, -4.0
     _, _, mean, rstd = ops.norm_reference(h, None, None, None, 1e-5, 0.0, rms)
-    check_backward(dy, h, w, None if rms else mean, rstd, 0.0, rms,
+    mean = None if rms else mean
+    check_backward(dy, h, w, mean, rstd, 0.0, rms,
                    dres_out=fresh((m, n), dtype) if residual else None, need_db=not rms)
+
+    leaves = [h.clone().requires_grad_(), w.clone().requires_grad_()]
+    b = None if rms else torch.zeros(n, dtype=weight_dtype, device="cuda", requires_grad=True)
+    y = qk.rms_norm(*leaves, eps=1e-5) if rms else qk.layer_norm(*leaves, b, eps=1e-5)
+    y.backward(dy)
+    ref_dh, ref_dw, ref_db = ops.norm_backward_reference(dy, h, w, mean, rstd, None, 0.0, rms,
+                                                         compute_dtype=F64)
+    grow = 4.0 * math.sqrt(m)
+    assert_close(leaves[0].grad, ref_dh, dtype, scale=4.0, name="dx")
+    assert_close(leaves[1].grad, ref_dw, weight_dtype, scale=grow, name="dweight")
+    if b is not None:
+        assert_close(b.grad, ref_db, weight_dtype, scale=grow, name="dbias")
 
 
 @pytest.mark.parametrize("dtype, mean_value", [(torch.float16, 1e4), (torch.bfloat16, 1e3)])

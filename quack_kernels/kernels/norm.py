@@ -173,9 +173,9 @@ class NormForward(RowKernel):
         # mean itself (fp32 emulation at n = 262144, mean 300, std 1e-3: variance off
         # by 3.2e-4 relative, 1.4e-7 as deviations).
         shift = Float32(0.0)
-        row_shift = Float32(0.0)
+        row_reference = Float32(0.0)
         if cutlass.const_expr(self.moments):
-            row_shift = Float32(mX[cutlass.select_(tiles.row_in_bounds, tiles.row, 0), 0])
+            row_reference = Float32(mX[cutlass.select_(tiles.row_in_bounds, tiles.row, 0), 0])
         shifted_squares = Float32(0.0)
         for c in cutlass.range_constexpr(cfg.num_chunks):
             tiles.wait_chunk(c)
@@ -185,6 +185,10 @@ class NormForward(RowKernel):
             if cutlass.const_expr(self.moments):
                 if cutlass.const_expr(c == 0):
                     shift = h[0]
+                    if cutlass.const_expr(cfg.row_shift):
+                        # (a shifted row's first thread may start on the row before's
+                        # values, padded 0)
+                        shift = cutlass.select_(tiles.first_value_in_row(), shift, row_reference)
                 d = h - shift
                 if cutlass.const_expr(cfg.needs_col_predicate):
                     d = tiles.mask_outside_row(d, c, 0.0)
@@ -209,11 +213,11 @@ class NormForward(RowKernel):
             shifted_mean = partial / cute.arch.fmax(count, Float32(1.0))
             # (an empty group's mean must be 0, see centered_moments_combine)
             group_mean = cutlass.select_(count > Float32(0.0),
-                                         (shift - row_shift) + shifted_mean, Float32(0.0))
+                                         (shift - row_reference) + shifted_mean, Float32(0.0))
             _, deviation, centered = slots[0].allreduce(
                 (count, group_mean, shifted_squares - partial * shifted_mean),
                 red.centered_moments_combine, ZERO * 3)
-            mean = row_shift + deviation
+            mean = row_reference + deviation
             variance = centered * inv_n
         else:
             (total,) = slots[0].allreduce((partial,), red.sum_combine, ZERO)

@@ -44,6 +44,7 @@ from ..primitives.config import (
     odd_row_register_share,
     shifted_row_share,
     row_blocks_in_flight,
+    shifted_grid_fills,
     shifted_resident_blocks,
     register_share,
     row_config,
@@ -606,20 +607,24 @@ def _backward_plan(n_cols: int, rms: bool, h_dtype, dy_dtype, weight_dtype, dres
     """(compiled backward, its config, the row blocks its looping grid launches at most
     on ``device``, compiled column sum, its config) for these dtypes (None: not given /
     not computed); rows read from the 16-byte boundary before each where ``shifted``
-    (shifts_rows)."""
+    (shifts_rows) and their grid fills the GPU (config.shifted_grid_fills)."""
     need_dbias = dbias_dtype is not None
     out_dtypes = tuple(d for d in (dres_out_dtype, dx_dtype, dresidual_dtype) if d is not None)
     cfg = backward_config(n_cols, h_dtype, dy_dtype, out_dtypes, weight_dtype,
                           int(need_dweight) + int(need_dbias), max_vec, rms=rms, shifted=shifted)
-    fn = compile_backward(cfg, rms, h_dtype, dy_dtype, weight_dtype, dres_out_dtype is not None,
-                          dres_out_dtype, dx_dtype, dresidual_dtype, need_dweight, need_dbias)
     kernel = _backward_kernel_object(cfg, rms, h_dtype, dy_dtype, need_dweight, need_dbias,
                                      weight_dtype)
+    resident = resident_row_blocks(kernel, device)
+    if cfg.row_shift and not shifted_grid_fills(resident):
+        return _backward_plan(n_cols, rms, h_dtype, dy_dtype, weight_dtype, dres_out_dtype,
+                              dx_dtype, dresidual_dtype, need_dweight, dbias_dtype, max_vec,
+                              False, device)
+    fn = compile_backward(cfg, rms, h_dtype, dy_dtype, weight_dtype, dres_out_dtype is not None,
+                          dres_out_dtype, dx_dtype, dresidual_dtype, need_dweight, need_dbias)
     sum_dtypes = tuple(d for d in (weight_dtype if need_dweight else None, dbias_dtype) if d)
     sum_cfg = column_sum_config(n_cols, len(sum_dtypes)) if sum_dtypes else None
     column_sum = compile_column_sum(sum_cfg, sum_dtypes) if sum_dtypes else None
-    return (fn, cfg, shifted_resident_blocks(cfg, resident_row_blocks(kernel, device)),
-            column_sum, sum_cfg)
+    return fn, cfg, shifted_resident_blocks(cfg, resident), column_sum, sum_cfg
 
 
 def _launch_backward(plan, h_rows, dy_rows, weight, mean, rstd, dresidual_out_rows, dx_rows,

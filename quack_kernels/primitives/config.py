@@ -588,7 +588,10 @@ def fenced_smem_bytes(smem_bytes: int, ctas_per_sm: int) -> int:
 def loop_grid_rows(cfg: RowConfig, num_rows: int, resident_blocks: int) -> int:
     """Row blocks launched by a kernel looping over row blocks (grid x; each of them
     is a cluster of cfg.cluster_size CTAs): no more than ``resident_blocks``, the row
-    blocks (clusters) the GPU holds at once, see ops.common.resident_row_blocks."""
+    blocks (clusters) the GPU holds at once, see ops.common.resident_row_blocks; for
+    shifted rows a multiple of 8 of them (shifted_resident_blocks)."""
+    assert not cfg.row_shift or resident_blocks % SHIFT_CLASSES == 0, \
+        "a looping grid of shifted rows visits one shift a CTA: see shifted_resident_blocks"
     return max(1, min(math.ceil(num_rows / cfg.rows_per_block), resident_blocks))
 
 
@@ -1041,16 +1044,33 @@ def shifted_row_share(share_of_span: Callable[[int], RowConfig], unshifted: RowC
     return dataclasses.replace(cfg, n_cols=n_cols, row_shift=True)
 
 
+# The shifts a 16-bit row may have: 0-7 values past a 16-byte boundary.
+SHIFT_CLASSES = ACCESS_BYTES // 2
+
+
 def shifted_resident_blocks(cfg: RowConfig, resident_blocks: int) -> int:
     """The row blocks a looping grid of ``cfg`` launches at most (loop_grid_rows): for
-    shifted rows a multiple of ACCESS_BYTES // 2, so that the rows each CTA visits (x,
-    x + grid, ...) all start as many values past a 16-byte boundary (row r's shift is
-    r N mod 8): the per-column vector it stages once at that shift, and its per-column
+    shifted rows a multiple of SHIFT_CLASSES, so that the rows each CTA visits (x, x +
+    grid, ...) all start as many values past a 16-byte boundary (row r's shift is r N
+    mod 8): the per-column vector it stages once at that shift, and its per-column
     sums, line up with every one of them."""
     if not cfg.row_shift:
         return resident_blocks
-    per_access = ACCESS_BYTES // 2
-    return max(per_access, resident_blocks - resident_blocks % per_access)
+    return resident_blocks - resident_blocks % SHIFT_CLASSES
+
+
+# Rounding a looping grid down to a multiple of 8 row blocks leaves SMs idle where few
+# blocks are resident: clusters of 9-16 CTAs at one CTA per SM hold 7-14 on 132 SMs
+# (fewer where the GPCs bound them). Where the rounded grid keeps less than this share
+# of the resident blocks (or none), the rows keep their unshifted share. Not measured.
+SHIFTED_GRID_MIN_SHARE = 0.75
+
+
+def shifted_grid_fills(resident_blocks: int) -> bool:
+    """Whether a looping grid of shifted rows (shifted_resident_blocks) keeps enough of
+    ``resident_blocks`` (see above)."""
+    rounded = resident_blocks - resident_blocks % SHIFT_CLASSES
+    return rounded > 0 and rounded >= SHIFTED_GRID_MIN_SHARE * resident_blocks
 
 
 # The loss alone of shifted odd 16-bit rows without softcap or label smoothing (the -inf

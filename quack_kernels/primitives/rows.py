@@ -692,6 +692,13 @@ class RowTiles:
                         inside[(e, v), 0, k] = self._value_in_row(chunk, v, k, e, in_row=True)
         return cute.where(inside.load(), values, fill)
 
+    def first_value_in_row(self):
+        """Whether this thread's first value (of its first chunk) lies in the row: a
+        shifted row's first thread may start on the values of the row before it."""
+        if cutlass.const_expr(not self.cfg.row_shift):
+            return Boolean(True)
+        return self._value_in_row(0, 0, 0, 0, in_row=True)
+
     def values_in_row(self) -> Int32:
         """How many of this thread's values lie inside the row (whole vectors are in or
         out: cfg.vec values per in-row flag; a shifted row's edge vectors partly)."""
