@@ -928,9 +928,8 @@ def test_cross_entropy_shifts_shiftable_rows_without_the_weight_row(monkeypatch)
 def test_odd_16bit_norm_rows_are_shifted_where_they_may_be(n, dtype, weight_dtype):
     """The norm forward of odd 16-bit rows that may be shifted takes the share of the
     aligned span (config.shifted_row_share) with whole vectors of the rows whatever the
-    weight's width (fp32 weights are staged value by value), the weight and bias staged
-    beside the rows in shared memory; rows that may not keep their one-value share.
-    LayerNorm's prenorm of 262143 columns with fp32 weight and bias does not fit."""
+    weight's width (an fp32 weight is read in two 16-byte pieces a vector), the rows
+    staged in shared memory one a CTA; rows that may not keep their one-value share."""
     from quack_kernels.kernels.norm import NormForward
     from quack_kernels.ops import norm
     from quack_kernels.ops.common import cutlass_dtype
@@ -942,18 +941,13 @@ def test_odd_16bit_norm_rows_are_shifted_where_they_may_be(n, dtype, weight_dtyp
         cfg = norm.forward_config(*args, True)
         unshifted = norm.forward_config(*args)
         assert not unshifted.row_shift and unshifted.vec == 1
-        if n == 262143 and not rms and residual and weight_dtype == torch.float32:
-            assert cfg == unshifted
-            continue
         assert cfg.row_shift and cfg.n_cols == n and cfg.vec == 8, cfg
         assert cfg.cols_covered >= n + 7, cfg
         assert (cfg.rows_per_block, cfg.register_chunks, cfg.stages, cfg.l2_prefetch) == \
             (1, 0, 1, 0), cfg
-        columns = tuple(cutlass_dtype(d) for d in (weight_dtype, bias) if d is not None)
         kernel = NormForward(cfg, rms, cutlass_dtype(dtype), cutlass_dtype(dtype),
-                             cutlass_dtype(dtype), residual, residual, columns)
-        column_bytes = sum(d.width // 8 for d in columns)
-        assert kernel.smem_bytes() > cfg.cols_per_cta * (2 * (1 + residual) + column_bytes)
+                             cutlass_dtype(dtype), residual, residual)
+        assert kernel.smem_bytes() > cfg.cols_per_cta * 2 * (1 + residual)
         assert kernel.smem_bytes() <= config.SMEM_BYTES_PER_CTA
 
 
@@ -1000,15 +994,18 @@ def test_shifted_looping_grids_launch_multiples_of_8_row_blocks():
 
 
 def test_norm_shifts_shiftable_rows_where_switched_on(monkeypatch):
-    """ops.norm.shifts_rows: shiftable rows (ops.common.shiftable) where
-    config.SHIFTED_NORM_ROWS is on."""
+    """ops.norm.shifts_rows: shiftable rows (ops.common.shiftable), and per-column
+    vectors on 16 bytes, where config.SHIFTED_NORM_ROWS is on."""
     from quack_kernels.ops import norm
 
     rows = torch.empty(4, 1031, dtype=torch.bfloat16)
-    assert rows.data_ptr() % 16 == 0
+    weight = torch.empty(1032, dtype=torch.bfloat16)
+    assert rows.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
     monkeypatch.setattr(config, "SHIFTED_NORM_ROWS", True)
     assert norm.shifts_rows(rows, torch.empty_like(rows))
     assert not norm.shifts_rows(rows, torch.empty(4, 1032, dtype=torch.bfloat16)[:, :1031])
+    assert norm.shifts_rows(rows, columns=(weight[:1031], None))
+    assert not norm.shifts_rows(rows, columns=(weight[:1031], weight[1:]))
     monkeypatch.setattr(config, "SHIFTED_NORM_ROWS", False)
     assert not norm.shifts_rows(rows, torch.empty_like(rows))
 

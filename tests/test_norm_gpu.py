@@ -389,13 +389,13 @@ SHIFTED_ROWS = [(4095, torch.float16, torch.float16), (12289, torch.bfloat16, to
 @pytest.mark.parametrize("rms", [True, False])
 def test_shifted_odd_rows(n, dtype, weight_dtype, residual, rms, shifted_norm_rows):
     """The forward of odd 16-bit rows read from the 16-byte boundary before each
-    (forward_config's ``shifted``), its weight and bias staged at each row's shift: 25
+    (forward_config's ``shifted``), its weight and bias spliced to each row's shift: 25
     rows (every shift), large values in the rows' and the weight's first and last
     columns, one row with a large mean; y, the stored stream, rstd and mean on poisoned
     outputs against the fp64 reference, through the op and the public API (the C++
     path, its backward shifted too, one row a CTA); every third row alone (row stride 3N: every shift
-    again) leaves the rows between untouched; a misaligned copy takes the unshifted
-    share. Row lengths used by no other test of the C++ path (its plans outlive a
+    again) leaves the rows between untouched; a misaligned copy of x, or of the weight,
+    takes the unshifted share. Row lengths used by no other test of the C++ path (its plans outlive a
     test)."""
     from quack_kernels.ops.common import shiftable
 
@@ -413,7 +413,6 @@ def test_shifted_odd_rows(n, dtype, weight_dtype, residual, rms, shifted_norm_ro
     bias_dtype = None if rms else weight_dtype
     cfg = ops.forward_config(n, rms, dtype, dtype, residual, dtype, weight_dtype, bias_dtype, 1,
                              None, True)
-    # (LayerNorm's 262143 prenorm with a 16-bit weight fits: with fp32 it would not)
     assert cfg.row_shift, cfg
     ry, rh, rmean, rrstd = forward_ref(x, w, b, r, eps, 0.0, rms)
 
@@ -463,6 +462,9 @@ def test_shifted_odd_rows(n, dtype, weight_dtype, residual, rms, shifted_norm_ro
     misaligned.copy_(x)
     assert not shiftable(misaligned)
     check(*ops.norm_forward(misaligned, w, b, r, eps, 0.0, rms, None, None, residual))
+    weight_off = torch.empty(n + 1, dtype=weight_dtype, device="cuda")[1:].copy_(w)
+    assert not ops.shifts_rows(x, columns=(weight_off,))
+    check(*ops.norm_forward(x, weight_off, b, r, eps, 0.0, rms, None, None, residual))
 
 
 @pytest.mark.parametrize("n, dtype, weight_dtype",

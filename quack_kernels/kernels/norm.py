@@ -58,7 +58,7 @@ class NormForward(RowKernel):
     are compile-time switches (pass None for the absent ones)."""
 
     def __init__(self, cfg: RowConfig, rms: bool, x_dtype, residual_in_dtype, residual_dtype,
-                 has_residual: bool, store_residual: bool, column_dtypes: tuple = ()):
+                 has_residual: bool, store_residual: bool):
         self.cfg = cfg
         self.rms = rms
         self.has_residual = has_residual
@@ -81,11 +81,6 @@ class NormForward(RowKernel):
         self.columns_before_reduction = norm_forward_columns_before_reduction(
             len(self.staged_dtypes), self.staged_bytes_per_col, cfg)
         self.late_columns_together = late_columns_together(cfg)
-        if cfg.row_shift:
-            # a shifted row's weight and bias (``column_dtypes``) are staged in shared
-            # memory at its shift (RowTiles.stage_shifted_columns), read from there late
-            self.column_dtypes = column_dtypes
-            self.early_columns = self.columns_before_reduction = False
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mR, mW, mB, mY: cute.Tensor, mResOut, mMean,
@@ -120,11 +115,11 @@ class NormForward(RowKernel):
 
     def _column(self, tiles: RowTiles, mV, chunk: int, raw: bool = False):
         """fp32 (``raw``: own dtype) values of the per-column vector ``mV`` in ``chunk``
-        (None for an absent one; a shifted row's, staged: stage_shifted_columns)."""
+        (None for an absent one; a shifted row's spliced to its shift)."""
         if cutlass.const_expr(mV is None):
             return None
         if cutlass.const_expr(self.cfg.row_shift):
-            return tiles.column_values(mV, chunk, raw=raw)
+            return tiles.shifted_column_values(mV, chunk, raw=raw)
         return tiles.load(tiles.broadcast_rows(mV), chunk, guard_rows=False, raw=raw)
 
     def _share_columns(self, tiles: RowTiles, mW, mB) -> list:
@@ -153,8 +148,6 @@ class NormForward(RowKernel):
                                arrive=i == self.reductions - 1)
                  for i in range(self.reductions)]
         tiles.issue_loads()
-        if cutlass.const_expr(cfg.row_shift):
-            mW, mB = (None if v is None else tiles.stage_shifted_columns(smem, v) for v in (mW, mB))
         # (config.norm_forward_early_columns: the share's weight and bias in flight with
         # its row, instead of loaded per chunk in the output pass)
         held_columns = self._share_columns(tiles, mW, mB) \

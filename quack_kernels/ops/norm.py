@@ -29,6 +29,7 @@ from ..primitives import config
 from ..primitives.compile_cache import (SUPPORTED_DTYPES, compile_kernel, fake_rows, fake_vector,
                                         kernel_handle)
 from ..primitives.config import (
+    ACCESS_BYTES,
     ColumnSumConfig,
     SMEM_BYTES_PER_CTA,
     SUM_THREADS_PER_ROW,
@@ -80,12 +81,15 @@ def _stream_dtype(x: Tensor, residual: Optional[Tensor], residual_dtype) -> torc
 
 
 # ----------------------------------------------------------------------------- configs
-def shifts_rows(*rows: Tensor) -> bool:
-    """Whether the forward may read these (M, N) row tensors from the 16-byte boundary
-    before each (forward_config's ``shifted``): shiftable ones, where
-    config.SHIFTED_NORM_ROWS is on. The outputs the kernel writes (fresh, contiguous)
-    are among them, or (the C++ path's) shiftable whenever the inputs are."""
-    return config.SHIFTED_NORM_ROWS and shiftable(*rows)
+def shifts_rows(*rows: Tensor, columns=()) -> bool:
+    """Whether a kernel may read these (M, N) row tensors from the 16-byte boundary
+    before each (forward_config's and backward_config's ``shifted``): shiftable ones,
+    where config.SHIFTED_NORM_ROWS is on. The outputs the kernel writes (fresh,
+    contiguous) are among them, or (the C++ path's) shiftable whenever the inputs are.
+    ``columns``: the forward's weight and bias (None: absent), read in whole vectors
+    (RowTiles.shifted_column_values): their bases on 16 bytes too."""
+    return config.SHIFTED_NORM_ROWS and shiftable(*rows) \
+        and all(c is None or c.data_ptr() % ACCESS_BYTES == 0 for c in columns)
 
 
 def _bytes(*dtypes) -> list[int]:
@@ -102,8 +106,8 @@ def forward_config(n_cols: int, rms: bool, x_dtype, residual_dtype, has_residual
     of x alone widened by config.widened_16bit_share, LayerNorm's of x alone staged by
     config.staged_layer_norm_share. Odd 16-bit rows: read from the 16-byte boundary
     before each where they may be (``shifted``: shifts_rows) and the share of the
-    aligned span stages them with the weight and bias (config.shifted_row_share), else
-    those of x alone as config.odd_row_forward_share gives them."""
+    aligned span stages them (config.shifted_row_share), else those of x alone as
+    config.odd_row_forward_share gives them."""
     residual_in_dtype = residual_in_dtype or residual_dtype
     staged = [x_dtype, residual_in_dtype] if has_residual else [x_dtype]
     row_widest = max(_bytes(*staged, residual_dtype if has_residual else None, out_dtype))
@@ -116,8 +120,7 @@ def forward_config(n_cols: int, rms: bool, x_dtype, residual_dtype, has_residual
         rows_alone = functools.partial(
             forward_config, rms=rms, x_dtype=x_dtype, residual_dtype=residual_dtype,
             has_residual=has_residual, out_dtype=out_dtype, residual_in_dtype=residual_in_dtype)
-        return shifted_row_share(rows_alone, unshifted, row_widest,
-                                 sum(_bytes(*staged, weight_dtype, bias_dtype)),
+        return shifted_row_share(rows_alone, unshifted, row_widest, sum(_bytes(*staged)),
                                  through_smem=True) or unshifted
     bytes_per_col = sum(_bytes(*staged))
     cta_row_bytes, wide_clusters, values_per_thread = norm_forward_share(
@@ -248,18 +251,16 @@ def forward_kernel(cfg: RowConfig, rms: bool, x_dtype, residual_dtype, has_resid
     residual_in_dtype = residual_in_dtype or residual_dtype
     vec, n, dt = cfg.vec, cfg.n_cols, cutlass_dtype
     rdt = dt(residual_dtype)
-    column_dtypes = tuple(dt(d) for d in (weight_dtype, bias_dtype) if d is not None)
     kernel = NormForward(cfg, rms, dt(x_dtype), dt(residual_in_dtype), rdt, has_residual,
-                         store_residual, column_dtypes)
+                         store_residual)
     rows = cute.sym_int()
     row_tensor = functools.partial(fake_rows, n_cols=n, vec=vec, shifted=cfg.row_shift)
-    column_align = _column_alignment(cfg)
     return (
         kernel,
         row_tensor(dt(x_dtype)),
         row_tensor(dt(residual_in_dtype)) if has_residual else None,
-        fake_vector(dt(weight_dtype), n, column_align) if weight_dtype is not None else None,
-        fake_vector(dt(bias_dtype), n, column_align) if bias_dtype is not None else None,
+        fake_vector(dt(weight_dtype), n, vec) if weight_dtype is not None else None,
+        fake_vector(dt(bias_dtype), n, vec) if bias_dtype is not None else None,
         row_tensor(dt(out_dtype)),
         row_tensor(rdt) if store_residual else None,
         fake_vector(Float32, rows) if not rms else None,
@@ -267,12 +268,6 @@ def forward_kernel(cfg: RowConfig, rms: bool, x_dtype, residual_dtype, has_resid
         Float32(1e-6),
         Float32(0.0),
     )
-
-
-def _column_alignment(cfg: RowConfig) -> int:
-    """Elements the per-column vectors' bases are aligned to: a vector, but for shifted
-    rows, whose weight and bias are read value by value (stage_shifted_columns)."""
-    return 1 if cfg.row_shift else cfg.vec
 
 
 def compile_forward(cfg: RowConfig, rms: bool, x_dtype, residual_dtype, has_residual: bool,
@@ -300,8 +295,9 @@ def backward_kernel(cfg: RowConfig, rms: bool, h_dtype, dy_dtype, weight_dtype,
         kernel,
         row_tensor(dt(h_dtype)),
         row_tensor(dt(dy_dtype)),
-        fake_vector(dt(weight_dtype), n, _column_alignment(cfg)) if weight_dtype is not None
-        else None,
+        # (a shifted row's weight is staged value by value: any alignment)
+        fake_vector(dt(weight_dtype), n, 1 if cfg.row_shift else vec)
+        if weight_dtype is not None else None,
         fake_vector(Float32, rows) if not rms else None,
         fake_vector(Float32, rows),
         row_tensor(dt(dresidual_out_dtype)) if has_dresidual_out else None,
@@ -480,7 +476,8 @@ def _norm_forward_checked(x, weight, bias, residual, eps, weight_offset, rms, ou
                          weight.dtype if weight is not None else None,
                          bias.dtype if bias is not None else None, out_dtype,
                          residual.dtype if has_residual else None,
-                         vector_limit(*tensors, weight, bias), shifts_rows(*tensors))
+                         vector_limit(*tensors, weight, bias),
+                         shifts_rows(*tensors, columns=(weight, bias)))
         fn(rows, res_rows, weight, bias, y, h if store_residual else None,
            mean if not rms else None, rstd, eps, weight_offset)
         if plan_key is not None:
@@ -829,7 +826,8 @@ def _native_plan(native, x, weight, bias, residual, residual_dtype, eps, weight_
     forward = _forward_fn(n_cols, rms, x.dtype, stream_dtype, has_residual, store, weight_dtype,
                           bias_dtype, x.dtype, residual.dtype if has_residual else None,
                           vector_limit(x, residual, weight, bias),
-                          shifts_rows(*(as_rows(t) for t in (x, residual) if t is not None)))
+                          shifts_rows(*(as_rows(t) for t in (x, residual) if t is not None),
+                                      columns=(weight, bias)))
     variants, sums = [[0, 0, 0], [0, 0, 0]], [0, 0, 0]
     if any(need):
         # h as the backward reads it (x itself, or the stored stream: fresh, aligned) and

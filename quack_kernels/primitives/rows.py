@@ -510,6 +510,48 @@ class RowTiles:
         return sV
 
     @cute.jit
+    def shifted_column_values(self, mV: cute.Tensor, chunk: cutlass.Constexpr[int],
+                              raw: cutlass.Constexpr[bool] = False) -> cute.TensorSSA:
+        """fp32 values (``raw``: in mV's own dtype) of the per-column vector ``mV`` (N,)
+        lined up with this thread's vectors of ``chunk`` of a shifted row: tile vector j
+        holds mV[vec j - shift, vec (j + 1) - shift), the tail of mV's aligned vector
+        j - 1 and the head of its vector j. Both are loaded whole (mV's base on 16
+        bytes: the host's condition; mostly L1 hits, each vector is the next thread's
+        vector before) and spliced in registers, in the one branch of ``vec`` that the
+        CTA's shift takes (uniform: no divergence). Columns before mV read as 0; those
+        past its end are unspecified (past the row end: no output takes them)."""
+        cfg = self.cfg
+        tXcX = self.coords[chunk]
+        tiled = tiling.tiled_copy(tiling.vector_copy_atom(mV.element_type, cfg), cfg)
+        thr = tiled.get_slice(self.tidx)
+        pieces = []
+        for vectors_back in (0, 1):
+            start = mV.iterator + (-cfg.vec * vectors_back)
+            view = cute.make_tensor(start, cute.make_layout((self.num_rows, cfg.n_cols + cfg.vec),
+                                                            stride=(0, 1)))
+            src = thr.partition_S(cute.local_tile(view, tiling.chunk_tiler(cfg),
+                                                  (self.block_row, self.chunk_index(chunk))))
+            piece = cute.make_fragment_like(src)
+            piece.fill(0)
+            # vectors starting inside mV (the one before: from the tiles' second vector)
+            inside = tiling.vector_predicate(tXcX, cfg.n_cols + cfg.vec * vectors_back)
+            if cutlass.const_expr(vectors_back == 1 and chunk == 0):
+                inside[0, 0, 0] = inside[0, 0, 0] & (self._vector_start(chunk, 0, 0) >= cfg.vec)
+            cute.copy(tiled, src, piece, pred=inside)
+            pieces.append(piece)
+        own, before = pieces
+        spliced = cute.make_fragment_like(own)
+        for shift in cutlass.range_constexpr(cfg.vec):
+            if self.shift == shift:
+                for k in cutlass.range_constexpr(cute.size(tXcX, mode=[2])):
+                    for v in cutlass.range_constexpr(cute.size(tXcX, mode=[0, 1])):
+                        for e in cutlass.range_constexpr(cfg.vec):
+                            spliced[(e, v), 0, k] = own[(e - shift, v), 0, k] if e >= shift \
+                                else before[(cfg.vec + e - shift, v), 0, k]
+        values = spliced.load()
+        return values if cutlass.const_expr(raw) else self.to_fp32(values)
+
+    @cute.jit
     def store_shifted_columns(self, mP: cute.Tensor, chunk: cutlass.Constexpr[int],
                               values: cute.TensorSSA):
         """Write this thread's per-column ``values`` of ``chunk`` of a shifted row (such as
