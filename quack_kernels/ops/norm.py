@@ -32,26 +32,22 @@ from ..primitives.config import (
     ACCESS_BYTES,
     ColumnSumConfig,
     SMEM_BYTES_PER_CTA,
-    SUM_THREADS_PER_ROW,
     RowConfig,
     column_sum_config,
     loop_grid_rows,
     REGISTER_SHARE_VALUES,
+    norm_backward_clustered_share,
     norm_backward_prefetches_past_buffers,
     norm_backward_register_threads,
-    norm_backward_share,
     norm_forward_share,
     odd_row_forward_share,
     odd_row_register_share,
     shifted_row_share,
-    row_blocks_in_flight,
     shifted_grid_fills,
     shifted_resident_blocks,
     register_share,
     row_config,
-    rows_alone_in_smem,
     staged_layer_norm_share,
-    sums_in_registers,
     widened_16bit_share,
     with_l2_prefetch,
     with_prefetch,
@@ -180,7 +176,7 @@ def backward_config(n_cols: int, h_dtype, dy_dtype, out_dtypes: tuple, weight_dt
     if tuned and register_threads:
         register = (register_threads, REGISTER_SHARE_VALUES)
     else:
-        prefetched = _clustered_backward_share(
+        prefetched = norm_backward_clustered_share(
             n_cols, widest, staged, accumulators, bytes_per_col, max_vec, cta_row_bytes,
             values_per_thread, max_threads_per_row, kernel_for)
         if tuned:
@@ -192,51 +188,6 @@ def backward_config(n_cols: int, h_dtype, dy_dtype, out_dtypes: tuple, weight_dt
             kernel_for)
     return with_l2_prefetch(prefetched, *staged_bytes, past_two_buffers=(
         norm_backward_prefetches_past_buffers(prefetched, accumulators)))
-
-
-def _clustered_backward_share(n_cols: int, widest: int, staged: int, accumulators: int,
-                              bytes_per_col: int, max_vec: int | None,
-                              cta_row_bytes: int | None, values_per_thread: int | None,
-                              max_threads_per_row: int | None, kernel_for) -> RowConfig:
-    """backward_config's share from config.norm_backward_share (or the sweep's limits),
-    with its staging buffers."""
-    tuned_bytes, vectors = norm_backward_share(staged, accumulators, n_cols)
-    if cta_row_bytes is None:
-        cta_row_bytes = tuned_bytes
-    if values_per_thread is None and vectors is not None:
-        # 16-byte vectors of the staged dtype: a wider weight or output (fp32 with bf16
-        # rows) narrows the accesses, not the values a thread holds
-        values_per_thread = vectors * (16 // staged) * (2 + accumulators)
-    share = functools.partial(
-        row_config, n_cols, widest, staged_tensors=2 + accumulators,
-        bytes_per_col=bytes_per_col, max_vec=max_vec,
-        looping=True, cta_row_bytes=cta_row_bytes, values_per_thread=values_per_thread)
-    cfg = share(max_threads_per_row=max_threads_per_row)
-    # sized for the largest variant (LayerNorm: two values per reduction)
-    prefetched = with_prefetch(cfg, kernel_for)
-    if max_threads_per_row is None and accumulators and not sums_in_registers(cfg):
-        wider = share(max_threads_per_row=SUM_THREADS_PER_ROW)
-        # (not for shares re-read from global memory, nor rows alone in shared memory
-        # with a predicated tail: fp32 LayerNorm of 200000 columns spilled at the 128
-        # registers a 512-thread CTA can have, 16 bytes with the residual gradient)
-        if sums_in_registers(wider) and not wider.needs_col_predicate:
-            wider = rows_alone_in_smem(wider, bytes_per_col - 4 * accumulators)
-        if sums_in_registers(wider) and wider.staging != "global":
-            wider = with_prefetch(wider, kernel_for)
-            more_in_flight = row_blocks_in_flight(wider, kernel_for) \
-                - row_blocks_in_flight(prefetched, kernel_for)
-            # Two single-buffered shares both refill their chunks for the next block
-            # (NormBackward.refills_chunks): at the same row blocks in flight the wider
-            # one wins by keeping its sums in registers instead of shared memory.
-            # RMSNorm fp32 512x262144 76.7% -> 90.4% of the copy ceiling (H200, kernel
-            # alone). Not with a predicated tail (fp32 RMSNorm of 200000 columns spilled
-            # 16 bytes).
-            both_refill = wider.staging == prefetched.staging == "smem" \
-                and wider.stages == prefetched.stages == 1 and not wider.needs_col_predicate
-            if prefetched.staging == "global" or more_in_flight > 0 \
-                    or (more_in_flight == 0 and both_refill):
-                prefetched = wider
-    return prefetched
 
 
 def forward_kernel(cfg: RowConfig, rms: bool, x_dtype, residual_dtype, has_residual: bool,

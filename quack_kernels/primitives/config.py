@@ -1116,7 +1116,7 @@ def register_share(n_cols: int, elem_bytes: int, threads: int, values: int, *,
 # of shared memory, 128 of them the sums, 8 warps per SM). For those rows the backward
 # takes SUM_THREADS_PER_ROW threads per row, so that each thread's sums fit in
 # REGISTER_SUM_VALUES registers per accumulator, where that keeps more row blocks in
-# flight per SM (ops.norm.backward_config; in practice one CTA per SM that gains the
+# flight per SM (norm_backward_clustered_share; in practice one CTA per SM that gains the
 # prefetch: 16-bit rows of 160000+ columns, fp32 ones of 100000+). H200, same session
 # (kernel_ab_norm_backward_register_sums_H200_20261130.txt, run 2): bf16 512x262144
 # RMSNorm 52.1% -> 57.3% of the copy ceiling, LayerNorm 38.9% -> 46.9%. Multi-chunk
@@ -1397,6 +1397,53 @@ def row_blocks_in_flight(cfg: RowConfig, kernel_for) -> int:
     """Row blocks a looping kernel keeps in flight per SM: resident CTAs x stages
     (``kernel_for`` as in with_prefetch)."""
     return kernel_for(cfg).ctas_per_sm() * cfg.stages
+
+
+def norm_backward_clustered_share(n_cols: int, widest: int, staged: int, accumulators: int,
+                                  bytes_per_col: int, max_vec: int | None,
+                                  cta_row_bytes: int | None, values_per_thread: int | None,
+                                  max_threads_per_row: int | None, kernel_for) -> RowConfig:
+    """A norm backward's share of ``n_cols`` columns (ops.norm.backward_config) from
+    norm_backward_share (or a sweep's limits), with its staging buffers (``kernel_for``
+    as in with_prefetch); SUM_THREADS_PER_ROW threads where that keeps the per-column
+    sums in registers (see REGISTER_SUM_VALUES)."""
+    tuned_bytes, vectors = norm_backward_share(staged, accumulators, n_cols)
+    if cta_row_bytes is None:
+        cta_row_bytes = tuned_bytes
+    if values_per_thread is None and vectors is not None:
+        # 16-byte vectors of the staged dtype: a wider weight or output (fp32 with bf16
+        # rows) narrows the accesses, not the values a thread holds
+        values_per_thread = vectors * (16 // staged) * (2 + accumulators)
+    share = functools.partial(
+        row_config, n_cols, widest, staged_tensors=2 + accumulators,
+        bytes_per_col=bytes_per_col, max_vec=max_vec,
+        looping=True, cta_row_bytes=cta_row_bytes, values_per_thread=values_per_thread)
+    cfg = share(max_threads_per_row=max_threads_per_row)
+    # sized for the largest variant (LayerNorm: two values per reduction)
+    prefetched = with_prefetch(cfg, kernel_for)
+    if max_threads_per_row is None and accumulators and not sums_in_registers(cfg):
+        wider = share(max_threads_per_row=SUM_THREADS_PER_ROW)
+        # (not for shares re-read from global memory, nor rows alone in shared memory
+        # with a predicated tail: fp32 LayerNorm of 200000 columns spilled at the 128
+        # registers a 512-thread CTA can have, 16 bytes with the residual gradient)
+        if sums_in_registers(wider) and not wider.needs_col_predicate:
+            wider = rows_alone_in_smem(wider, bytes_per_col - 4 * accumulators)
+        if sums_in_registers(wider) and wider.staging != "global":
+            wider = with_prefetch(wider, kernel_for)
+            more_in_flight = row_blocks_in_flight(wider, kernel_for) \
+                - row_blocks_in_flight(prefetched, kernel_for)
+            # Two single-buffered shares both refill their chunks for the next block
+            # (NormBackward.refills_chunks): at the same row blocks in flight the wider
+            # one wins by keeping its sums in registers instead of shared memory.
+            # RMSNorm fp32 512x262144 76.7% -> 90.4% of the copy ceiling (H200, kernel
+            # alone). Not with a predicated tail (fp32 RMSNorm of 200000 columns spilled
+            # 16 bytes).
+            both_refill = wider.staging == prefetched.staging == "smem" \
+                and wider.stages == prefetched.stages == 1 and not wider.needs_col_predicate
+            if prefetched.staging == "global" or more_in_flight > 0 \
+                    or (more_in_flight == 0 and both_refill):
+                prefetched = wider
+    return prefetched
 
 
 # The fixed-order column sum of per-CTA partial rows (the norm backward's dweight /
