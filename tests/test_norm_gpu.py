@@ -394,8 +394,8 @@ def test_shifted_odd_rows(n, dtype, weight_dtype, residual, rms, shifted_norm_ro
     columns, one row with a large mean; y, the stored stream, rstd and mean on poisoned
     outputs against the fp64 reference, through the op and the public API (the C++
     path, its backward shifted too, one row a CTA); every third row alone (row stride 3N: every shift
-    again) leaves the rows between untouched; a misaligned copy of x, or of the weight,
-    takes the unshifted share. Row lengths used by no other test of the C++ path (its plans outlive a
+    again) leaves the rows between untouched; a misaligned copy of x, or of a 16-bit
+    weight, takes the unshifted share. Row lengths used by no other test of the C++ path (its plans outlive a
     test)."""
     from quack_kernels.ops.common import shiftable
 
@@ -463,7 +463,9 @@ def test_shifted_odd_rows(n, dtype, weight_dtype, residual, rms, shifted_norm_ro
     assert not shiftable(misaligned)
     check(*ops.norm_forward(misaligned, w, b, r, eps, 0.0, rms, None, None, residual))
     weight_off = torch.empty(n + 1, dtype=weight_dtype, device="cuda")[1:].copy_(w)
-    assert not ops.shifts_rows(x, columns=(weight_off,))
+    # (a 16-bit weight is spliced from whole vectors: unshifted; an fp32 one is staged
+    # value by value: shifted still)
+    assert ops.shifts_rows(x, columns=(weight_off,)) == (weight_dtype == torch.float32)
     check(*ops.norm_forward(x, weight_off, b, r, eps, 0.0, rms, None, None, residual))
 
 

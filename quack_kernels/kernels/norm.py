@@ -40,7 +40,8 @@ from ..primitives.config import (RowConfig, late_columns_together, layer_norm_re
                                  norm_backward_refills_chunks, norm_backward_rereads_unmasked,
                                  norm_forward_columns_before_reduction,
                                  norm_forward_early_columns, prefetch_row_stats,
-                                 row_stats_a_block_ahead, stage_columns_once)
+                                 row_stats_a_block_ahead, splices_shifted_columns,
+                                 stage_columns_once)
 from ..primitives.rows import ReductionSlot, RowKernel, RowTiles
 
 ZERO = (Float32(0.0),)
@@ -58,7 +59,7 @@ class NormForward(RowKernel):
     are compile-time switches (pass None for the absent ones)."""
 
     def __init__(self, cfg: RowConfig, rms: bool, x_dtype, residual_in_dtype, residual_dtype,
-                 has_residual: bool, store_residual: bool):
+                 has_residual: bool, store_residual: bool, column_dtypes: tuple = ()):
         self.cfg = cfg
         self.rms = rms
         self.has_residual = has_residual
@@ -81,6 +82,11 @@ class NormForward(RowKernel):
         self.columns_before_reduction = norm_forward_columns_before_reduction(
             len(self.staged_dtypes), self.staged_bytes_per_col, cfg)
         self.late_columns_together = late_columns_together(cfg)
+        if cfg.row_shift:
+            # the weight and bias (``column_dtypes``) that are not spliced to a shifted
+            # row's shift are staged in shared memory at it (splices_shifted_columns)
+            self.column_dtypes = tuple(d for d in column_dtypes
+                                       if not splices_shifted_columns(d.width // 8))
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mR, mW, mB, mY: cute.Tensor, mResOut, mMean,
@@ -115,11 +121,14 @@ class NormForward(RowKernel):
 
     def _column(self, tiles: RowTiles, mV, chunk: int, raw: bool = False):
         """fp32 (``raw``: own dtype) values of the per-column vector ``mV`` in ``chunk``
-        (None for an absent one; a shifted row's spliced to its shift)."""
+        (None for an absent one; a shifted row's spliced to its shift, or staged at it:
+        config.splices_shifted_columns)."""
         if cutlass.const_expr(mV is None):
             return None
         if cutlass.const_expr(self.cfg.row_shift):
-            return tiles.shifted_column_values(mV, chunk, raw=raw)
+            if cutlass.const_expr(splices_shifted_columns(mV.element_type.width // 8)):
+                return tiles.shifted_column_values(mV, chunk, raw=raw)
+            return tiles.column_values(mV, chunk, raw=raw)
         return tiles.load(tiles.broadcast_rows(mV), chunk, guard_rows=False, raw=raw)
 
     def _share_columns(self, tiles: RowTiles, mW, mB) -> list:
@@ -148,6 +157,9 @@ class NormForward(RowKernel):
                                arrive=i == self.reductions - 1)
                  for i in range(self.reductions)]
         tiles.issue_loads()
+        if cutlass.const_expr(cfg.row_shift):
+            mW, mB = (v if v is None or splices_shifted_columns(v.element_type.width // 8)
+                      else tiles.stage_shifted_columns(smem, v) for v in (mW, mB))
         # (config.norm_forward_early_columns: the share's weight and bias in flight with
         # its row, instead of loaded per chunk in the output pass)
         held_columns = self._share_columns(tiles, mW, mB) \

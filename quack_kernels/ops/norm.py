@@ -43,6 +43,7 @@ from ..primitives.config import (
     odd_row_forward_share,
     odd_row_register_share,
     shifted_row_share,
+    splices_shifted_columns,
     shifted_grid_fills,
     shifted_resident_blocks,
     register_share,
@@ -82,10 +83,11 @@ def shifts_rows(*rows: Tensor, columns=()) -> bool:
     before each (forward_config's and backward_config's ``shifted``): shiftable ones,
     where config.SHIFTED_NORM_ROWS is on. The outputs the kernel writes (fresh,
     contiguous) are among them, or (the C++ path's) shiftable whenever the inputs are.
-    ``columns``: the forward's weight and bias (None: absent), read in whole vectors
-    (RowTiles.shifted_column_values): their bases on 16 bytes too."""
-    return config.SHIFTED_NORM_ROWS and shiftable(*rows) \
-        and all(c is None or c.data_ptr() % ACCESS_BYTES == 0 for c in columns)
+    ``columns``: the forward's weight and bias (None: absent); those spliced from whole
+    vectors (config.splices_shifted_columns) on 16 bytes too."""
+    return config.SHIFTED_NORM_ROWS and shiftable(*rows) and all(
+        c is None or not splices_shifted_columns(c.element_size())
+        or c.data_ptr() % ACCESS_BYTES == 0 for c in columns)
 
 
 def _bytes(*dtypes) -> list[int]:
@@ -116,7 +118,10 @@ def forward_config(n_cols: int, rms: bool, x_dtype, residual_dtype, has_residual
         rows_alone = functools.partial(
             forward_config, rms=rms, x_dtype=x_dtype, residual_dtype=residual_dtype,
             has_residual=has_residual, out_dtype=out_dtype, residual_in_dtype=residual_in_dtype)
-        return shifted_row_share(rows_alone, unshifted, row_widest, sum(_bytes(*staged)),
+        staged_columns = [b for b in _bytes(weight_dtype, bias_dtype)
+                          if not splices_shifted_columns(b)]
+        return shifted_row_share(rows_alone, unshifted, row_widest,
+                                 sum(_bytes(*staged)) + sum(staged_columns),
                                  through_smem=True) or unshifted
     bytes_per_col = sum(_bytes(*staged))
     cta_row_bytes, wide_clusters, values_per_thread = norm_forward_share(
@@ -202,16 +207,16 @@ def forward_kernel(cfg: RowConfig, rms: bool, x_dtype, residual_dtype, has_resid
     residual_in_dtype = residual_in_dtype or residual_dtype
     vec, n, dt = cfg.vec, cfg.n_cols, cutlass_dtype
     rdt = dt(residual_dtype)
+    columns = [None if d is None else dt(d) for d in (weight_dtype, bias_dtype)]
     kernel = NormForward(cfg, rms, dt(x_dtype), dt(residual_in_dtype), rdt, has_residual,
-                         store_residual)
+                         store_residual, tuple(d for d in columns if d is not None))
     rows = cute.sym_int()
     row_tensor = functools.partial(fake_rows, n_cols=n, vec=vec, shifted=cfg.row_shift)
     return (
         kernel,
         row_tensor(dt(x_dtype)),
         row_tensor(dt(residual_in_dtype)) if has_residual else None,
-        fake_vector(dt(weight_dtype), n, vec) if weight_dtype is not None else None,
-        fake_vector(dt(bias_dtype), n, vec) if bias_dtype is not None else None,
+        *(None if d is None else fake_vector(d, n, _column_alignment(cfg, d)) for d in columns),
         row_tensor(dt(out_dtype)),
         row_tensor(rdt) if store_residual else None,
         fake_vector(Float32, rows) if not rms else None,
@@ -219,6 +224,15 @@ def forward_kernel(cfg: RowConfig, rms: bool, x_dtype, residual_dtype, has_resid
         Float32(1e-6),
         Float32(0.0),
     )
+
+
+def _column_alignment(cfg: RowConfig, dtype) -> int:
+    """Elements a forward's per-column vector of cutlass ``dtype`` is aligned to: a
+    vector, but beside shifted rows where it is staged value by value
+    (config.splices_shifted_columns)."""
+    if cfg.row_shift and not splices_shifted_columns(dtype.width // 8):
+        return 1
+    return cfg.vec
 
 
 def compile_forward(cfg: RowConfig, rms: bool, x_dtype, residual_dtype, has_residual: bool,

@@ -1059,6 +1059,17 @@ def shifted_resident_blocks(cfg: RowConfig, resident_blocks: int) -> int:
     return resident_blocks - resident_blocks % SHIFT_CLASSES
 
 
+def splices_shifted_columns(column_bytes: int) -> bool:
+    """Whether a norm forward's per-column vector (weight, bias) of ``column_bytes``-byte
+    values beside shifted rows (16-bit: SHIFT_CLASSES values a vector) is spliced to
+    each row's shift from whole 16-byte vectors in registers
+    (RowTiles.shifted_column_values; its base on 16 bytes): where a vector of it is 16
+    bytes. A wider one (an fp32 weight beside bf16 rows: 32-byte vectors, whose second
+    half may lie wholly past the vector's allocation) is staged in shared memory value
+    by value (RowTiles.stage_shifted_columns; any alignment)."""
+    return column_bytes * SHIFT_CLASSES == ACCESS_BYTES
+
+
 # Rounding a looping grid down to a multiple of 8 row blocks leaves SMs idle where few
 # blocks are resident: clusters of 9-16 CTAs at one CTA per SM hold 7-14 on 132 SMs
 # (fewer where the GPCs bound them). Where the rounded grid keeps less than this share
