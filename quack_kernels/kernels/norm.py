@@ -23,6 +23,12 @@ loading the next block while it reduces and stores the current one when two stag
 buffers fit (cfg.stages): each CTA keeps its columns' dw/db sums in an accumulator and
 writes them once as one row of fp32 partials, which kernels.column_sum adds in a fixed
 order (deterministic, no atomics).
+
+Odd 16-bit rows may be read from the 16-byte boundary before each (cfg.row_shift,
+RowTiles): the rows' edge vectors are padded with 0; the forward splices its 16-bit
+weight and bias to each row's shift in registers (fp32 ones are staged at it), the
+backward stages its weight once a CTA at the one shift of the rows it visits and writes
+its per-column sums at their own columns.
 """
 
 from __future__ import annotations
