@@ -46,12 +46,14 @@ def check_forward(x, w, b, eps, rms):
 
 
 def check_backward(dy, h, w, mean, rstd, offset, rms, dres_out=None, need_db=False, m=None,
-                   dx_scale=4.0, dx_magnitude=None):
+                   dx_scale=4.0, dx_magnitude=None, partials=None):
     """Run the op on (h, dy) and compare every gradient with the fp64 reference; dw/db
     sum M terms, so their tolerance grows with sqrt(M). ``dx_magnitude``: where dx is a
-    difference of larger terms, their size (see assert_close)."""
+    difference of larger terms, their size (see assert_close). ``partials``: a tensor
+    of the size of the op's partial sums, which start as NaN too."""
     x_dtype = h.dtype
-    poison_allocator(h, h)  # dx and dresidual start as NaN: unwritten elements show
+    # dx and dresidual (and the partial sums) start as NaN: unwritten elements show
+    poison_allocator(h, h, *([] if partials is None else [partials]))
     dx, dres, dw, db = ops.norm_backward(
         dy, h, w, mean, rstd, dres_out, offset, rms, x_dtype,
         x_dtype if dres_out is not None else None, w is not None,
@@ -480,8 +482,9 @@ def test_shifted_odd_rows_backward(n, dtype, weight_dtype, residual, rms, shifte
     more: config.SHIFTED_GRID_MIN_SHARE 0 here): its looping grid launches a multiple of
     8 row blocks (config.shifted_resident_blocks: each CTA visits rows of one shift, its
     weight staged once at that shift), three row blocks a CTA and more; dx (and the
-    residual gradient), dweight and dbias on poisoned outputs against fp64, dy large at
-    the rows' edges and in the weight's first and last columns; then the public API (the
+    residual gradient), dweight and dbias on poisoned outputs (the partial sums too)
+    against fp64, dy large at the rows' edges and in the weight's first and last
+    columns; then the public API (the
     C++ path) on the same rows (LayerNorm of 1001 and 262143 columns: unshifted)."""
     from quack_kernels.primitives import config
 
@@ -512,8 +515,11 @@ def test_shifted_odd_rows_backward(n, dtype, weight_dtype, residual, rms, shifte
     w[0], w[-1] = 4.0, -4.0
     _, _, mean, rstd = ops.norm_reference(h, None, None, None, 1e-5, 0.0, rms)
     mean = None if rms else mean
+    sum_cfg = plan[4]
+    partials = torch.empty(loop_grid_rows(cfg, m, resident), sum_cfg.width, device="cuda")
     check_backward(dy, h, w, mean, rstd, 0.0, rms,
-                   dres_out=fresh((m, n), dtype) if residual else None, need_db=not rms)
+                   dres_out=fresh((m, n), dtype) if residual else None, need_db=not rms,
+                   partials=partials)
 
     leaves = [h.clone().requires_grad_(), w.clone().requires_grad_()]
     b = None if rms else torch.zeros(n, dtype=weight_dtype, device="cuda", requires_grad=True)
