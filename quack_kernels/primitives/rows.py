@@ -227,7 +227,10 @@ class RowTiles:
     16-byte boundary at or before the row's first value, ``shift`` values before it, so
     the row is columns [shift, row_end) of them; the pad also covers the values outside
     that range in the row's two edge vectors (they belong to the rows beside it), and
-    ``store`` writes those two vectors value by value."""
+    ``store`` writes those two vectors value by value. Per-column vectors line up with
+    it through ``shifted_column_values`` (spliced in registers) or
+    ``stage_shifted_columns`` (shared memory), per-column results go back through
+    ``store_shifted_columns``; a looping grid's views keep the CTA's shift (at_block)."""
 
     def __init__(self, cfg: RowConfig, staged: list, smem, pad: float | None = None,
                  integer_widening: bool = True):
