@@ -543,8 +543,11 @@ class RowTiles:
             cute.copy(tiled, src, piece, pred=inside)
             pieces.append(piece)
         own, before = pieces
+        # shift 0 takes ``own`` as it is; another shift overwrites it in its branch (every
+        # value written on every path: ptxas then reads no register uninitialised)
         spliced = cute.make_fragment_like(own)
-        for shift in cutlass.range_constexpr(cfg.vec):
+        spliced.store(own.load())
+        for shift in cutlass.range_constexpr(1, cfg.vec):
             if self.shift == shift:
                 for k in cutlass.range_constexpr(cute.size(tXcX, mode=[2])):
                     for v in cutlass.range_constexpr(cute.size(tXcX, mode=[0, 1])):
