@@ -995,8 +995,9 @@ def test_shifted_looping_grids_launch_multiples_of_8_row_blocks():
             grid = config.loop_grid_rows(shifted, rows, config.shifted_resident_blocks(
                 shifted, resident))
             assert grid == rows or grid % 8 == 0
-    assert [config.shifted_grid_fills(r) for r in (7, 8, 10, 12, 14, 16, 20, 132)] == \
-        [False, True, True, False, False, True, True, True]
+    assert [config.shifted_grid_fills(shifted, r) for r in (7, 8, 10, 12, 14, 16, 20, 132)] \
+        == [False, True, True, False, False, True, True, True]
+    assert config.shifted_grid_fills(unshifted, 7)
 
 
 def test_norm_shifts_shiftable_rows_where_switched_on(monkeypatch):

@@ -499,7 +499,8 @@ def test_shifted_odd_rows_backward(n, dtype, weight_dtype, residual, rms, shifte
     assert shifted.row_shift == (rms or n not in (1001, 262143)), shifted
     kernel = ops._backward_kernel_object(shifted, rms, dtype, dtype, True, not rms,
                                          weight_dtype)
-    fills = config.shifted_grid_fills(ops.resident_row_blocks(kernel, torch.device("cuda")))
+    fills = config.shifted_grid_fills(
+        shifted, ops.resident_row_blocks(kernel, torch.device("cuda")))
     plan = ops._backward_plan(n, rms, dtype, dtype, weight_dtype, dres_dtype, dtype, dres_dtype,
                               True, None if rms else weight_dtype, 1, True,
                               torch.device("cuda"))

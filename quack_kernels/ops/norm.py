@@ -114,7 +114,8 @@ def forward_config(n_cols: int, rms: bool, x_dtype, residual_dtype, has_residual
         unshifted = forward_config(n_cols, rms, x_dtype, residual_dtype, has_residual,
                                    out_dtype, weight_dtype, bias_dtype, max_vec,
                                    residual_in_dtype)
-        # (the weight and bias are staged value by value: their width sets no vector)
+        # (the weight and bias are spliced or staged to the row's shift: their width sets
+        # no vector)
         rows_alone = functools.partial(
             forward_config, rms=rms, x_dtype=x_dtype, residual_dtype=residual_dtype,
             has_residual=has_residual, out_dtype=out_dtype, residual_in_dtype=residual_in_dtype)
@@ -152,8 +153,8 @@ def backward_config(n_cols: int, h_dtype, dy_dtype, out_dtypes: tuple, weight_dt
     otherwise leave registers); sweeps override them. ``rms``: the config of an RMSNorm
     (else one LayerNorm fits too). Odd 16-bit rows read from the 16-byte boundary
     before each where they may be (``shifted``: shifts_rows) take the share of the
-    aligned span (config.shifted_row_share, through shared memory) where it fits with the weight
-    staged beside it."""
+    aligned span (config.shifted_row_share, through shared memory) where it fits with
+    the weight staged beside it."""
     widest = max(_bytes(h_dtype, dy_dtype, weight_dtype, *out_dtypes))
     staged_bytes = _bytes(h_dtype, dy_dtype)
     staged = max(staged_bytes)
@@ -309,9 +310,9 @@ def _backward_kernel_object(cfg: RowConfig, rms: bool, h_dtype, dy_dtype, need_d
 def report_variants(n_grid, dtypes):
     """Kernel variants for the sm_90a resource report: (name, n, dtype, cfg, build).
     Per norm: forward with weight (and bias for LayerNorm); forward with a residual
-    whose stream is stored (prenorm); each of them shifted where its rows may be
-    (odd 16-bit rows: forward_config's ``shifted``); backward without and with dweight/dbias and a
-    residual gradient."""
+    whose stream is stored (prenorm); backward without and with dweight/dbias and a
+    residual gradient; each of them shifted too where its rows may be (odd 16-bit rows:
+    the configs' ``shifted``)."""
     for dtype in dtypes:
         for n in n_grid:
             for rms in (True, False):
@@ -577,7 +578,7 @@ def _backward_plan(n_cols: int, rms: bool, h_dtype, dy_dtype, weight_dtype, dres
     kernel = _backward_kernel_object(cfg, rms, h_dtype, dy_dtype, need_dweight, need_dbias,
                                      weight_dtype)
     resident = resident_row_blocks(kernel, device)
-    if cfg.row_shift and not shifted_grid_fills(resident):
+    if not shifted_grid_fills(cfg, resident):
         return _backward_plan(n_cols, rms, h_dtype, dy_dtype, weight_dtype, dres_out_dtype,
                               dx_dtype, dresidual_dtype, need_dweight, dbias_dtype, max_vec,
                               False, device)

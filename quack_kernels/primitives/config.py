@@ -1008,8 +1008,8 @@ def odd_row_forward_share(share: Callable[..., RowConfig], clustered: RowConfig,
 # 93.5, 66.9 -> 98.7, 68.9 -> 98.8 (every cell won). The hosts take these shares where
 # SHIFTED_ODD_ROWS is on (ops.common.shiftable; tests turn it off to reach the others).
 SHIFTED_ODD_ROWS = True
-# The norm forward takes them too (ops.norm.shifts_rows), its weight and bias staged in
-# shared memory at each row's shift (RowTiles.stage_shifted_columns): off until measured
+# The norms take them too (ops.norm.shifts_rows), their per-column vectors lined up with
+# each row's shift (splices_shifted_columns, shifted_resident_blocks): off until measured
 # and tested on a GPU.
 SHIFTED_NORM_ROWS = False
 
@@ -1077,10 +1077,10 @@ def splices_shifted_columns(column_bytes: int) -> bool:
 SHIFTED_GRID_MIN_SHARE = 0.75
 
 
-def shifted_grid_fills(resident_blocks: int) -> bool:
-    """Whether a looping grid of shifted rows (shifted_resident_blocks) keeps enough of
-    ``resident_blocks`` (see above)."""
-    rounded = resident_blocks - resident_blocks % SHIFT_CLASSES
+def shifted_grid_fills(cfg: RowConfig, resident_blocks: int) -> bool:
+    """Whether a looping grid of ``cfg`` (shifted_resident_blocks) keeps enough of
+    ``resident_blocks`` (see above): always for rows that are not shifted."""
+    rounded = shifted_resident_blocks(cfg, resident_blocks)
     return rounded > 0 and rounded >= SHIFTED_GRID_MIN_SHARE * resident_blocks
 
 
