@@ -400,6 +400,7 @@ def test_shifted_odd_rows(n, dtype, weight_dtype, residual, rms, shifted_norm_ro
     weight, takes the unshifted share. Row lengths used by no other test of the C++ path (its plans outlive a
     test)."""
     from quack_kernels.ops.common import shiftable
+    from quack_kernels.primitives import config
 
     m, eps = 25, 1e-5
     x = fresh((m, n), dtype, 2.0, 0.5)
@@ -415,7 +416,9 @@ def test_shifted_odd_rows(n, dtype, weight_dtype, residual, rms, shifted_norm_ro
     bias_dtype = None if rms else weight_dtype
     cfg = ops.forward_config(n, rms, dtype, dtype, residual, dtype, weight_dtype, bias_dtype, 1,
                              None, True)
-    assert cfg.row_shift, cfg
+    # (LayerNorm of x alone: shifted from SHIFTED_LAYER_NORM_MIN_COLS, its unshifted share
+    # checked below it)
+    assert cfg.row_shift == config.norm_forward_shifts(n, rms, residual), cfg
     ry, rh, rmean, rrstd = forward_ref(x, w, b, r, eps, 0.0, rms)
 
     def check(y, h, mean, rstd, rows=slice(None)):

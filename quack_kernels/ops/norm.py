@@ -42,6 +42,7 @@ from ..primitives.config import (
     norm_forward_share,
     odd_row_forward_share,
     odd_row_register_share,
+    norm_forward_shifts,
     shifted_row_share,
     splices_shifted_columns,
     shifted_grid_fills,
@@ -110,7 +111,7 @@ def forward_config(n_cols: int, rms: bool, x_dtype, residual_dtype, has_residual
     staged = [x_dtype, residual_in_dtype] if has_residual else [x_dtype]
     row_widest = max(_bytes(*staged, residual_dtype if has_residual else None, out_dtype))
     widest = max([row_widest, *_bytes(weight_dtype, bias_dtype)])
-    if shifted:
+    if shifted and norm_forward_shifts(n_cols, rms, has_residual):
         unshifted = forward_config(n_cols, rms, x_dtype, residual_dtype, has_residual,
                                    out_dtype, weight_dtype, bias_dtype, max_vec,
                                    residual_in_dtype)

@@ -1009,9 +1009,27 @@ def odd_row_forward_share(share: Callable[..., RowConfig], clustered: RowConfig,
 # SHIFTED_ODD_ROWS is on (ops.common.shiftable; tests turn it off to reach the others).
 SHIFTED_ODD_ROWS = True
 # The norms take them too (ops.norm.shifts_rows), their per-column vectors lined up with
-# each row's shift (splices_shifted_columns, shifted_resident_blocks): off until measured
-# and tested on a GPU.
-SHIFTED_NORM_ROWS = False
+# each row's shift (splices_shifted_columns, shifted_resident_blocks). H200, kernels
+# alone, % of the copy ceiling, one-value vectors -> shifted (compare_trees --abba,
+# results/norm_shifted_odd_rows_H200_20261205.txt), RMSNorm / LayerNorm forward of x,
+# then with a residual: bf16 4096x50257 52.8 -> 77.8 / 40.1 -> 51.6, 54.8 -> 94.8 / 45.0 ->
+# 65.3; 1024x131073 50.1 -> 66.5 / 41.4 -> 48.7, 52.3 -> 89.1 / 50.7 -> 73.2; 512x262143
+# 46.5 -> 59.1 / 36.2 -> 51.0, 50.1 -> 74.5 / 37.6 -> 58.1; 16384x4097 59.2 -> 71.8 / 49.0
+# -> 46.6 (norm_forward_shifts), 39.3 -> 72.6 / 32.2 -> 49.5; fp16 4096x32001 54.6 -> 81.5
+# / 47.1 -> 67.3, 62.0 -> 95.7 / 51.8 -> 79.1. The backward where its grid rounds to 8 row
+# blocks (shifted_grid_fills): fp16 4096x32001 42.6 -> 83.5 / 30.8 -> 61.2, bf16
+# 16384x4097 38.3 -> 54.1 / 36.4 -> 40.3; bf16 50257-262143 kept its unshifted plan.
+SHIFTED_NORM_ROWS = True
+# LayerNorm's forward of x alone lost on shifted rows of 4097 columns (above) and won from
+# 32001: shifted from this many columns (between, not measured).
+SHIFTED_LAYER_NORM_MIN_COLS = 16 * 1024
+
+
+def norm_forward_shifts(n_cols: int, rms: bool, has_residual: bool) -> bool:
+    """Whether a norm forward of odd 16-bit rows that may be read shifted
+    (ops.norm.shifts_rows) takes the shifted share: all but LayerNorm's of x alone below
+    SHIFTED_LAYER_NORM_MIN_COLS."""
+    return rms or has_residual or n_cols >= SHIFTED_LAYER_NORM_MIN_COLS
 
 
 def shifted_row_share(share_of_span: Callable[[int], RowConfig], unshifted: RowConfig,
