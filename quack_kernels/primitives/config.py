@@ -1018,11 +1018,14 @@ SHIFTED_ODD_ROWS = True
 # -> 46.6 (norm_forward_shifts), 39.3 -> 72.6 / 32.2 -> 49.5; fp16 4096x32001 54.6 -> 81.5
 # / 47.1 -> 67.3, 62.0 -> 95.7 / 51.8 -> 79.1. The backward where its grid rounds to 8 row
 # blocks (shifted_grid_fills): fp16 4096x32001 42.6 -> 83.5 / 30.8 -> 61.2, bf16
-# 16384x4097 38.3 -> 54.1 / 36.4 -> 40.3; bf16 50257-262143 kept its unshifted plan.
+# 16384x4097 38.3 -> 54.1 / 36.4 -> 40.3. From about 50K columns its clusters of 7-13 CTAs
+# are too few at once to round to 8 (7-15 resident): those rows keep the unshifted plan.
 SHIFTED_NORM_ROWS = True
-# LayerNorm's forward of x alone lost on shifted rows of 4097 columns (above) and won from
-# 32001: shifted from this many columns (between, not measured).
-SHIFTED_LAYER_NORM_MIN_COLS = 16 * 1024
+# LayerNorm's forward of x alone lost on shifted rows of 2049 and 4097 columns and won
+# from 12289 (H100, the same way, results/norm_shifted_odd_rows_H100_20261205.txt: bf16
+# 65536x2049 81.5 -> 42.3, 32768x4097 68.0 -> 66.6, 8192x12289 63.9 -> 85.8; H200
+# 16384x4097 above): shifted from this many columns.
+SHIFTED_LAYER_NORM_MIN_COLS = 8 * 1024
 
 
 def norm_forward_shifts(n_cols: int, rms: bool, has_residual: bool) -> bool:
