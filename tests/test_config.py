@@ -924,15 +924,14 @@ def test_cross_entropy_shifts_shiftable_rows_without_the_weight_row(monkeypatch)
 
 @pytest.mark.parametrize("weight_dtype", [None, torch.float32])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("n", [4097, 16385, 50257, 131073, 262143])
+@pytest.mark.parametrize("n", [2049, 4097, 16385, 50257, 131073, 262143])
 def test_odd_16bit_norm_rows_are_shifted_where_they_may_be(n, dtype, weight_dtype):
     """The norm forward of odd 16-bit rows that may be shifted takes the share of the
     aligned span (config.shifted_row_share) with whole vectors of the rows whatever the
     weight's width, the rows staged in shared memory one a CTA, an fp32 weight and bias
     beside them (config.splices_shifted_columns; LayerNorm's prenorm of 262143 columns
-    with them does not fit), but LayerNorm's of x alone below
-    SHIFTED_LAYER_NORM_MIN_COLS (config.norm_forward_shifts); rows that may not keep
-    their one-value share."""
+    with them does not fit), but those of x alone below SHIFTED_RMS_NORM_X_MIN_COLS /
+    SHIFTED_LAYER_NORM_X_MIN_COLS (config.norm_forward_shifts); rows that may not keep their one-value share."""
     from quack_kernels.kernels.norm import NormForward
     from quack_kernels.ops import norm
     from quack_kernels.ops.common import cutlass_dtype
@@ -947,7 +946,8 @@ def test_odd_16bit_norm_rows_are_shifted_where_they_may_be(n, dtype, weight_dtyp
         if n == 262143 and not rms and residual and weight_dtype == torch.float32:
             assert cfg == unshifted  # (its staged fp32 weight and bias do not fit)
             continue
-        if not rms and not residual and n < config.SHIFTED_LAYER_NORM_MIN_COLS:
+        if not residual and n < (config.SHIFTED_RMS_NORM_X_MIN_COLS if rms
+                                 else config.SHIFTED_LAYER_NORM_X_MIN_COLS):
             assert cfg == unshifted  # (config.norm_forward_shifts: it lost there)
             continue
         assert cfg.row_shift and cfg.n_cols == n and cfg.vec == 8, cfg

@@ -416,8 +416,8 @@ def test_shifted_odd_rows(n, dtype, weight_dtype, residual, rms, shifted_norm_ro
     bias_dtype = None if rms else weight_dtype
     cfg = ops.forward_config(n, rms, dtype, dtype, residual, dtype, weight_dtype, bias_dtype, 1,
                              None, True)
-    # (LayerNorm of x alone: shifted from SHIFTED_LAYER_NORM_MIN_COLS, its unshifted share
-    # checked below it)
+    # (x alone: shifted from config.SHIFTED_RMS_NORM_X_MIN_COLS /
+    # SHIFTED_LAYER_NORM_X_MIN_COLS, its unshifted share checked below them)
     assert cfg.row_shift == config.norm_forward_shifts(n, rms, residual), cfg
     ry, rh, rmean, rrstd = forward_ref(x, w, b, r, eps, 0.0, rms)
 

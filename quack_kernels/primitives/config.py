@@ -1015,24 +1015,28 @@ SHIFTED_ODD_ROWS = True
 # then with a residual: bf16 4096x50257 52.8 -> 77.8 / 40.1 -> 51.6, 54.8 -> 94.8 / 45.0 ->
 # 65.3; 1024x131073 50.1 -> 66.5 / 41.4 -> 48.7, 52.3 -> 89.1 / 50.7 -> 73.2; 512x262143
 # 46.5 -> 59.1 / 36.2 -> 51.0, 50.1 -> 74.5 / 37.6 -> 58.1; 16384x4097 59.2 -> 71.8 / 49.0
-# -> 46.6 (norm_forward_shifts), 39.3 -> 72.6 / 32.2 -> 49.5; fp16 4096x32001 54.6 -> 81.5
+# -> 46.6 (see norm_forward_shifts), 39.3 -> 72.6 / 32.2 -> 49.5; fp16 4096x32001 54.6 -> 81.5
 # / 47.1 -> 67.3, 62.0 -> 95.7 / 51.8 -> 79.1. The backward where its grid rounds to 8 row
 # blocks (shifted_grid_fills): fp16 4096x32001 42.6 -> 83.5 / 30.8 -> 61.2, bf16
 # 16384x4097 38.3 -> 54.1 / 36.4 -> 40.3. From about 50K columns its clusters of 7-13 CTAs
 # are too few at once to round to 8 (7-15 resident): those rows keep the unshifted plan.
 SHIFTED_NORM_ROWS = True
-# LayerNorm's forward of x alone lost on shifted rows of 2049 and 4097 columns and won
-# from 12289 (H100, the same way, results/norm_shifted_odd_rows_H100_20261205.txt: bf16
-# 65536x2049 81.5 -> 42.3, 32768x4097 68.0 -> 66.6, 8192x12289 63.9 -> 85.8; H200
-# 16384x4097 above): shifted from this many columns.
-SHIFTED_LAYER_NORM_MIN_COLS = 8 * 1024
+# The forward of x alone on short shifted rows (one row a CTA): LayerNorm lost at 2049
+# and 4097 columns and won from 12289 (H100, the same way,
+# results/norm_shifted_odd_rows_H100_20261205.txt: bf16 65536x2049 81.5 -> 42.3,
+# 32768x4097 68.0 -> 66.6, 8192x12289 63.9 -> 85.8; H200 16384x4097 above); RMSNorm won
+# at 4097 (above), not measured below. Shifted from these many columns; with a residual,
+# wherever the share allows (2049 columns: RMSNorm 84.7 -> 97.0 on the H100).
+SHIFTED_RMS_NORM_X_MIN_COLS = 4 * 1024
+SHIFTED_LAYER_NORM_X_MIN_COLS = 8 * 1024
 
 
 def norm_forward_shifts(n_cols: int, rms: bool, has_residual: bool) -> bool:
     """Whether a norm forward of odd 16-bit rows that may be read shifted
-    (ops.norm.shifts_rows) takes the shifted share: all but LayerNorm's of x alone below
-    SHIFTED_LAYER_NORM_MIN_COLS."""
-    return rms or has_residual or n_cols >= SHIFTED_LAYER_NORM_MIN_COLS
+    (ops.norm.shifts_rows) takes the shifted share: with a residual, or from the columns
+    above."""
+    return has_residual or n_cols >= (SHIFTED_RMS_NORM_X_MIN_COLS if rms
+                                      else SHIFTED_LAYER_NORM_X_MIN_COLS)
 
 
 def shifted_row_share(share_of_span: Callable[[int], RowConfig], unshifted: RowConfig,
