@@ -148,12 +148,12 @@ def compiled_sass(kernel_and_fakes, folder, cuobjdump: str) -> tuple[dict, str]:
     return resource_usage(cubin, cuobjdump), disassembly(cubin, cuobjdump)
 
 
-def switched_on(monkeypatch, switch: str, caches) -> Iterator[None]:
-    """A fixture's body: config.``switch`` on for one test, the launch caches
+def switched(monkeypatch, switch: str, on: bool, caches) -> Iterator[None]:
+    """A fixture's body: config.``switch`` set to ``on`` for one test, the launch caches
     (dicts) emptied before and after it (their keys do not hold the switch)."""
     from quack_kernels.primitives import config
 
-    monkeypatch.setattr(config, switch, True)
+    monkeypatch.setattr(config, switch, on)
     for cache in caches:
         cache.clear()
     yield

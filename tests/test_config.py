@@ -924,7 +924,7 @@ def test_cross_entropy_shifts_shiftable_rows_without_the_weight_row(monkeypatch)
 
 @pytest.mark.parametrize("weight_dtype", [None, torch.float32])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("n", [2049, 4097, 16385, 50257, 131073, 262143])
+@pytest.mark.parametrize("n", [2049, 4097, 12289, 16385, 50257, 131073, 262143])
 def test_odd_16bit_norm_rows_are_shifted_where_they_may_be(n, dtype, weight_dtype):
     """The norm forward of odd 16-bit rows that may be shifted takes the share of the
     aligned span (config.shifted_row_share) with whole vectors of the rows whatever the

@@ -11,7 +11,7 @@ from quack_kernels.ops import norm as ops
 from quack_kernels.primitives.config import (ODD_ROW_FORWARD_SHARES, ODD_ROW_FORWARD_VALUES,
                                              ODD_ROW_SHARES, loop_grid_rows)
 
-from helpers import assert_close, poison_allocator, switched_on
+from helpers import assert_close, poison_allocator, switched
 
 pytestmark = pytest.mark.gpu
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -327,11 +327,24 @@ def test_refilled_chunks_over_many_row_blocks(n, dtype, rms):
                    need_db=not rms)
 
 
+@pytest.fixture
+def shifted_norm_rows(monkeypatch):
+    yield from switched(monkeypatch, "SHIFTED_NORM_ROWS", True,
+                        (ops._forward_plans, ops._backward_plans))
+
+
+@pytest.fixture
+def unshifted_norm_rows(monkeypatch):
+    """Odd 16-bit rows on their one-value shares, as misaligned rows take them."""
+    yield from switched(monkeypatch, "SHIFTED_NORM_ROWS", False,
+                        (ops._forward_plans, ops._backward_plans))
+
+
 @pytest.mark.parametrize("n, dtype, rms", [
     (50257, torch.bfloat16, True), (32001, torch.float16, True), (200001, torch.bfloat16, True),
     (131073, torch.bfloat16, False), (65537, torch.float16, False)])
-def test_odd_rows_on_register_shares(n, dtype, rms):
-    """Odd 16-bit rows (one-value vectors) on the register shares of
+def test_odd_rows_on_register_shares(n, dtype, rms, unshifted_norm_rows):
+    """Odd 16-bit rows (one-value vectors, the shifted ones off) on the register shares of
     config.odd_row_register_share (RMSNorm 1024 threads, LayerNorm 512), over two or three
     row blocks a CTA (the last block's prefetch past M skipped); dx, dweight (and dbias)
     on poisoned outputs. The forward too, on the shares of config.odd_row_forward_share."""
@@ -358,12 +371,12 @@ def test_odd_rows_on_register_shares(n, dtype, rms):
     (16385, torch.bfloat16, None), (50257, torch.float16, None), (262143, torch.bfloat16, None),
     (100001, torch.bfloat16, torch.float32)])
 @pytest.mark.parametrize("rms", [True, False])
-def test_forward_of_odd_rows(n, dtype, weight_dtype, rms):
-    """The forward of odd 16-bit rows on the shares of config.odd_row_forward_share
-    (RMSNorm's x re-read from global memory in the output pass, LayerNorm's staged, both
-    from 2 CTAs to a full cluster; LayerNorm with an fp32 weight, whose RMSNorm runs its
-    register share), y, rstd and mean on poisoned outputs, a row with a large mean among
-    them."""
+def test_forward_of_odd_rows(n, dtype, weight_dtype, rms, unshifted_norm_rows):
+    """The forward of odd 16-bit rows (the shifted ones off) on the shares of
+    config.odd_row_forward_share (RMSNorm's x re-read from global memory in the output
+    pass, LayerNorm's staged, both from 2 CTAs to a full cluster; LayerNorm with an fp32
+    weight, whose RMSNorm runs its register share), y, rstd and mean on poisoned
+    outputs, a row with a large mean among them."""
     m = 67
     weight_dtype = weight_dtype or dtype
     x = fresh((m, n), dtype, 2.0, 0.5)
@@ -373,10 +386,6 @@ def test_forward_of_odd_rows(n, dtype, weight_dtype, rms):
     check_forward(x, w, b, 1e-5, rms)
 
 
-@pytest.fixture
-def shifted_norm_rows(monkeypatch):
-    yield from switched_on(monkeypatch, "SHIFTED_NORM_ROWS",
-                           (ops._forward_plans, ops._backward_plans))
 
 
 # (row length, row dtype, weight dtype) of the shifted rows' tests, beside a short row each

@@ -10,7 +10,7 @@ from quack_kernels.ops import softmax as ops
 from quack_kernels.ops.common import shiftable
 from quack_kernels.primitives.config import row_config
 
-from helpers import assert_close, poison_allocator, switched_on
+from helpers import assert_close, poison_allocator, switched
 
 pytestmark = pytest.mark.gpu
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -373,8 +373,8 @@ def test_rows_prefetched_to_l2(n, dtype, ahead):
 
 @pytest.fixture
 def shifted_rows_on(monkeypatch):
-    yield from switched_on(monkeypatch, "SHIFTED_ODD_ROWS",
-                           (ops._forward_launch, ops._backward_launch))
+    yield from switched(monkeypatch, "SHIFTED_ODD_ROWS", True,
+                        (ops._forward_launch, ops._backward_launch))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -1018,15 +1018,17 @@ SHIFTED_ODD_ROWS = True
 # -> 46.6 (see norm_forward_shifts), 39.3 -> 72.6 / 32.2 -> 49.5; fp16 4096x32001 54.6 -> 81.5
 # / 47.1 -> 67.3, 62.0 -> 95.7 / 51.8 -> 79.1. The backward where its grid rounds to 8 row
 # blocks (shifted_grid_fills): fp16 4096x32001 42.6 -> 83.5 / 30.8 -> 61.2, bf16
-# 16384x4097 38.3 -> 54.1 / 36.4 -> 40.3. From about 50K columns its clusters of 7-13 CTAs
-# are too few at once to round to 8 (7-15 resident): those rows keep the unshifted plan.
+# 16384x4097 38.3 -> 54.1 / 36.4 -> 40.3, LayerNorm 1024x131073 33.9 -> 34.9. From about
+# 50K columns its grid mostly does not round well (shifted_grid_fills: 50257 15 resident
+# -> 8, 100001-262143 7 -> 0; LayerNorm 262143 has no shifted share): unshifted there.
 SHIFTED_NORM_ROWS = True
 # The forward of x alone on short shifted rows (one row a CTA): LayerNorm lost at 2049
 # and 4097 columns and won from 12289 (H100, the same way,
 # results/norm_shifted_odd_rows_H100_20261205.txt: bf16 65536x2049 81.5 -> 42.3,
 # 32768x4097 68.0 -> 66.6, 8192x12289 63.9 -> 85.8; H200 16384x4097 above); RMSNorm won
 # at 4097 (above), not measured below. Shifted from these many columns; with a residual,
-# wherever the share allows (2049 columns: RMSNorm 84.7 -> 97.0 on the H100).
+# wherever the share allows (measured from 2049 columns: RMSNorm 84.7 -> 97.0 on the
+# H100; LayerNorm from 4097, above).
 SHIFTED_RMS_NORM_X_MIN_COLS = 4 * 1024
 SHIFTED_LAYER_NORM_X_MIN_COLS = 8 * 1024
 
@@ -1096,9 +1098,10 @@ def splices_shifted_columns(column_bytes: int) -> bool:
 
 
 # Rounding a looping grid down to a multiple of 8 row blocks leaves SMs idle where few
-# blocks are resident: clusters of 9-16 CTAs at one CTA per SM hold 7-14 on 132 SMs
-# (fewer where the GPCs bound them). Where the rounded grid keeps less than this share
-# of the resident blocks (or none), the rows keep their unshifted share. Not measured.
+# blocks are resident: the GPCs bound clusters (the shifted backward's plans on an H100,
+# one CTA per SM: 15 clusters of 7 CTAs, 9 of 9, 7 of 11-13). Where the rounded grid
+# keeps less than this share of the resident blocks (or none), the rows keep their
+# unshifted share. Not measured.
 SHIFTED_GRID_MIN_SHARE = 0.75
 
 
