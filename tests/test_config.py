@@ -931,7 +931,8 @@ def test_odd_16bit_norm_rows_are_shifted_where_they_may_be(n, dtype, weight_dtyp
     weight's width, the rows staged in shared memory one a CTA, an fp32 weight and bias
     beside them (config.splices_shifted_columns; LayerNorm's prenorm of 262143 columns
     with them does not fit), but those of x alone below SHIFTED_RMS_NORM_X_MIN_COLS /
-    SHIFTED_LAYER_NORM_X_MIN_COLS (config.norm_forward_shifts); rows that may not keep their one-value share."""
+    SHIFTED_LAYER_NORM_X_MIN_COLS (config.norm_forward_shifts); rows that may not keep
+    their one-value share."""
     from quack_kernels.kernels.norm import NormForward
     from quack_kernels.ops import norm
     from quack_kernels.ops.common import cutlass_dtype

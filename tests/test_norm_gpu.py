@@ -386,8 +386,6 @@ def test_forward_of_odd_rows(n, dtype, weight_dtype, rms, unshifted_norm_rows):
     check_forward(x, w, b, 1e-5, rms)
 
 
-
-
 # (row length, row dtype, weight dtype) of the shifted rows' tests, beside a short row each
 SHIFTED_ROWS = [(4095, torch.float16, torch.float16), (12289, torch.bfloat16, torch.float32),
                 (50257, torch.bfloat16, torch.bfloat16), (131071, torch.float16, torch.float16),
