@@ -14,6 +14,10 @@ from quack_kernels.primitives.config import (ODD_ROW_FORWARD_SHARES, ODD_ROW_FOR
 from helpers import assert_close, poison_allocator, switched
 
 pytestmark = pytest.mark.gpu
+# the configs as the library chooses them, for tests that wrap them: captured once, so
+# that a wrapper never wraps another test's (in the -n 14 suite on an H100, one test's
+# wrapper met configs another test's wrapper had made)
+FORWARD_CONFIG, BACKWARD_CONFIG = ops.forward_config, ops.backward_config
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 NS = [1, 7, 769, 1000, 4097, 131073]
 F64 = torch.float64
@@ -571,8 +575,8 @@ def test_rows_prefetched_to_l2(n, dtype, rms, monkeypatch):
     cluster's last CTA holds less than a share), against the fp64 reference."""
     with_l2 = lambda config_fn: lambda *a, **k: dataclasses.replace(  # noqa: E731
         config_fn(*a, **k), l2_prefetch=3, stages=1)
-    monkeypatch.setattr(ops, "forward_config", with_l2(ops.forward_config))
-    monkeypatch.setattr(ops, "backward_config", with_l2(ops.backward_config))
+    monkeypatch.setattr(ops, "forward_config", with_l2(FORWARD_CONFIG))
+    monkeypatch.setattr(ops, "backward_config", with_l2(BACKWARD_CONFIG))
     m = 40
     x, r = fresh((m, n), dtype), fresh((m, n), dtype)
     w, b = fresh(n, dtype, 0.5, 1.0), None if rms else fresh(n, dtype, 0.5)
@@ -594,10 +598,8 @@ def test_backward_prefetching_past_two_buffers(n, dtype, rms, monkeypatch):
     the sums stay in registers), on a grid held to two row blocks so that 40 rows take
     20 iterations and the prefetches land inside the tensor, against the fp64
     reference."""
-    own_config = ops.backward_config
-
     def prefetching(*a, **k):
-        cfg = own_config(*a, **k)
+        cfg = BACKWARD_CONFIG(*a, **k)
         assert cfg.stages == 2
         return dataclasses.replace(cfg, l2_prefetch=1)
 
