@@ -25,7 +25,7 @@ from sweep_softmax import DTYPES, add_l2_prefetch_option, ints, l2_prefetch_vari
 from quack_kernels.bench import measure_copy_ceiling_gbps as copy_ceiling_gbps
 from quack_kernels.ops import norm as ops
 from quack_kernels.ops.common import resident_row_blocks
-from quack_kernels.primitives.config import SMEM_BYTES_PER_CTA, loop_grid_rows
+from quack_kernels.primitives.config import SMEM_BYTES_PER_CTA, loop_grid_rows, partial_sum_rows
 
 DEFAULT_SHAPES = ",".join(f"{d}:{m}x{n}" for d in ("bf16", "fp32")
                           for m, n in ((32768, 4096), (8192, 16384), (2048, 65536), (512, 262144)))
@@ -104,7 +104,7 @@ def sweep_shape(dtype, m, n, rms, args, ceiling):
         fn = ops.compile_backward(cfg, rms, dtype, dtype, dtype, False, None, dtype,
                                   None, True, not rms)
         grid = loop_grid_rows(cfg, m, resident_row_blocks(kernel, h.device))
-        parts = [torch.empty(grid * cfg.rows_per_block, n, device="cuda")
+        parts = [torch.empty(partial_sum_rows(cfg, grid), n, device="cuda")
                  for _ in range(accumulators)]
 
         def call(fn=fn, parts=parts, grid=grid):

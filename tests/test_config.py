@@ -985,25 +985,21 @@ def test_odd_16bit_norm_backward_rows_are_shifted_where_they_may_be(n, dtype):
         assert kernel.launch_smem_bytes() <= config.SMEM_BYTES_PER_CTA
 
 
-def test_shifted_looping_grids_launch_multiples_of_8_row_blocks():
-    """config.shifted_resident_blocks: a looping grid of shifted rows launches a multiple
-    of 8 row blocks, so each CTA visits rows of one shift; other grids as many as are
-    resident. config.shifted_grid_fills: only where that keeps 3/4 of them."""
+def test_shifted_looping_grids_write_a_partial_row_per_cta_and_class():
+    """config.partial_sum_rows: a looping grid of any size over shifted rows (not rounded
+    to the 8 shift classes) writes its per-column sums a row per CTA and class
+    (rows.ShiftClassOrder: CTA b's class c as row b + c, 7 more than the CTAs); other
+    grids a row per row of their blocks."""
     shifted = config.RowConfig(n_cols=4097, vec=8, threads_per_row=256, rows_per_block=1,
                                cluster_size=1, vecs_per_thread=2, num_chunks=1,
                                staging="registers", row_shift=True)
-    assert [config.shifted_resident_blocks(shifted, r) for r in (132, 264, 396, 8, 15)] == \
-        [128, 264, 392, 8, 8]
+    for resident, rows in ((7, 14), (15, 22), (132, 132 + 7), (8, 15), (264, 264 + 7)):
+        assert config.loop_grid_rows(shifted, 100000, resident) == resident
+        assert config.partial_sum_rows(shifted, resident) == rows
     unshifted = dataclasses.replace(shifted, row_shift=False)
-    assert config.shifted_resident_blocks(unshifted, 132) == 132
-    for resident in (128, 264):
-        for rows in (1, 7, 127, 128, 129, 100000):
-            grid = config.loop_grid_rows(shifted, rows, config.shifted_resident_blocks(
-                shifted, resident))
-            assert grid == rows or grid % 8 == 0
-    assert [config.shifted_grid_fills(shifted, r) for r in (7, 8, 10, 12, 14, 16, 20, 132)] \
-        == [False, True, True, False, False, True, True, True]
-    assert config.shifted_grid_fills(unshifted, 7)
+    assert config.shift_classes(shifted) == 8 and config.shift_classes(unshifted) == 1
+    assert config.partial_sum_rows(unshifted, 15) == 15
+    assert config.partial_sum_rows(dataclasses.replace(unshifted, rows_per_block=4), 15) == 60
 
 
 def test_norm_shifts_shiftable_rows_where_switched_on(monkeypatch):

@@ -17,6 +17,7 @@ tvm_ffi = pytest.importorskip("tvm_ffi")
 N = 24  # row length of the stand-in plans
 SUM_WIDTH, SUM_PADDED = 64, 32  # dweight at column 0 of a partial row, dbias at 32
 NO_KERNEL = [0, 0, 0]  # (handle, ...) of a kernel a plan does not have
+NO_BACKWARD = [0, 0, 0, 1]  # ... of a norm backward it does not have
 
 
 @pytest.fixture(scope="module")
@@ -89,27 +90,37 @@ class StandIns:
 
 
 def register(module, stand_ins, x, weight, bias, rms, rows_per_block=2, resident=3,
-             residual=None, prenorm=False):
+             residual=None, prenorm=False, shift_classes=1):
     """A plan of the stand-ins; its backward with the stream's gradient (prenorm) runs
     row blocks of one row, at most 5 resident."""
     forward, backward, sums = stand_ins.handles()
     module.register_norm_plan(x, weight, bias, residual, None, rms, prenorm, forward,
-                              [backward, rows_per_block, resident], [backward, 1, 5],
-                              [sums, SUM_WIDTH, SUM_PADDED])
+                              [backward, rows_per_block, resident, shift_classes],
+                              [backward, 1, 5, 1], [sums, SUM_WIDTH, SUM_PADDED])
 
 
 def norm(module, x, weight, bias, eps, weight_offset, rms, residual=None, prenorm=False):
     return module.norm(x, weight, bias, residual, None, eps, weight_offset, rms, prenorm)
 
 
-@pytest.mark.parametrize("rms", [True, False])
-def test_plan_runs_forward_and_backward_through_the_cpp_node(module, rms):
+@pytest.mark.parametrize("rms, shift_classes, rows_per_block, resident, grid, partial_rows", [
+    (True, 1, 2, 3, 3, 6), (False, 1, 2, 3, 3, 6), (True, 8, 2, 3, 3, 6 + 7),
+    (False, 8, 1, 8, 8, 8 + 7)])
+def test_plan_runs_forward_and_backward_through_the_cpp_node(
+        module, rms, shift_classes, rows_per_block, resident, grid, partial_rows):
+    """10 rows in blocks of ``rows_per_block``, at most ``resident`` blocks: a grid of
+    ``grid``. ``shift_classes``: a shifted backward's (config.partial_sum_rows: a
+    partial row per CTA and class, 7 more than the CTAs); its x one value off 16 bytes,
+    a plan of its own."""
     x = torch.randn(5, 2, N, requires_grad=True)
+    if shift_classes > 1:
+        x = torch.randn(10 * N + 1)[1:].view(5, 2, N).requires_grad_()
     weight = torch.randn(N, requires_grad=True)
     bias = None if rms else torch.randn(N, requires_grad=True)
     stand_ins = StandIns(rms)
     assert norm(module, x, weight, bias, 1e-5, 0.25, rms) is None  # no plan yet
-    register(module, stand_ins, x, weight, bias, rms)
+    register(module, stand_ins, x, weight, bias, rms, rows_per_block=rows_per_block,
+             resident=resident, shift_classes=shift_classes)
     outputs = norm(module, x, weight, bias, 1e-5, 0.25, rms)
     y, rstd = outputs[0], outputs[-1]
     assert type(y.grad_fn).__name__ == "CppFunction" and "NormFunction" in y.grad_fn.name()
@@ -131,9 +142,8 @@ def test_plan_runs_forward_and_backward_through_the_cpp_node(module, rms):
         torch.testing.assert_close(bias.grad, db)
     forward, backward, sums = stand_ins.calls
     assert forward == ("forward", True, True, 1e-5, 0.25, (10, N))
-    # 10 rows in blocks of 2, at most 3 resident: a grid of 3 row blocks
-    assert backward == ("backward", True, True, 0.25, 3, False, False, rms)
-    assert sums == ("sums", (6, SUM_WIDTH), rms)
+    assert backward == ("backward", True, True, 0.25, grid, False, False, rms)
+    assert sums == ("sums", (partial_rows, SUM_WIDTH), rms)
 
 
 def test_gradients_not_asked_for_are_neither_computed_nor_returned(module):
@@ -159,8 +169,8 @@ def test_inference_plan_is_apart_and_builds_no_graph(module):
     with torch.no_grad():
         assert norm(module, x, None, None, 1e-6, 0.0, True) is None  # grad plans don't serve
         forward = stand_ins.handles()[0]
-        module.register_norm_plan(x, None, None, None, None, True, False, forward, NO_KERNEL,
-                                  NO_KERNEL, NO_KERNEL)
+        module.register_norm_plan(x, None, None, None, None, True, False, forward, NO_BACKWARD,
+                                  NO_BACKWARD, NO_KERNEL)
         y, rstd = norm(module, x, None, None, 1e-6, 0.0, True)
     assert y.grad_fn is None
     torch.testing.assert_close(y, ops.norm_reference(x.detach(), None, None, None, 1e-6, 0.0,
@@ -176,8 +186,8 @@ def test_inputs_off_the_fast_path(module):
     assert not module.norm_eligible(x, torch.randn(2 * N)[::2], None, None)  # strided
     assert not module.norm_eligible(x, None, None, torch.randn(3, N))  # residual's shape
     with pytest.raises(RuntimeError, match="take no native plan"):
-        module.register_norm_plan(x.t(), None, None, None, None, True, False, 0, NO_KERNEL,
-                                  NO_KERNEL, NO_KERNEL)
+        module.register_norm_plan(x.t(), None, None, None, None, True, False, 0, NO_BACKWARD,
+                                  NO_BACKWARD, NO_KERNEL)
 
 
 @pytest.mark.parametrize("raised,expected", [(ValueError, ValueError), (TypeError, TypeError),
@@ -191,7 +201,7 @@ def test_kernel_errors_come_back_as_python_errors(module, raised, expected):
     x = torch.randn(2, 10 + len(raised.__name__), dtype=torch.bfloat16)  # a plan each
     kernel = tvm_ffi.convert(failing)
     module.register_norm_plan(x, None, None, None, None, True, False, kernel.__chandle__(),
-                              NO_KERNEL, NO_KERNEL, NO_KERNEL)
+                              NO_BACKWARD, NO_BACKWARD, NO_KERNEL)
     with pytest.raises(expected, match="the stand-in refuses"):
         norm(module, x, None, None, 1e-6, 0.0, True)
 
@@ -409,7 +419,7 @@ def test_residual_without_prenorm_has_a_plan_of_its_own(module):
     stand_ins = StandIns(rms=True)
     forward, backward, sums = stand_ins.handles()
     module.register_norm_plan(x, None, None, residual, None, True, False, forward,
-                              [backward, 1, 3], NO_KERNEL, NO_KERNEL)
+                              [backward, 1, 3, 1], NO_BACKWARD, NO_KERNEL)
     assert norm(module, x, None, None, 1e-6, 0.0, True, residual, prenorm=True) is None
     y, h, _ = norm(module, x, None, None, 1e-6, 0.0, True, residual)
     torch.testing.assert_close(h, x.detach() + residual)

@@ -410,6 +410,50 @@ def test_shifted_odd_rows_take_16_byte_accesses(n, dtype, weight_dtype, rms, res
     assert re.findall(r"\bLDG\.E\.U16\b", sass) and not re.findall(r"\bLDGSTS\.E\.128\b", sass)
 
 
+def _visits(num_rows, grid_rows, cta):
+    """((row, class) pairs in visit order, the partial-sum rows written) by CTA ``cta``,
+    from rows.ShiftClassOrder computed on the host as the kernel computes it
+    (NormBackward._class_row_blocks; a class's first position is the CTA's rows before
+    it, asserted)."""
+    from quack_kernels.primitives.rows import ShiftClassOrder
+
+    order = ShiftClassOrder(num_rows, grid_rows, cta=cta)
+    rows, partials = [], []
+    for shift_class in range(*order.written_classes()):
+        first, end = order.segment(shift_class)
+        assert first - order.first == len(rows), (num_rows, grid_rows, cta, shift_class)
+        rows += [(shift_class + 8 * (position - order.class_start(shift_class)), shift_class)
+                 for position in range(first, end)]
+        partials.append(cta + shift_class)
+    return rows, partials
+
+
+@pytest.mark.parametrize("num_rows", [*range(1, 41), 63, 64, 65, 127, 1000, 4097])
+def test_shift_class_order_visits_every_row_once_a_class_at_a_time(num_rows):
+    """rows.ShiftClassOrder (the shifted norm backward's looping grid): over every grid
+    size up to the rows (the host's loop_grid_rows caps it there), each row is visited
+    once, by one CTA, among the rows of its class (r mod 8: one shift), each CTA's
+    blocks numbered on across its classes; the partial-sum rows the CTAs write are
+    config.partial_sum_rows of them, each written once; a grid of a multiple of 8 row
+    blocks gives each CTA rows of one class."""
+    cfg = config.RowConfig(n_cols=4097, vec=8, threads_per_row=256, rows_per_block=1,
+                           cluster_size=1, vecs_per_thread=2, num_chunks=1,
+                           staging="registers", row_shift=True)
+    grids = range(1, num_rows + 1) if num_rows <= 65 else (1, 3, 7, 8, 9, 15, 16, 61, 132)
+    for grid_rows in grids:
+        seen, written = [], []
+        for cta in range(grid_rows):
+            rows, partials = _visits(num_rows, grid_rows, cta)
+            assert all(row % 8 == shift_class for row, shift_class in rows)
+            if grid_rows % 8 == 0:  # (splits_classes: a class a CTA, as many rows each)
+                assert len({shift_class for _, shift_class in rows}) == 1, (grid_rows, cta)
+                assert len(rows) <= -(-num_rows // grid_rows) + 1, (grid_rows, cta)
+            seen += [row for row, _ in rows]
+            written += partials
+        assert sorted(seen) == list(range(num_rows)), grid_rows
+        assert sorted(written) == list(range(config.partial_sum_rows(cfg, grid_rows))), grid_rows
+
+
 @pytest.mark.parametrize("n, dtype, rms, dres", [
     (2049, torch.float16, False, False), (50257, torch.bfloat16, True, True),
     (131073, torch.bfloat16, False, True)])
@@ -417,8 +461,9 @@ def test_shifted_backward_takes_16_byte_accesses(n, dtype, rms, dres, tmp_path, 
     """The norm backward of shifted odd 16-bit rows: h and dy staged in 16-byte cp.async
     vectors (each row block's, issued for the next one too), the residual gradient read
     and dx (and dresidual) stored in 16-byte vectors but their edges', the weight read
-    one value a copy once a CTA, the per-column sums stored one fp32 value a store at
-    the rows' own columns (the shift moves them off the vectors); no spill."""
+    one value a copy once a class of rows (rows.ShiftClassOrder), the per-column sums
+    stored one fp32 value a store at the rows' own columns (the shift moves them off
+    the vectors); no spill."""
     from helpers import compiled_sass
 
     sums = 1 if rms else 2

@@ -9,7 +9,8 @@ import torch
 import quack_kernels as qk
 from quack_kernels.ops import norm as ops
 from quack_kernels.primitives.config import (ODD_ROW_FORWARD_SHARES, ODD_ROW_FORWARD_VALUES,
-                                             ODD_ROW_SHARES, loop_grid_rows)
+                                             ODD_ROW_SHARES, loop_grid_rows,
+                                             partial_sum_rows)
 
 from helpers import assert_close, poison_allocator, switched
 
@@ -489,20 +490,15 @@ def test_shifted_odd_rows(n, dtype, weight_dtype, residual, rms, shifted_norm_ro
                          [(1001, torch.bfloat16, torch.bfloat16), *SHIFTED_ROWS])
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("rms", [True, False])
-def test_shifted_odd_rows_backward(n, dtype, weight_dtype, residual, rms, shifted_norm_rows,
-                                   monkeypatch):
+def test_shifted_odd_rows_backward(n, dtype, weight_dtype, residual, rms, shifted_norm_rows):
     """The backward of odd 16-bit rows read from the 16-byte boundary before each
-    (backward_config's ``shifted``, taken wherever its grid rounds to 8 row blocks or
-    more: config.SHIFTED_GRID_MIN_SHARE 0 here): its looping grid launches a multiple of
-    8 row blocks (config.shifted_resident_blocks: each CTA visits rows of one shift, its
-    weight staged once at that shift), three row blocks a CTA and more; dx (and the
-    residual gradient), dweight and dbias on poisoned outputs (the partial sums too)
-    against fp64, dy large at the rows' edges and in the weight's first and last
-    columns; then the public API (the
-    C++ path) on the same rows (LayerNorm of 1001 and 262143 columns: unshifted)."""
-    from quack_kernels.primitives import config
-
-    monkeypatch.setattr(config, "SHIFTED_GRID_MIN_SHARE", 0.0)
+    (backward_config's ``shifted``): its looping grid, as many row blocks as are
+    resident, visits the rows class by class (rows.ShiftClassOrder: each CTA a range,
+    its weight staged again at each class's shift, its sums written a row a class),
+    three row blocks a CTA and more; dx (and the residual gradient), dweight and dbias
+    on poisoned outputs (the partial sums too) against fp64, dy large at the rows'
+    edges and in the weight's first and last columns; then the public API (the C++ path)
+    on the same rows (LayerNorm of 1001 and 262143 columns: unshifted)."""
     dres_dtype = dtype if residual else None
     sums = 1 if rms else 2
     outs = (dtype, dtype, dtype) if residual else (dtype,)
@@ -511,16 +507,11 @@ def test_shifted_odd_rows_backward(n, dtype, weight_dtype, residual, rms, shifte
     # (LayerNorm's span shares at 1001 and 262143 columns hold two rows a CTA, or re-read
     # them: those rows keep their one-value share)
     assert shifted.row_shift == (rms or n not in (1001, 262143)), shifted
-    kernel = ops._backward_kernel_object(shifted, rms, dtype, dtype, True, not rms,
-                                         weight_dtype)
-    fills = config.shifted_grid_fills(
-        shifted, ops.resident_row_blocks(kernel, torch.device("cuda")))
     plan = ops._backward_plan(n, rms, dtype, dtype, weight_dtype, dres_dtype, dtype, dres_dtype,
                               True, None if rms else weight_dtype, 1, True,
                               torch.device("cuda"))
     cfg, resident = plan[1], plan[2]
-    assert cfg.row_shift == (shifted.row_shift and fills), (cfg, resident)
-    assert resident % 8 == 0 or not cfg.row_shift, resident
+    assert cfg == shifted, (cfg, resident)
     m = 3 * resident + 5
     h = fresh((m, n), dtype, 2.0, 0.5)
     dy = fresh((m, n), dtype)
@@ -531,7 +522,8 @@ def test_shifted_odd_rows_backward(n, dtype, weight_dtype, residual, rms, shifte
     _, _, mean, rstd = ops.norm_reference(h, None, None, None, 1e-5, 0.0, rms)
     mean = None if rms else mean
     sum_cfg = plan[4]
-    partials = torch.empty(loop_grid_rows(cfg, m, resident), sum_cfg.width, device="cuda")
+    partials = torch.empty(partial_sum_rows(cfg, loop_grid_rows(cfg, m, resident)),
+                           sum_cfg.width, device="cuda")
     check_backward(dy, h, w, mean, rstd, 0.0, rms,
                    dres_out=fresh((m, n), dtype) if residual else None, need_db=not rms,
                    partials=partials)
@@ -547,6 +539,39 @@ def test_shifted_odd_rows_backward(n, dtype, weight_dtype, residual, rms, shifte
     assert_close(leaves[1].grad, ref_dw, weight_dtype, scale=grow, name="dweight")
     if b is not None:
         assert_close(b.grad, ref_db, weight_dtype, scale=grow, name="dbias")
+
+
+@pytest.mark.parametrize("n, rms", [(4097, False), (50257, True), (100001, False)])
+@pytest.mark.parametrize("rows, grid", [
+    ("1", None), ("5", None), ("a CTA each", None), ("8 a CTA", None), ("16 a CTA + 3", None),
+    (40, 1), (40, 2), (43, 3), (41, 7), (45, 9), (67, 8), (67, 16), (8, 8), (203, 24)])
+def test_shifted_backward_on_row_counts(n, rms, rows, grid, shifted_norm_rows, monkeypatch):
+    """The shifted backward's rows and partial sums (rows.ShiftClassOrder) on row counts
+    and grids that place the CTAs' ranges differently against the classes. On the
+    resident grid: fewer rows than classes (a CTA a row, most classes empty), a row a CTA
+    on a grid one short of the resident one (every class start a range start), 8 and
+    16 rows a CTA. On grids held to ``grid`` row blocks: one CTA through all 8 classes,
+    a few CTAs across several, and grids of a multiple of 8 (each class split among G / 8
+    CTAs of its own: ShiftClassOrder.splits_classes). The partial sums start as
+    NaN, so a row left unwritten (or a row visited twice or never) shows in dx, dweight
+    or dbias."""
+    dtype = torch.bfloat16
+    if grid is not None:
+        monkeypatch.setattr(ops, "resident_row_blocks", lambda kernel, device: grid)
+    plan = ops._backward_plan(n, rms, dtype, dtype, dtype, None, dtype, None, True,
+                              None if rms else dtype, 1, True, torch.device("cuda"))
+    cfg, resident, sum_cfg = plan[1], plan[2], plan[4]
+    assert cfg.row_shift, cfg
+    m = rows if grid is not None else {"1": 1, "5": 5, "a CTA each": resident - 1,
+                                       "8 a CTA": 8 * resident,
+                                       "16 a CTA + 3": 16 * resident + 3}[rows]
+    h, dy = fresh((m, n), dtype, 2.0, 0.5), fresh((m, n), dtype)
+    w = fresh(n, dtype, 0.5, 1.0)
+    _, _, mean, rstd = ops.norm_reference(h, None, None, None, 1e-5, 0.0, rms)
+    partials = torch.empty(partial_sum_rows(cfg, loop_grid_rows(cfg, m, resident)),
+                           sum_cfg.width, device="cuda")
+    check_backward(dy, h, w, None if rms else mean, rstd, 0.0, rms, need_db=not rms,
+                   partials=partials)
 
 
 @pytest.mark.parametrize("dtype, mean_value", [(torch.float16, 1e4), (torch.bfloat16, 1e3)])

@@ -27,8 +27,8 @@ order (deterministic, no atomics).
 Odd 16-bit rows may be read from the 16-byte boundary before each (cfg.row_shift,
 RowTiles): the rows' edge vectors are padded with 0; the forward splices its 16-bit
 weight and bias to each row's shift in registers (fp32 ones are staged at it), the
-backward stages its weight once a CTA at the one shift of the rows it visits and writes
-its per-column sums at their own columns.
+backward visits its rows class by class (rows.ShiftClassOrder), stages its weight at
+each class's shift and writes its per-column sums of each class at their own columns.
 """
 
 from __future__ import annotations
@@ -40,15 +40,16 @@ from cutlass.memory import SmemAllocator
 
 from ..primitives import reduce as red
 from ..primitives import tiling
-from ..primitives.config import (RowConfig, late_columns_together, layer_norm_reduces_once,
-                                 loop_ctas_per_sm, norm_backward_fma_form,
+from ..primitives.config import (SHIFT_CLASSES, RowConfig, late_columns_together,
+                                 layer_norm_reduces_once, loop_ctas_per_sm, norm_backward_fma_form,
                                  norm_backward_holds_weight, norm_backward_loop_registers,
                                  norm_backward_refills_chunks, norm_backward_rereads_unmasked,
                                  norm_forward_columns_before_reduction,
                                  norm_forward_early_columns, prefetch_row_stats,
                                  row_stats_a_block_ahead, splices_shifted_columns,
                                  stage_columns_once)
-from ..primitives.rows import ReductionSlot, RowKernel, RowTiles
+from ..primitives.rows import (KEPT_ORDER_VALUES, ReductionSlot, RowKernel, RowTiles,
+                               ShiftClassOrder)
 
 ZERO = (Float32(0.0),)
 
@@ -273,8 +274,8 @@ class NormBackward(RowKernel):
 
     Staged: h (the normalized stream) and dy. Optional tensors are compile-time
     switches (None when absent): mW, mMean (LayerNorm), mdResOut (gradient of the
-    prenorm residual output), mdX / mdRes (outputs), mdW / mdB ((grid_rows *
-    rows_per_block, N) fp32 partials)."""
+    prenorm residual output), mdX / mdRes (outputs), mdW / mdB ((config.partial_sum_rows,
+    N) fp32 partials)."""
 
     scratch_buffers = 2
     def __init__(self, cfg: RowConfig, rms: bool, h_dtype, dy_dtype, need_dweight: bool,
@@ -293,7 +294,7 @@ class NormBackward(RowKernel):
         # in shared memory where config.stage_columns_once says so (not with vectors
         # under 4 bytes, which cp.async cannot zero-fill past the row end).
         if cfg.row_shift:
-            # (staged at the shift of the rows this CTA visits: stage_shifted_columns)
+            # (staged at the shift of each class of rows this CTA visits: _row_blocks)
             self.column_dtypes = () if weight_dtype is None else (weight_dtype,)
         elif weight_dtype is not None and tiling.copies_async(weight_dtype, cfg) \
                 and not self.holds_weight:
@@ -336,6 +337,10 @@ class NormBackward(RowKernel):
         plain_loads = not all(tiling.copies_async(d, self.cfg) for d in self.staged_dtypes)
         return norm_backward_refills_chunks(self.cfg, self.rms, plain_loads)
 
+    def smem_bytes(self) -> int:
+        # shifted rows: the kept order (ShiftClassOrder.keep), an aligned allocation
+        return super().smem_bytes() + (16 + 4 * KEPT_ORDER_VALUES if self.cfg.row_shift else 0)
+
     @property
     def weight_staged(self) -> bool:
         """Whether the weight is read from shared memory (RowTiles.stage_columns)."""
@@ -366,32 +371,83 @@ class NormBackward(RowKernel):
         if cutlass.const_expr(mW is not None and self.holds_weight):
             sW = home.kept_in_registers(self._weight(home, mW, 0, weight_offset), 0)
         elif cutlass.const_expr(mW is not None and self.weight_staged):
-            sW = home.stage_shifted_columns(smem, mW) if cutlass.const_expr(cfg.row_shift) \
+            # (shifted rows: staged at each class's shift, _row_blocks)
+            sW = home.column_buffer(smem, mW.element_type) if cutlass.const_expr(cfg.row_shift) \
                 else home.stage_columns(smem, mW)
         if cutlass.const_expr(cfg.cluster_size > 1):
             cute.arch.cluster_wait()
-        if cutlass.const_expr(cfg.stages == 2 or self.refills_chunks):
+        sums = (mdW, mdB, acc_w, acc_b)
+        row_args = (mMean, mRstd, mdResOut, mdX, mdRes, weight_offset, sums)
+        if cutlass.const_expr(cfg.row_shift):
+            # (every class, those this CTA does not write skipped inside: the order is
+            # kept in shared memory, see ShiftClassOrder.keep)
+            kept = ShiftClassOrder(mH.shape[0], grid_rows).keep(smem)
+            for shift_class in cutlass.range(SHIFT_CLASSES, unroll=1):
+                # (one method call a loop body: see RowKernel.for_each_row_block)
+                self._class_row_blocks(shift_class, kept, home, mH.shape[0], grid_rows,
+                                       slot, mW, sW, *row_args)
+        else:
+            self._row_blocks(home, mH.shape[0], grid_rows, slot, sW, *row_args)
+            self._store_sums(home, sums)
+
+    def _row_blocks(self, home: RowTiles, num_rows, grid_rows, slot, sW, mMean, mRstd,
+                    *row_args, blocks=None, restaged=None):
+        """The loop over this CTA's row blocks from ``home`` (the first), ``blocks`` as
+        for_each_row_block's: the first block's loads and statistics issued before it.
+        ``sW``: the weight as _row_block reads it (held, staged or global); ``restaged``
+        (a class of shifted rows): the weight, staged into sW at home's shift once those
+        loads are under way (they land in a buffer no thread reads now)."""
+        if cutlass.const_expr(self.cfg.stages == 2 or self.refills_chunks):
             home.issue_loads()  # the first block; each iteration loads the next
         first_stats = None
         if cutlass.const_expr(self.prefetches_stats):
             first_stats = self._row_stats(home, mMean, mRstd)
-        self.for_each_row_block(mH.shape[0], grid_rows, self._row_block, home, grid_rows, slot,
-                                sW, mMean, mRstd, mdResOut, mdX, mdRes, weight_offset, acc_w, acc_b,
-                                carry=first_stats)
+        if cutlass.const_expr(restaged is not None):
+            cute.arch.barrier()  # every thread has read the last class's weight
+            home.restage_shifted_columns(sW, restaged)
+        self.for_each_row_block(num_rows, grid_rows, self._row_block, home, grid_rows, slot,
+                                sW, mMean, mRstd, *row_args, carry=first_stats, blocks=blocks)
 
-        for c in cutlass.range_constexpr(cfg.num_chunks):
-            if cutlass.const_expr(self.need_dweight):
-                self._store_sums(home, mdW, c, acc_w[c].load())
-            if cutlass.const_expr(self.need_dbias):
-                self._store_sums(home, mdB, c, acc_b[c].load())
+    @cute.jit
+    def _class_row_blocks(self, shift_class, kept: cute.Tensor, home: RowTiles, num_rows,
+                          grid_rows, slot, mW, sW, *row_args):
+        """Shifted rows: class ``shift_class`` of the order (rows.ShiftClassOrder,
+        ``kept`` in shared memory), where this CTA writes it."""
+        if ShiftClassOrder.writes(kept, shift_class):
+            self._written_class_row_blocks(ShiftClassOrder(num_rows, grid_rows, kept=kept),
+                                           shift_class, home, num_rows, grid_rows, slot, mW,
+                                           sW, *row_args)
 
-    def _store_sums(self, home: RowTiles, mP: cute.Tensor, c: int, sums: cute.TensorSSA):
-        """This CTA's per-column sums of chunk ``c`` as its row of the partials ``mP`` (a
-        shifted row's at their own columns)."""
-        if cutlass.const_expr(self.cfg.row_shift):
-            home.store_shifted_columns(mP, c, sums)
-        else:
-            home.store(mP, c, sums, guard_rows=False)
+    @cute.jit
+    def _written_class_row_blocks(self, order: ShiftClassOrder, shift_class, home: RowTiles,
+                                  num_rows, grid_rows, slot, mW, sW, *row_args):
+        """This CTA's rows of class ``shift_class`` of ``order``, the weight staged at
+        their shift once every thread has read it at the last class's, then their dw / db
+        sums written as the CTA's row of the class in the partials (none of the class:
+        zeros, without loads or restaging)."""
+        first, end = order.segment(shift_class)
+        before = first - order.first  # this CTA's iterations before the class
+        tiles = home.in_class(order, shift_class, (first, end),
+                              before % 2 if self.cfg.stages == 2 else 0)
+        if first < end:
+            self._row_blocks(tiles, num_rows, grid_rows, slot, sW, *row_args,
+                             blocks=(first, end, order.first),
+                             restaged=mW if self.weight_staged else None)
+        self._store_sums(tiles, row_args[-1], partial_row=order.cta + shift_class)
+
+    def _store_sums(self, tiles: RowTiles, sums, partial_row=None):
+        """Write this CTA's dw / db sums (``sums``: the partials and accumulators) as its
+        row of the partials: ``tiles``' block row, or for a class of shifted rows row
+        ``partial_row`` at their own columns (``tiles``' shift), the sums then zeroed
+        for the next class."""
+        mdW, mdB, acc_w, acc_b = sums
+        for c in range(self.cfg.num_chunks):  # (traced inline)
+            for mP, acc in ((mdW, acc_w), (mdB, acc_b)):
+                if cutlass.const_expr(len(acc) > 0 and partial_row is None):
+                    tiles.store(mP, c, acc[c].load(), guard_rows=False)
+                elif cutlass.const_expr(len(acc) > 0):
+                    tiles.store_shifted_columns(mP, partial_row, c, acc[c].load())
+                    acc[c].fill(0.0)
 
     def _row_stats(self, tiles: RowTiles, mMean, mRstd):
         """(rstd, mean) of this thread's row of ``tiles`` loaded from global memory (mean
@@ -410,15 +466,16 @@ class NormBackward(RowKernel):
         return tuple(Float32(cutlass.select_(tiles.row_in_bounds, v, Float32(0.0))) for v in stats)
 
     def _row_block(self, block_row, iteration, home: RowTiles, grid_rows, slot: ReductionSlot,
-                   mW, mMean, mRstd, mdResOut, mdX, mdRes, weight_offset, acc_w, acc_b,
-                   carry=None):
-        """dx / dresidual of row block ``block_row``, and its dw / db terms. Where the
-        kernel prefetches_stats, ``carry`` holds this block's statistics and the next
-        block's are returned, loaded as this block begins (config.row_stats_a_block_ahead)
-        or once its row sums are in, so that their latency passes behind this block;
-        otherwise they are loaded here."""
+                   mW, mMean, mRstd, mdResOut, mdX, mdRes, weight_offset, sums, carry=None):
+        """dx / dresidual of row block ``block_row``, and its dw / db terms (``sums``:
+        the partials and accumulators of dw and db). Where the kernel prefetches_stats,
+        ``carry`` holds this block's statistics and the next block's are returned,
+        loaded as this block begins (config.row_stats_a_block_ahead) or once its row
+        sums are in, so that their latency passes behind this block; otherwise they are
+        loaded here."""
         cfg = self.cfg
         inv_n = Float32(1.0 / cfg.n_cols)
+        acc_w, acc_b = sums[2:]
         tiles = home.begin_block(block_row, grid_rows, iteration, self.refills_chunks)
         early = self.prefetches_stats and row_stats_a_block_ahead(cfg)
         next_stats = None
@@ -427,7 +484,8 @@ class NormBackward(RowKernel):
         else:
             stats = self._row_stats(tiles, mMean, mRstd)
         if cutlass.const_expr(early):
-            next_stats = self._row_stats(home.at_block(block_row + grid_rows), mMean, mRstd)
+            next_stats = self._row_stats(home.at_block(home.block_after(block_row, grid_rows)),
+                                         mMean, mRstd)
         rstd, mean = self._in_row(tiles, stats)
         mask_rows = self._masks_rows(mdResOut)
         kept = []
@@ -452,7 +510,8 @@ class NormBackward(RowKernel):
         c2 = g_sum * inv_n
         scale, shift = -c1 * rstd, -c2 * rstd  # (the FMA form's)
         if cutlass.const_expr(self.prefetches_stats and not early):
-            next_stats = self._row_stats(home.at_block(block_row + grid_rows), mMean, mRstd)
+            next_stats = self._row_stats(home.at_block(home.block_after(block_row, grid_rows)),
+                                         mMean, mRstd)
 
         for c in range(cfg.num_chunks):
             if cutlass.const_expr(self.rereads_unmasked):

@@ -251,6 +251,7 @@ struct NormBackwardKernel {
   TVMFFIObjectHandle kernel = nullptr;
   int64_t rows_per_block = 1;
   int64_t resident_row_blocks = 1;
+  int64_t shift_classes = 1;  // config.shift_classes: rows visited a class at a time
 };
 
 struct NormPlan {
@@ -386,7 +387,9 @@ struct NormFunction : public torch::autograd::Function<NormFunction> {
       dresidual = at::empty_like(h, h.options().dtype(residual_dtype));
     }
     if (plan.column_sum != nullptr) {
-      partial = at::empty({grid_rows * variant.rows_per_block, plan.sum_width},
+      // config.partial_sum_rows: a row per CTA and class of rows it visits
+      partial = at::empty({grid_rows * variant.rows_per_block + variant.shift_classes - 1,
+                           plan.sum_width},
                           h.options().dtype(at::kFloat));
     }
     Call call(variant.kernel);
@@ -456,7 +459,8 @@ bool norm_eligible(const at::Tensor& x, const std::optional<at::Tensor>& weight,
 }
 
 // ``backward`` and ``backward_with_stream``: (kernel handle, rows per block, resident row
-// blocks), zeros where absent; ``sums``: (column-sum handle, width, padded).
+// blocks, shift classes), zeros where absent; ``sums``: (column-sum handle, width,
+// padded).
 void register_norm_plan(const at::Tensor& x, const std::optional<at::Tensor>& weight,
                         const std::optional<at::Tensor>& bias,
                         const std::optional<at::Tensor>& residual,
@@ -465,13 +469,13 @@ void register_norm_plan(const at::Tensor& x, const std::optional<at::Tensor>& we
                         std::vector<int64_t> backward_with_stream, std::vector<int64_t> sums) {
   auto key = norm_key(x, weight.value_or(at::Tensor()), bias.value_or(at::Tensor()),
                       residual.value_or(at::Tensor()), stream_dtype, rms, prenorm);
-  TORCH_CHECK(key.has_value() && backward.size() == 3 && backward_with_stream.size() == 3 &&
+  TORCH_CHECK(key.has_value() && backward.size() == 4 && backward_with_stream.size() == 4 &&
                   sums.size() == 3,
               "quack_kernels: these inputs take no native plan");
   if (norm_plans().count(*key)) return;
   const NormKey& k = *key;
   auto variant = [](const std::vector<int64_t>& v) {
-    return NormBackwardKernel{kernel_from_handle(v[0]), v[1], v[2]};
+    return NormBackwardKernel{kernel_from_handle(v[0]), v[1], v[2], std::max<int64_t>(v[3], 1)};
   };
   NormPlan plan;
   plan.forward = kernel_from_handle(forward);

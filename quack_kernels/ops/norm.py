@@ -35,6 +35,8 @@ from ..primitives.config import (
     RowConfig,
     column_sum_config,
     loop_grid_rows,
+    partial_sum_rows,
+    shift_classes,
     REGISTER_SHARE_VALUES,
     norm_backward_clustered_share,
     norm_backward_prefetches_past_buffers,
@@ -45,8 +47,6 @@ from ..primitives.config import (
     norm_forward_shifts,
     shifted_row_share,
     splices_shifted_columns,
-    shifted_grid_fills,
-    shifted_resident_blocks,
     register_share,
     row_config,
     staged_layer_norm_share,
@@ -571,7 +571,7 @@ def _backward_plan(n_cols: int, rms: bool, h_dtype, dy_dtype, weight_dtype, dres
     """(compiled backward, its config, the row blocks its looping grid launches at most
     on ``device``, compiled column sum, its config) for these dtypes (None: not given /
     not computed); rows read from the 16-byte boundary before each where ``shifted``
-    (shifts_rows) and their grid fills the GPU (config.shifted_grid_fills)."""
+    (shifts_rows)."""
     need_dbias = dbias_dtype is not None
     out_dtypes = tuple(d for d in (dres_out_dtype, dx_dtype, dresidual_dtype) if d is not None)
     cfg = backward_config(n_cols, h_dtype, dy_dtype, out_dtypes, weight_dtype,
@@ -579,16 +579,12 @@ def _backward_plan(n_cols: int, rms: bool, h_dtype, dy_dtype, weight_dtype, dres
     kernel = _backward_kernel_object(cfg, rms, h_dtype, dy_dtype, need_dweight, need_dbias,
                                      weight_dtype)
     resident = resident_row_blocks(kernel, device)
-    if not shifted_grid_fills(cfg, resident):
-        return _backward_plan(n_cols, rms, h_dtype, dy_dtype, weight_dtype, dres_out_dtype,
-                              dx_dtype, dresidual_dtype, need_dweight, dbias_dtype, max_vec,
-                              False, device)
     fn = compile_backward(cfg, rms, h_dtype, dy_dtype, weight_dtype, dres_out_dtype is not None,
                           dres_out_dtype, dx_dtype, dresidual_dtype, need_dweight, need_dbias)
     sum_dtypes = tuple(d for d in (weight_dtype if need_dweight else None, dbias_dtype) if d)
     sum_cfg = column_sum_config(n_cols, len(sum_dtypes)) if sum_dtypes else None
     column_sum = compile_column_sum(sum_cfg, sum_dtypes) if sum_dtypes else None
-    return fn, cfg, shifted_resident_blocks(cfg, resident), column_sum, sum_cfg
+    return fn, cfg, resident, column_sum, sum_cfg
 
 
 def _launch_backward(plan, h_rows, dy_rows, weight, mean, rstd, dresidual_out_rows, dx_rows,
@@ -604,7 +600,7 @@ def _launch_backward(plan, h_rows, dy_rows, weight, mean, rstd, dresidual_out_ro
     device = h_rows.device
     dw_part = db_part = dweight = dbias = None
     if sum_cfg is not None:
-        partial = torch.empty((grid_rows * cfg.rows_per_block, sum_cfg.width),
+        partial = torch.empty((partial_sum_rows(cfg, grid_rows), sum_cfg.width),
                               dtype=torch.float32, device=device)
         if dweight_dtype:
             dw_part = partial[:, :n_cols]
@@ -795,7 +791,7 @@ def _native_plan(native, x, weight, bias, residual, residual_dtype, eps, weight_
                           vector_limit(x, residual, weight, bias),
                           shifts_rows(*(as_rows(t) for t in (x, residual) if t is not None),
                                       columns=(weight, bias)))
-    variants, sums = [[0, 0, 0], [0, 0, 0]], [0, 0, 0]
+    variants, sums = [[0, 0, 0, 0], [0, 0, 0, 0]], [0, 0, 0]
     if any(need):
         # h as the backward reads it (x itself, or the stored stream: fresh, aligned) and
         # dy, dh as the C++ backward hands them over: contiguous, aligned
@@ -808,7 +804,8 @@ def _native_plan(native, x, weight, bias, residual, residual_dtype, eps, weight_
                 n_cols, rms, stream_dtype, x.dtype, weight_dtype, dres_out_dtype,
                 x.dtype if need[0] else None, residual.dtype if need[3] else None, need[1],
                 bias_dtype if need[2] else None, max_vec, shifted, x.device)
-            variants[i] = [kernel_handle(backward), cfg.rows_per_block, resident]
+            variants[i] = [kernel_handle(backward), cfg.rows_per_block, resident,
+                           shift_classes(cfg)]
         if sum_cfg is not None:
             sums = [kernel_handle(column_sum), sum_cfg.width, sum_cfg.padded]
     native.register_norm_plan(x, weight, bias, residual, residual_dtype, rms, prenorm,

@@ -588,11 +588,22 @@ def fenced_smem_bytes(smem_bytes: int, ctas_per_sm: int) -> int:
 def loop_grid_rows(cfg: RowConfig, num_rows: int, resident_blocks: int) -> int:
     """Row blocks launched by a kernel looping over row blocks (grid x; each of them
     is a cluster of cfg.cluster_size CTAs): no more than ``resident_blocks``, the row
-    blocks (clusters) the GPU holds at once, see ops.common.resident_row_blocks; for
-    shifted rows a multiple of 8 of them (shifted_resident_blocks)."""
-    assert not cfg.row_shift or resident_blocks % SHIFT_CLASSES == 0, \
-        "a looping grid of shifted rows visits one shift a CTA: see shifted_resident_blocks"
+    blocks (clusters) the GPU holds at once, see ops.common.resident_row_blocks."""
     return max(1, min(math.ceil(num_rows / cfg.rows_per_block), resident_blocks))
+
+
+def partial_sum_rows(cfg: RowConfig, grid_rows: int) -> int:
+    """Rows of per-column partial sums (a norm backward's dweight / dbias) that a looping
+    grid of ``grid_rows`` row blocks writes: one per row of its blocks; for shifted rows
+    one per CTA and class of rows it visits (rows.ShiftClassOrder: SHIFT_CLASSES - 1
+    more, those no CTA takes zeros)."""
+    return grid_rows * cfg.rows_per_block + shift_classes(cfg) - 1
+
+
+def shift_classes(cfg: RowConfig) -> int:
+    """The classes of rows a looping grid of ``cfg`` visits a class at a time (see
+    partial_sum_rows): SHIFT_CLASSES for shifted rows, else 1."""
+    return SHIFT_CLASSES if cfg.row_shift else 1
 
 
 def loops_over_row_blocks(cfg: RowConfig, writes_rows: bool) -> bool:
@@ -1009,18 +1020,23 @@ def odd_row_forward_share(share: Callable[..., RowConfig], clustered: RowConfig,
 # SHIFTED_ODD_ROWS is on (ops.common.shiftable; tests turn it off to reach the others).
 SHIFTED_ODD_ROWS = True
 # The norms take them too (ops.norm.shifts_rows), their per-column vectors lined up with
-# each row's shift (splices_shifted_columns, shifted_resident_blocks). H200, kernels
+# each row's shift (splices_shifted_columns, rows.ShiftClassOrder). H200, kernels
 # alone, % of the copy ceiling, one-value vectors -> shifted (compare_trees --abba,
 # results/norm_shifted_odd_rows_H200_20261205.txt), RMSNorm / LayerNorm forward of x,
 # then with a residual: bf16 4096x50257 52.8 -> 77.8 / 40.1 -> 51.6, 54.8 -> 94.8 / 45.0 ->
 # 65.3; 1024x131073 50.1 -> 66.5 / 41.4 -> 48.7, 52.3 -> 89.1 / 50.7 -> 73.2; 512x262143
 # 46.5 -> 59.1 / 36.2 -> 51.0, 50.1 -> 74.5 / 37.6 -> 58.1; 16384x4097 59.2 -> 71.8 / 49.0
 # -> 46.6 (see norm_forward_shifts), 39.3 -> 72.6 / 32.2 -> 49.5; fp16 4096x32001 54.6 -> 81.5
-# / 47.1 -> 67.3, 62.0 -> 95.7 / 51.8 -> 79.1. The backward where its grid rounds to 8 row
-# blocks (shifted_grid_fills): fp16 4096x32001 42.6 -> 83.5 / 30.8 -> 61.2, bf16
-# 16384x4097 38.3 -> 54.1 / 36.4 -> 40.3, LayerNorm 1024x131073 33.9 -> 34.9. From about
-# 50K columns its grid mostly does not round well (shifted_grid_fills: 50257 15 resident
-# -> 8, 100001-262143 7 -> 0; LayerNorm 262143 has no shifted share): unshifted there.
+# / 47.1 -> 67.3, 62.0 -> 95.7 / 51.8 -> 79.1. The backward where its looping grid was a
+# multiple of 8 row blocks (each CTA one shift): fp16 4096x32001 42.6 -> 83.5 / 30.8 ->
+# 61.2, bf16 16384x4097 38.3 -> 54.1 / 36.4 -> 40.3, LayerNorm 1024x131073 33.9 -> 34.9.
+# Every grid now visits the rows a class at a time (rows.ShiftClassOrder: a grid of a
+# multiple of 8 splits each class among its own CTAs as before, any other runs class by
+# class), so the few large clusters of 50K columns and up take them; against 2-byte
+# accesses (results/norm_backward_class_major_H100_20261205.txt): bf16 4096x50257 56.9 -> 84.9 /
+# 47.6 -> 74.2, 2048x100001 51.3 -> 78.6 / 37.7 -> 65.7, 1024x131073 40.6 -> 61.6 / (48.6,
+# shifted already) 51.0, RMSNorm 512x262143 26.1 -> 58.9 (LayerNorm 262143 has no
+# shifted share: 18.8).
 SHIFTED_NORM_ROWS = True
 # The forward of x alone on short shifted rows (one row a CTA): LayerNorm lost at 2049
 # and 4097 columns and won from 12289 (H100, the same way,
@@ -1051,7 +1067,7 @@ def shifted_row_share(share_of_span: Callable[[int], RowConfig], unshifted: RowC
     memory, the edges filled as loaded: RowTiles.load), or the rows are not odd 16-bit
     rows. ``through_smem``: any share whose rows pass through shared memory (the norms':
     one chunk held in registers, staged on the way, and a looping grid's second buffer,
-    see shifted_resident_blocks); its L2 prefetch is dropped (a shifted row's span
+    see rows.ShiftClassOrder); its L2 prefetch is dropped (a shifted row's span
     starts before it, off the 16 bytes a bulk prefetch needs)."""
     n_cols = unshifted.n_cols
     if elem_bytes != 2 or vector_width(n_cols, elem_bytes) != 1:
@@ -1075,17 +1091,6 @@ def shifted_row_share(share_of_span: Callable[[int], RowConfig], unshifted: RowC
 SHIFT_CLASSES = ACCESS_BYTES // 2
 
 
-def shifted_resident_blocks(cfg: RowConfig, resident_blocks: int) -> int:
-    """The row blocks a looping grid of ``cfg`` launches at most (loop_grid_rows): for
-    shifted rows a multiple of SHIFT_CLASSES, so that the rows each CTA visits (x, x +
-    grid, ...) all start as many values past a 16-byte boundary (row r's shift is r N
-    mod 8): the per-column vector it stages once at that shift, and its per-column
-    sums, line up with every one of them."""
-    if not cfg.row_shift:
-        return resident_blocks
-    return resident_blocks - resident_blocks % SHIFT_CLASSES
-
-
 def splices_shifted_columns(column_bytes: int) -> bool:
     """Whether a norm forward's per-column vector (weight, bias) of ``column_bytes``-byte
     values beside shifted rows (16-bit: SHIFT_CLASSES values a vector) is spliced to
@@ -1095,21 +1100,6 @@ def splices_shifted_columns(column_bytes: int) -> bool:
     half may lie wholly past the vector's allocation) is staged in shared memory value
     by value (RowTiles.stage_shifted_columns; any alignment)."""
     return column_bytes * SHIFT_CLASSES == ACCESS_BYTES
-
-
-# Rounding a looping grid down to a multiple of 8 row blocks leaves SMs idle where few
-# blocks are resident: the GPCs bound clusters (the shifted backward's plans on an H100,
-# one CTA per SM: 15 clusters of 7 CTAs, 9 of 9, 7 of 11-13). Where the rounded grid
-# keeps less than this share of the resident blocks (or none), the rows keep their
-# unshifted share. Not measured.
-SHIFTED_GRID_MIN_SHARE = 0.75
-
-
-def shifted_grid_fills(cfg: RowConfig, resident_blocks: int) -> bool:
-    """Whether a looping grid of ``cfg`` (shifted_resident_blocks) keeps enough of
-    ``resident_blocks`` (see above): always for rows that are not shifted."""
-    rounded = shifted_resident_blocks(cfg, resident_blocks)
-    return rounded > 0 and rounded >= SHIFTED_GRID_MIN_SHARE * resident_blocks
 
 
 # The loss alone of shifted odd 16-bit rows without softcap or label smoothing (the -inf

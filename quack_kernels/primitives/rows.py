@@ -8,12 +8,13 @@ Grid: x = blocks of rows_per_block rows, y = the cluster's CTAs along the row.
 Kernels that reduce over rows as well (the dweight of a norm backward), or whose CTAs
 would otherwise be too short-lived (the cross-entropy forward of short rows), launch a
 fixed number of row blocks instead and loop: CTA x handles row blocks x, x + grid_x, ...
-(``RowTiles.begin_block``), reducing each row through a double-buffered
-``ReductionSlot(..., buffers=2)``; with two staging buffers (``cfg.stages``) the next
-block's loads are in flight while the current block is reduced and stored (with one,
-``RowTiles.refill_chunk`` loads each chunk once the current block has read it). A norm
-backward keeps per-column sums in an ``accumulator`` until it writes them once as a row
-of partial sums. Long shares that need each value once can instead be streamed chunk by
+(``RowTiles.begin_block``; shifted rows: a range of a ``ShiftClassOrder``, a class at a
+time), reducing each row through a double-buffered ``ReductionSlot(..., buffers=2)``;
+with two staging buffers (``cfg.stages``) the next block's loads are in flight while
+the current block is reduced and stored (with one, ``RowTiles.refill_chunk`` loads each
+chunk once the current block has read it). A norm backward keeps per-column sums in an
+``accumulator`` until it writes them as a row of partial sums (shifted rows: a row a
+class). Long shares that need each value once can instead be streamed chunk by
 chunk through a dynamic loop (``RowTiles.load`` with a runtime chunk index).
 """
 
@@ -28,9 +29,9 @@ from cutlass import Boolean, Float32, Int32, Int64
 
 from . import reduce as red
 from . import tiling
-from .config import (HELD_CHUNK_REGISTERS, LOOP_REGS_PER_THREAD, MAX_FENCED_CTAS_PER_SM, RowConfig,
-                     fenced_smem_bytes, loop_ctas_per_sm, sums_in_registers, whole_vectors,
-                     widens_by_integer_ops)
+from .config import (HELD_CHUNK_REGISTERS, LOOP_REGS_PER_THREAD, MAX_FENCED_CTAS_PER_SM,
+                     SHIFT_CLASSES, RowConfig, fenced_smem_bytes, loop_ctas_per_sm,
+                     sums_in_registers, whole_vectors, widens_by_integer_ops)
 from .grid_sum import GridSum
 
 
@@ -152,20 +153,155 @@ class RowKernel(GridSum):
         return first_block, (num_blocks - first_block + grid_rows - 1) // grid_rows
 
     @cute.jit
-    def for_each_row_block(self, num_rows, grid_rows, body, *args, carry=None):
+    def for_each_row_block(self, num_rows, grid_rows, body, *args, carry=None, blocks=None):
         """The loop of a looping grid of ``grid_rows`` row blocks: this CTA calls
         ``body(block_row, iteration, *args)`` for row blocks block_idx.x, + grid_rows,
         ... (``body``: one method, since names bound, or objects whose methods are
-        called, directly in a dynamic loop body become loop-carried values). With
-        ``carry`` (a tuple of scalars) the call is ``carry = body(block_row, iteration,
-        *args, carry=carry)``: values one iteration hands the next, such as loads issued
-        an iteration ahead; ``body`` returns a tuple of the same structure and types."""
-        first_block, iterations = self.row_block_iterations(num_rows, grid_rows)
-        for iteration in cutlass.range(iterations, unroll=1):
-            if cutlass.const_expr(carry is None):
-                body(first_block + iteration * grid_rows, iteration, *args)
-            else:
-                carry = body(first_block + iteration * grid_rows, iteration, *args, carry=carry)
+        called, directly in a dynamic loop body become loop-carried values); ``blocks``
+        (first, end, origin): for positions first, first + 1, ..., end - 1 of a class of
+        shifted rows (RowTiles.in_class), position p being iteration p - origin (the loop
+        bound is also the view's end: no more registers live in the loop than the flat
+        grid's). With ``carry`` (a tuple of scalars) the call is ``carry =
+        body(block_row, iteration, *args, carry=carry)``: values one iteration hands the
+        next, such as loads issued an iteration ahead; ``body`` returns a tuple of the
+        same structure and types."""
+        if cutlass.const_expr(blocks is None):
+            first_block, iterations = self.row_block_iterations(num_rows, grid_rows)
+            for iteration in cutlass.range(iterations, unroll=1):
+                if cutlass.const_expr(carry is None):
+                    body(first_block + iteration * grid_rows, iteration, *args)
+                else:
+                    carry = body(first_block + iteration * grid_rows, iteration, *args,
+                                 carry=carry)
+        else:
+            first, end, origin = blocks
+            for position in cutlass.range(first, end, unroll=1):
+                if cutlass.const_expr(carry is None):
+                    body(position, position - origin, *args)
+                else:
+                    carry = body(position, position - origin, *args, carry=carry)
+
+
+class ShiftClassOrder:
+    """The order a looping grid of G row blocks visits shifted rows in (cfg.row_shift, a
+    row a block). Row r starts r * stride values past the rows' base, so r mod
+    SHIFT_CLASSES (its class) fixes its shift; a CTA stages per-column vectors at its
+    rows' shift and keeps per-column sums lined up with it, so it visits rows a class at
+    a time (``segment``; RowTiles.in_class). The order runs class by class (positions
+    [class_start(c), class_start(c + 1)) are the rows c, c + 8, ...) and CTA b visits a
+    contiguous range of about M / G positions: its rows change class only where its
+    range crosses a class start, at most SHIFT_CLASSES - 1 times over the whole grid,
+    whatever its size. It writes its sums of class c as row b + c: unique, as a later
+    CTA's classes are never below an earlier one's (config.partial_sum_rows: G + 7
+    rows, written_classes names each CTA's). A grid of a multiple of 8 row blocks splits
+    each class among G / 8 CTAs of its own instead (``splits_classes``): every CTA
+    visits one class, as main's interleaved order did (CTA b: rows b, b + G, ...), which
+    ran 2-6 points faster there than class by class on the H100 (fp16 4096x32001
+    RMSNorm 85.0% against 79.2% of the copy ceiling,
+    results/norm_backward_class_major_H100_20261205.txt). The choice is made once a CTA
+    (``keep``), so it costs the loops no register (the two orders in one kernel as two
+    loops spilled the 16-bit LayerNorm backward of 4097 columns at its 80 registers).
+    """
+
+    def __init__(self, num_rows, grid_rows, cta=None, kept=None):
+        """``cta``: this CTA's block index (a plain int: the order computed on the host,
+        as tests check it; else the kernel's block_idx.x). ``kept``: the CTA's range
+        and written classes as ``keep`` stored them, read instead of computed."""
+        self.grid_rows = grid_rows
+        # classes hold per_class rows, the first ``longer`` of them one more
+        self.per_class = num_rows // SHIFT_CLASSES
+        self.longer = num_rows % SHIFT_CLASSES
+        self.cta = cute.arch.block_idx()[0] if cta is None else cta
+        if kept is not None:
+            self.first, self.end = kept[0], kept[1]
+            return
+        # (32-bit arithmetic: a 64-bit division is a call, its stack frame a spill)
+        self.splits_classes = grid_rows % SHIFT_CLASSES == 0
+        # class split: CTA b takes part b % ctas_per_class of class b // ctas_per_class
+        ctas_per_class = cutlass.max(grid_rows // SHIFT_CLASSES, 1)
+        self.own_class = self.cta // ctas_per_class
+        self.leads_class = self.cta % ctas_per_class == 0
+        class_first, class_end = _balanced_part(
+            self.per_class + _select(self.own_class < self.longer, 1, 0),
+            ctas_per_class, self.cta % ctas_per_class)
+        # class by class: ranges of num_rows // grid_rows positions, the first
+        # (num_rows % grid_rows) one longer
+        first, end = _balanced_part(num_rows, grid_rows, self.cta)
+        start = self.class_start(self.own_class)
+        self.first = _select(self.splits_classes, start + class_first, first)
+        self.end = _select(self.splits_classes, start + class_end, end)
+
+    def keep(self, smem) -> cute.Tensor:
+        """This CTA's range and written classes (first, end, first class, end class)
+        stored in shared memory, for a loop over classes to read in each class (``kept``
+        of a new order): held in registers, the compiler hoists them out of that loop
+        and keeps them live across the loop over rows inside it, which spilled the
+        16-bit LayerNorm backward of 131073 columns at its 128 registers. Every thread
+        stores the same values, so each reads back its own without a barrier."""
+        kept = smem.allocate_tensor(Int32, cute.make_layout(KEPT_ORDER_VALUES), byte_alignment=16)
+        kept[0], kept[1] = self.first, self.end
+        kept[2], kept[3] = self.written_classes()
+        return kept
+
+    @staticmethod
+    def writes(kept: cute.Tensor, shift_class):
+        """Whether the CTA that ``kept`` its order writes class ``shift_class``."""
+        return (kept[2] <= shift_class) & (shift_class < kept[3])
+
+    def class_start(self, shift_class):
+        """The first position of class ``shift_class`` (class by class)."""
+        return shift_class * self.per_class + cutlass.min(shift_class, self.longer)
+
+    def shift_class(self, position):
+        """The class at ``position`` of the order (class by class; not defined at -1,
+        CTA 0's first - 1, which written_classes discards)."""
+        long_end = self.longer * (self.per_class + 1)  # past the classes one row longer
+        return _select(position < long_end, position // (self.per_class + 1),
+                       self.longer + (position - long_end) // cutlass.max(self.per_class, 1))
+
+    def segment(self, shift_class):
+        """(first, end) positions of this CTA's rows of class ``shift_class`` (first ==
+        end: none); the rows are shift_class + SHIFT_CLASSES (position -
+        class_start(shift_class)), and the CTA writes their sums as partial row cta +
+        shift_class."""
+        first = cutlass.max(self.first, self.class_start(shift_class))
+        return first, cutlass.max(first, cutlass.min(self.end, self.class_start(shift_class + 1)))
+
+    def written_classes(self):
+        """[first, end) classes whose partial-sum rows this CTA writes (segment): its own
+        (in its range), and before them the last class of the CTA before it (a zero row
+        where this range starts at a class start), and, for the grid's last CTA, every
+        class past its last (zero rows: fewer than SHIFT_CLASSES in all). Where the grid
+        splits_classes: its own class, and before it, for the CTA leading a class but the
+        first, the class before (a zero row: rows b + b // (G / 8) skip one there)."""
+        first = _select(self.cta == 0, 0, self.shift_class(self.first - 1))
+        end = _select(self.cta == self.grid_rows - 1, SHIFT_CLASSES,
+                      self.shift_class(self.end - 1) + 1)
+        # class split: its class, and the zero row before it where it leads the class
+        split_first = self.own_class - _select(self.leads_class & (self.own_class > 0), 1, 0)
+        return (_select(self.splits_classes, split_first, first),
+                _select(self.splits_classes, self.own_class + 1, end))
+
+
+KEPT_ORDER_VALUES = 4  # Int32 values ShiftClassOrder.keep stores
+
+
+def _balanced_part(count, parts, part):
+    """[first, end) of part ``part`` of ``count`` items split into ``parts`` contiguous
+    parts, the first count % parts of them one longer."""
+    size, longer = count // parts, count % parts
+    first = part * size + cutlass.min(part, longer)
+    return first, first + size + _select(part < longer, 1, 0)
+
+
+def _select(condition, if_true, if_false):
+    """cutlass.select_ (plain ints as Int32: left to the DSL, the order's arithmetic
+    widened and spilled the LayerNorm backward of 4097 columns), or the plain choice
+    where ``condition`` is a Python bool (a ShiftClassOrder computed on the host)."""
+    if isinstance(condition, bool):
+        return if_true if condition else if_false
+    as_int32 = lambda v: Int32(v) if isinstance(v, int) else v  # noqa: E731
+    return cutlass.select_(condition, as_int32(if_true), as_int32(if_false))
 
 
 class ReductionSlot:
@@ -230,7 +366,8 @@ class RowTiles:
     ``store`` writes those two vectors value by value. Per-column vectors line up with
     it through ``shifted_column_values`` (spliced in registers) or
     ``stage_shifted_columns`` (shared memory), per-column results go back through
-    ``store_shifted_columns``; a looping grid's views keep the CTA's shift (at_block)."""
+    ``store_shifted_columns``. A looping grid visits shifted rows a class at a time
+    (in_class: rows of one shift)."""
 
     def __init__(self, cfg: RowConfig, staged: list, smem, pad: float | None = None,
                  integer_widening: bool = True):
@@ -243,6 +380,7 @@ class RowTiles:
         self.cta_rank = cute.arch.block_idx()[1] if cutlass.const_expr(cfg.cluster_size > 1) else 0
         tiler = tiling.chunk_tiler(cfg)
         self.num_rows = staged[0].shape[0]
+        self.row_step, self.blocks_end = cfg.rows_per_block, None  # (see in_class)
         self.shift, self.row_end = 0, cfg.n_cols
         if cutlass.const_expr(cfg.row_shift):
             assert (self.pad is not None or cfg.staging == "global") and cfg.rows_per_block == 1, \
@@ -250,10 +388,6 @@ class RowTiles:
             # (every tensor of the kernel has the row stride of the first: the host's
             # condition for shifting)
             self.row_stride = staged[0].stride[0]
-            start = Int64(block_row) * self.row_stride
-            self.shift = Int32(start & (cfg.vec - 1))
-            self.row_end = self.shift + cfg.n_cols
-            self.span_start = start - Int64(self.shift)
             self.coord_shape = (self.num_rows, cfg.cols_covered)
         else:
             self.coord_shape = staged[0].shape
@@ -280,30 +414,67 @@ class RowTiles:
         self.copy_g2s = [tiling.tiled_copy(tiling.g2s_copy_atom(m.element_type, cfg), cfg) for m in staged]
         self.copy_vec = [tiling.tiled_copy(tiling.vector_copy_atom(m.element_type, cfg), cfg) for m in staged]
         thr = self.copy_vec[0].get_slice(tidx)
-        self.coords = []
-        self.preds = []
-        for c in range(cfg.num_chunks):
-            cC = cute.local_tile(coords, tiler, (block_row, self.chunk_index(c)))
-            tXcX = thr.partition_S(cC)
-            self.coords.append(tXcX)
-            self.preds.append(tiling.vector_predicate(tXcX, self.row_end))
+        self.coords = [
+            thr.partition_S(cute.local_tile(coords, tiler, (block_row, self.chunk_index(c))))
+            for c in range(cfg.num_chunks)]
         self.row = self.coords[0][(0, 0), 0, 0][0]
         self.row_in_bounds = cute.elem_less(self.row, self.num_rows)
+        if cutlass.const_expr(cfg.row_shift):
+            self._place_shifted_row()
+        self.preds = [tiling.vector_predicate(tXcX, self.row_end) for tXcX in self.coords]
         self.stage = 0  # staging buffer of this view (cfg.stages of them)
+
+    def _place_shifted_row(self):
+        """The span of this view's shifted row: its start, ``shift`` values before the
+        row, on the 16-byte boundary at or before it."""
+        start = Int64(self.row) * self.row_stride
+        self.shift = Int32(start & (self.cfg.vec - 1))
+        self.row_end = self.shift + self.cfg.n_cols
+        self.span_start = start - Int64(self.shift)
+
+    def in_class(self, order: ShiftClassOrder, shift_class, segment, stage):
+        """The view of this CTA's rows of class ``shift_class`` of a looping grid's
+        ``order`` (shifted rows; ``segment``: their positions, order.segment's), at the
+        first of them, staged in buffer ``stage``:
+        at_block then moves along the class (positions one apart, rows SHIFT_CLASSES
+        apart, all of one shift), and positions past this CTA's rows of the class are
+        out of bounds."""
+        assert self.cfg.row_shift and self.cfg.rows_per_block == 1
+        first, end = segment
+        view = copy.copy(self)
+        view.block_row, view.blocks_end, view.stage = first, end, stage
+        view.row_step = SHIFT_CLASSES
+        view.row = shift_class + SHIFT_CLASSES * (first - order.class_start(shift_class))
+        view.row_in_bounds = first < end
+        view._place_shifted_row()
+        view.preds = [tiling.vector_predicate(tXcX, view.row_end) for tXcX in self.coords]
+        return view
 
     def at_block(self, block_row, stage=0):
         """The same tiles moved to row block ``block_row``, staged in buffer ``stage``
         (kernels looping over row blocks; shared-memory buffers, predicates and copies
         are shared). A shifted row's view keeps its shift: a looping grid of shifted rows
-        visits rows of one shift a CTA (config.shifted_resident_blocks)."""
+        visits a class of rows at a time (in_class; block_after refuses others), a grid of
+        one row block a CTA asks for its own block."""
         view = copy.copy(self)
         view.block_row = block_row
         view.stage = stage
-        view.row = self.row + (block_row - self.block_row) * self.cfg.rows_per_block
-        view.row_in_bounds = cute.elem_less(view.row, self.num_rows)
+        view.row = self.row + (block_row - self.block_row) * self.row_step
+        if cutlass.const_expr(self.blocks_end is None):
+            view.row_in_bounds = cute.elem_less(view.row, self.num_rows)
+        else:
+            view.row_in_bounds = block_row < self.blocks_end
         if cutlass.const_expr(self.cfg.row_shift):
             view.span_start = Int64(view.row) * self.row_stride - Int64(self.shift)
         return view
+
+    def block_after(self, block_row, grid_rows):
+        """The row block this CTA visits after ``block_row`` in a looping grid of
+        ``grid_rows`` row blocks: ``grid_rows`` blocks on, or the next position of its
+        class (in_class; a looping grid of shifted rows visits them a class at a time)."""
+        assert not (self.cfg.row_shift and self.blocks_end is None), \
+            "a looping grid of shifted rows visits them a class at a time: in_class"
+        return block_row + (1 if self.blocks_end is not None else grid_rows)
 
     def begin_block(self, block_row, grid_rows, iteration, refills: bool = False):
         """The view of row block ``block_row``, iteration ``iteration`` of a looping grid
@@ -313,7 +484,7 @@ class RowTiles:
         kernel ``refills`` each chunk once read (refill_chunk), they already were."""
         if self.cfg.stages == 2:
             tiles = self.at_block(block_row, iteration % 2)
-            self.at_block(block_row + grid_rows, (iteration + 1) % 2).issue_loads()
+            self.at_block(self.block_after(block_row, grid_rows), (iteration + 1) % 2).issue_loads()
             return tiles
         tiles = self.at_block(block_row)
         if not refills:
@@ -329,7 +500,7 @@ class RowTiles:
         begin_block). No register chunks: issue_loads alone loads those."""
         assert self.cfg.stages == 1 and self.cfg.staging == "smem" \
             and self.cfg.register_chunks == 0
-        self.at_block(self.block_row + grid_rows)._issue_chunk(chunk)
+        self.at_block(self.block_after(self.block_row, grid_rows))._issue_chunk(chunk)
 
     @property
     def leads_row(self):
@@ -470,7 +641,7 @@ class RowTiles:
         cfg = self.cfg
         assert tiling.copies_async(mV.element_type, cfg), "only cp.async zero-fills"
         assert not cfg.row_shift, "a shifted row's columns: stage_shifted_columns"
-        sV = self._column_buffer(smem, mV.element_type)
+        sV = self.column_buffer(smem, mV.element_type)
         copy = tiling.tiled_copy(tiling.g2s_copy_atom(mV.element_type, cfg), cfg)
         thr = copy.get_slice(self.tidx)
         rows = self.broadcast_rows(mV)
@@ -481,7 +652,7 @@ class RowTiles:
         cute.arch.cp_async_wait_group(0)
         return sV
 
-    def _column_buffer(self, smem, dtype) -> cute.Tensor:
+    def column_buffer(self, smem, dtype) -> cute.Tensor:
         """Shared memory for this CTA's columns of a per-column vector, every chunk."""
         cfg = self.cfg
         return smem.allocate_tensor(
@@ -489,18 +660,25 @@ class RowTiles:
             cute.make_ordered_layout((*tiling.chunk_tiler(cfg), cfg.num_chunks), order=(1, 0, 2)),
             byte_alignment=16)
 
-    @cute.jit
     def stage_shifted_columns(self, smem, mV: cute.Tensor) -> cute.Tensor:
         """This CTA's columns of the per-column vector ``mV`` (N,) lined up with its
-        shifted row: tile column p holds mV[p - shift] (0 outside the vector), read back
-        in whole vectors with ``column_values``. The row's shift moves each of mV's
-        values to another vector's place, so the values are copied one by one, by
-        consecutive threads (coalesced 2-byte loads, conflict-free stores), and the block
-        barrier here makes them visible to the threads that read them (the row's copies
-        may be in flight meanwhile)."""
+        shifted row (restage_shifted_columns) in a buffer of their own, read back in
+        whole vectors with ``column_values``."""
+        sV = self.column_buffer(smem, mV.element_type)
+        self.restage_shifted_columns(sV, mV)
+        return sV
+
+    @cute.jit
+    def restage_shifted_columns(self, sV: cute.Tensor, mV: cute.Tensor):
+        """Fill ``sV`` (stage_shifted_columns) at this view's shift: tile column p holds
+        mV[p - shift] (0 outside the vector). The row's shift moves each of mV's values
+        to another vector's place, so the values are copied one by one, by consecutive
+        threads (coalesced 2-byte loads, conflict-free stores), and the block barrier
+        here makes them visible to the threads that read them (the row's copies may be
+        in flight meanwhile). Another shift's values there must be read by every thread
+        first (a barrier before)."""
         cfg = self.cfg
         assert cfg.row_shift and cfg.rows_per_block == 1, "one shifted row a CTA"
-        sV = self._column_buffer(smem, mV.element_type)
         share = cute.make_tensor(sV.iterator, cute.make_layout(cfg.cols_per_cta))
         first = self.cta_rank * cfg.cols_per_cta - self.shift  # mV's column at share column 0
         for i in cutlass.range(cfg.cols_per_cta // cfg.threads_per_block, unroll_full=True):
@@ -510,7 +688,6 @@ class RowTiles:
             inside = (col >= 0) & (col < cfg.n_cols)
             share[at] = cutlass.select_(inside, value, mV.element_type(0))
         cute.arch.barrier()
-        return sV
 
     @cute.jit
     def shifted_column_values(self, mV: cute.Tensor, chunk: cutlass.Constexpr[int],
@@ -558,13 +735,13 @@ class RowTiles:
         return values if cutlass.const_expr(raw) else self.to_fp32(values)
 
     @cute.jit
-    def store_shifted_columns(self, mP: cute.Tensor, chunk: cutlass.Constexpr[int],
+    def store_shifted_columns(self, mP: cute.Tensor, row, chunk: cutlass.Constexpr[int],
                               values: cute.TensorSSA):
         """Write this thread's per-column ``values`` of ``chunk`` of a shifted row (such as
-        sums over the rows a CTA visits, all of one shift) to row ``block_row`` of ``mP``
-        (N per-column values a row) at their own columns, tile column less the shift: one
-        value a store, since the shift moves them off the vector boundaries (once a
-        CTA)."""
+        sums over the rows of one shift a CTA visits) to row ``row`` of ``mP`` (N
+        per-column values a row) at their own columns, tile column less the shift: one
+        value a store, since the shift moves them off the vector boundaries (a few times
+        a CTA)."""
         cfg = self.cfg
         tXcX = self.coords[chunk]
         held = cute.make_rmem_tensor(cute.make_layout(tXcX.shape), Float32)
@@ -574,7 +751,7 @@ class RowTiles:
                 start = self._vector_start(chunk, v, k) - self.shift
                 for e in cutlass.range_constexpr(cfg.vec):
                     if (start + e >= 0) & (start + e < cfg.n_cols):
-                        mP[self.block_row, start + e] = held[(e, v), 0, k].to(mP.element_type)
+                        mP[row, start + e] = held[(e, v), 0, k].to(mP.element_type)
 
     @cute.jit
     def column_values(self, sV: cute.Tensor, chunk: cutlass.Constexpr[int],
