@@ -498,15 +498,20 @@ def test_shifted_odd_rows_backward(n, dtype, weight_dtype, residual, rms, shifte
     three row blocks a CTA and more; dx (and the residual gradient), dweight and dbias
     on poisoned outputs (the partial sums too) against fp64, dy large at the rows'
     edges and in the weight's first and last columns; then the public API (the C++ path)
-    on the same rows (LayerNorm of 1001 and 262143 columns: unshifted)."""
+    on the same rows (LayerNorm of 1001 columns, and of 262143 with a residual's
+    gradients: unshifted; of 262143 without: config.shifted_sums_share, the weight read
+    spliced), and a misaligned weight (a 16-bit one: unshifted)."""
     dres_dtype = dtype if residual else None
     sums = 1 if rms else 2
     outs = (dtype, dtype, dtype) if residual else (dtype,)
     shifted = ops.backward_config(n, dtype, dtype, outs, weight_dtype, sums, 1, rms=rms,
                                   shifted=True)
-    # (LayerNorm's span shares at 1001 and 262143 columns hold two rows a CTA, or re-read
-    # them: those rows keep their one-value share)
-    assert shifted.row_shift == (rms or n not in (1001, 262143)), shifted
+    # (LayerNorm's span share at 1001 columns holds two rows a CTA, and config.
+    # shifted_sums_share has no variant with a residual's gradients: those rows keep their
+    # one-value share)
+    assert shifted.row_shift == (rms or not (n == 1001 or n == 262143 and residual)), shifted
+    if shifted.row_shift and not rms and n == 262143:
+        assert shifted.threads_per_row & (shifted.threads_per_row - 1), shifted
     plan = ops._backward_plan(n, rms, dtype, dtype, weight_dtype, dres_dtype, dtype, dres_dtype,
                               True, None if rms else weight_dtype, 1, True,
                               torch.device("cuda"))
@@ -539,6 +544,9 @@ def test_shifted_odd_rows_backward(n, dtype, weight_dtype, residual, rms, shifte
     assert_close(leaves[1].grad, ref_dw, weight_dtype, scale=grow, name="dweight")
     if b is not None:
         assert_close(b.grad, ref_db, weight_dtype, scale=grow, name="dbias")
+    weight_off = torch.empty(n + 1, dtype=weight_dtype, device="cuda")[1:].copy_(w)
+    assert ops.shifts_rows(h, columns=(weight_off,)) == (weight_dtype == torch.float32)
+    check_backward(dy, h, weight_off, mean, rstd, 0.0, rms, need_db=not rms)
 
 
 @pytest.mark.parametrize("n, rms", [(4097, False), (50257, True), (100001, False)])

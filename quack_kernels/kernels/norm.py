@@ -40,7 +40,7 @@ from cutlass.memory import SmemAllocator
 
 from ..primitives import reduce as red
 from ..primitives import tiling
-from ..primitives.config import (SHIFT_CLASSES, RowConfig, late_columns_together,
+from ..primitives.config import (SHIFT_CLASSES, SMEM_BYTES_PER_CTA, RowConfig, late_columns_together,
                                  layer_norm_reduces_once, loop_ctas_per_sm, norm_backward_fma_form,
                                  norm_backward_holds_weight, norm_backward_loop_registers,
                                  norm_backward_refills_chunks, norm_backward_rereads_unmasked,
@@ -294,8 +294,14 @@ class NormBackward(RowKernel):
         # in shared memory where config.stage_columns_once says so (not with vectors
         # under 4 bytes, which cp.async cannot zero-fill past the row end).
         if cfg.row_shift:
-            # (staged at the shift of each class of rows this CTA visits: _row_blocks)
+            # (staged at the shift of each class of rows this CTA visits: _row_blocks;
+            # where it does not fit, read from global memory and spliced to the shift,
+            # config.shifted_sums_share)
             self.column_dtypes = () if weight_dtype is None else (weight_dtype,)
+            if self.column_dtypes and splices_shifted_columns(weight_dtype.width // 8) \
+                    and self.launch_smem_bytes() > SMEM_BYTES_PER_CTA:
+                self.column_dtypes = ()
+                self._ctas_per_sm = None  # (found with the weight's buffer)
         elif weight_dtype is not None and tiling.copies_async(weight_dtype, cfg) \
                 and not self.holds_weight:
             alone = loop_ctas_per_sm(cfg, self.smem_bytes(), self.loop_registers)
@@ -340,6 +346,11 @@ class NormBackward(RowKernel):
     def smem_bytes(self) -> int:
         # shifted rows: the kept order (ShiftClassOrder.keep), an aligned allocation
         return super().smem_bytes() + (16 + 4 * KEPT_ORDER_VALUES if self.cfg.row_shift else 0)
+
+    def splices_weight(self, mW) -> bool:
+        """Whether a shifted row's weight is read from global memory, spliced to the
+        row's shift (where shared memory has no room for it)."""
+        return self.cfg.row_shift and mW is not None and not self.weight_staged
 
     @property
     def weight_staged(self) -> bool:
@@ -544,6 +555,9 @@ class NormBackward(RowKernel):
         """weight + offset in chunk ``c``, read from shared memory where staged."""
         if cutlass.const_expr(self.weight_staged):
             w = tiles.column_values(mW, c)
+        elif cutlass.const_expr(self.cfg.row_shift):
+            # (unspecified past the row end: see _xhat_g)
+            w = tiles.shifted_column_values(mW, c)
         else:
             w = tiles.load(tiles.broadcast_rows(mW), c, guard_rows=False)
         return w + weight_offset
@@ -579,6 +593,10 @@ class NormBackward(RowKernel):
             # (RMSNorm's is 0 there already: h is, and its mean is 0)
             xhat = tiles.mask_outside_row(xhat, c, 0.0)
         g = self._g(tiles, c, mW, dy, weight_offset)
+        if cutlass.const_expr(acc_w is not None and self.splices_weight(mW)):
+            # (the row sums take g as 0 past the row end, where the spliced weight is
+            # unspecified; the dh pass stores nothing there)
+            g = tiles.mask_outside_row(g, c, 0.0)
         if cutlass.const_expr(acc_w is not None and self.need_dweight):
             acc_w[c].store(acc_w[c].load() + dy * xhat)
         if cutlass.const_expr(acc_b is not None and self.need_dbias):

@@ -46,6 +46,7 @@ from ..primitives.config import (
     odd_row_register_share,
     norm_forward_shifts,
     shifted_row_share,
+    shifted_sums_share,
     splices_shifted_columns,
     register_share,
     row_config,
@@ -84,8 +85,9 @@ def shifts_rows(*rows: Tensor, columns=()) -> bool:
     before each (forward_config's and backward_config's ``shifted``): shiftable ones,
     where config.SHIFTED_NORM_ROWS is on. The outputs the kernel writes (fresh,
     contiguous) are among them, or (the C++ path's) shiftable whenever the inputs are.
-    ``columns``: the forward's weight and bias (None: absent); those spliced from whole
-    vectors (config.splices_shifted_columns) on 16 bytes too."""
+    ``columns``: the forward's weight and bias, the backward's weight (None: absent);
+    those spliced from whole vectors (config.splices_shifted_columns: the backward's
+    where its share has no room to stage it, config.shifted_sums_share) on 16 bytes too."""
     return config.SHIFTED_NORM_ROWS and shiftable(*rows) and all(
         c is None or not splices_shifted_columns(c.element_size())
         or c.data_ptr() % ACCESS_BYTES == 0 for c in columns)
@@ -174,8 +176,13 @@ def backward_config(n_cols: int, h_dtype, dy_dtype, out_dtypes: tuple, weight_dt
                                        accumulators=accumulators, rms=rms)
         cfg = shifted_row_share(rows_alone, unshifted, max(_bytes(h_dtype, dy_dtype, *out_dtypes)),
                                 sum(_bytes(h_dtype, dy_dtype, weight_dtype)), through_smem=True)
-        fits = cfg is not None and kernel_for(cfg).launch_smem_bytes() <= SMEM_BYTES_PER_CTA
-        return cfg if fits else unshifted
+        if _fits_shifted(cfg, kernel_for, weight_dtype, weight_staged=True):
+            return cfg
+        # (the weight then read from global memory: spliced, so 16-bit; with a residual's
+        # gradients read and written besides dx it spilled 8 bytes, sm_90a)
+        spliced = weight_dtype is None or splices_shifted_columns(weight_dtype.itemsize)
+        cfg = shifted_sums_share(n_cols, staged) if spliced and len(out_dtypes) == 1 else None
+        return cfg if _fits_shifted(cfg, kernel_for, weight_dtype) else unshifted
     tuned = all(v is None for v in (cta_row_bytes, values_per_thread, max_threads_per_row))
     register_threads = norm_backward_register_threads(staged, accumulators, n_cols, rms,
                                                       max_vec)
@@ -195,6 +202,18 @@ def backward_config(n_cols: int, h_dtype, dy_dtype, out_dtypes: tuple, weight_dt
             kernel_for)
     return with_l2_prefetch(prefetched, *staged_bytes, past_two_buffers=(
         norm_backward_prefetches_past_buffers(prefetched, accumulators)))
+
+
+def _fits_shifted(cfg: RowConfig | None, kernel_for, weight_dtype,
+                  weight_staged: bool = False) -> bool:
+    """Whether the backward's shifted share ``cfg`` fits in shared memory, with the
+    weight staged there too where ``weight_staged`` (NormBackward stages it where it
+    fits)."""
+    if cfg is None:
+        return False
+    kernel = kernel_for(cfg)
+    return kernel.launch_smem_bytes() <= SMEM_BYTES_PER_CTA \
+        and (kernel.weight_staged or weight_dtype is None or not weight_staged)
 
 
 def forward_kernel(cfg: RowConfig, rms: bool, x_dtype, residual_dtype, has_residual: bool,
@@ -262,8 +281,9 @@ def backward_kernel(cfg: RowConfig, rms: bool, h_dtype, dy_dtype, weight_dtype,
         kernel,
         row_tensor(dt(h_dtype)),
         row_tensor(dt(dy_dtype)),
-        # (a shifted row's weight is staged value by value: any alignment)
-        fake_vector(dt(weight_dtype), n, 1 if cfg.row_shift else vec)
+        # (a shifted row's weight is staged value by value: any alignment; read from
+        # global memory it is spliced from whole vectors)
+        fake_vector(dt(weight_dtype), n, 1 if cfg.row_shift and kernel.weight_staged else vec)
         if weight_dtype is not None else None,
         fake_vector(Float32, rows) if not rms else None,
         fake_vector(Float32, rows),
@@ -328,17 +348,22 @@ def report_variants(n_grid, dtypes):
                     yield (f"{name}_fwd" + ("_res" if has_residual else "")
                            + ("_shifted" if shifted else ""), n, dtype, cfg,
                            lambda args=args: forward_kernel(*args))
-                for accumulators, shifted in itertools.product((0, 1 if rms else 2),
-                                                               (False, True)):
-                    dres = accumulators > 0
+                # (sums, residual gradients): none; both; the sums alone where their
+                # share is another (config.shifted_sums_share)
+                for (sums, dres), shifted in itertools.product(
+                        ((False, False), (True, True), (True, False)), (False, True)):
+                    accumulators = (1 if rms else 2) if sums else 0
                     outs = (dtype, dtype) if dres else (dtype,)
                     cfg = backward_config(n, dtype, dtype, outs, dtype, accumulators, rms=rms,
                                           shifted=shifted)
-                    if cfg.row_shift != shifted:
+                    if cfg.row_shift != shifted or sums and not dres and cfg == backward_config(
+                            n, dtype, dtype, (dtype,) * 2, dtype, accumulators, rms=rms,
+                            shifted=shifted):
                         continue
                     args = (cfg, rms, dtype, dtype, dtype, dres, dtype if dres else None, dtype,
-                            dtype if dres else None, dres, accumulators == 2)
-                    yield (f"{name}_bwd" + ("_dw" if dres else "")
+                            dtype if dres else None, sums, accumulators == 2)
+                    yield (f"{name}_bwd" + ("_dw" if sums else "") + ("" if dres or not sums
+                                                                       else "_alone")
                            + ("_shifted" if shifted else ""), n, dtype, cfg,
                            lambda args=args: backward_kernel(*args))
             for segments in (1, 2):
@@ -539,7 +564,7 @@ def _norm_backward_checked(dy, h, weight, mean, rstd, dresidual_out, weight_offs
                               dres_rows.dtype if dres_rows is not None else None, dx_dtype,
                               dresidual_dtype, need_dweight, dbias_dtype,
                               vector_limit(h_rows, dy_rows, *outs, weight_c),
-                              shifts_rows(h_rows, dy_rows, *outs), device)
+                              shifts_rows(h_rows, dy_rows, *outs, columns=(weight_c,)), device)
         if plan_key is not None:
             _backward_plans[plan_key] = plan
         dw, db = _launch_backward(
@@ -796,7 +821,7 @@ def _native_plan(native, x, weight, bias, residual, residual_dtype, eps, weight_
         # h as the backward reads it (x itself, or the stored stream: fresh, aligned) and
         # dy, dh as the C++ backward hands them over: contiguous, aligned
         max_vec = vector_limit(weight) if has_residual else vector_limit(x, weight)
-        shifted = shifts_rows() if has_residual else shifts_rows(as_rows(x))
+        shifted = shifts_rows(*([] if has_residual else [as_rows(x)]), columns=(weight,))
         # the variant with the stream's own gradient: only where the stream is returned
         dres_out_dtypes = (None, stream_dtype) if has_residual and prenorm else (None,)
         for i, dres_out_dtype in enumerate(dres_out_dtypes):

@@ -1087,6 +1087,37 @@ def shifted_row_share(share_of_span: Callable[[int], RowConfig], unshifted: RowC
     return dataclasses.replace(cfg, n_cols=n_cols, row_shift=True)
 
 
+# A shifted norm backward whose power-of-two share of the span leaves no room for its
+# per-column sums beside the staged rows: LayerNorm bf16 262143 columns, whose span
+# (262150 columns, 32769 vectors) is one vector past 16 CTAs x 2048, so the span's share
+# (15 CTAs of 18432 columns, 14 bytes a column with the sums and the weight) did not fit
+# and the unshifted one read 2 bytes an access (18.2% of the copy ceiling on the H100,
+# torch.compile 33.7%).
+# Instead: SPAN_SUMS_CHUNKS vectors a thread on CTAs of as many whole warps as the span
+# needs (11 at 262143: 16896 columns, 198 KiB with the sums in shared memory), the weight
+# read from global memory and spliced to each row's shift (NormBackward: the weight is
+# staged only where it fits). Six chunks: 11 warps, at most 3 a scheduler, so 168
+# registers a thread (five: 13 warps at 128 registers spilled 8 bytes, sm_90a).
+SPAN_SUMS_CHUNKS = 6
+
+
+def shifted_sums_share(n_cols: int, elem_bytes: int) -> RowConfig | None:
+    """The shifted share above of odd ``elem_bytes``-byte rows of ``n_cols`` columns
+    (one vector a chunk, SPAN_SUMS_CHUNKS chunks, a full cluster); None for rows a
+    cluster of such CTAs does not hold (past SMEM_BYTES_PER_CTA: the caller checks)."""
+    per_access = ACCESS_BYTES // elem_bytes
+    if elem_bytes != 2 or n_cols % 2 == 0:
+        return None
+    vectors = -(-(n_cols + per_access - 1) // per_access)
+    warp_vectors = 32 * SPAN_SUMS_CHUNKS
+    threads = 32 * -(-vectors // (MAX_CLUSTER_SIZE * warp_vectors))
+    if threads > 1024:
+        return None
+    return RowConfig(n_cols=n_cols, vec=per_access, threads_per_row=threads, rows_per_block=1,
+                     cluster_size=-(-vectors // (threads * SPAN_SUMS_CHUNKS)), vecs_per_thread=1,
+                     num_chunks=SPAN_SUMS_CHUNKS, staging="smem", row_shift=True)
+
+
 # The shifts a 16-bit row may have: 0-7 values past a 16-byte boundary.
 SHIFT_CLASSES = ACCESS_BYTES // 2
 

@@ -959,7 +959,8 @@ class RowTiles:
         cfg = self.cfg
         tile_col = col + self.shift if cutlass.const_expr(cfg.row_shift) else col
         offset = tile_col - self.coords[chunk][0][1]
-        stride = cfg.vec * cfg.threads_per_row  # a power of two
+        stride = cfg.vec * cfg.threads_per_row
+        assert stride & (stride - 1) == 0, "a column's place found by a mask"
         held = (offset >= 0) & (offset < stride * cfg.vecs_per_thread) \
             & ((offset & (stride - 1)) < cfg.vec)
         if cutlass.const_expr(cfg.row_shift):
