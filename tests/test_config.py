@@ -1037,3 +1037,37 @@ def test_shiftable_rows(monkeypatch):
     assert not shiftable(rows, flat[1:64 * 1031 + 1].view(64, 1031))
     assert not shiftable(rows[:, :1030])  # rows of stride 1031, 1030 long
     assert shiftable(rows[3:4] if rows[3:4].data_ptr() % 16 == 0 else rows[8:9, :1030])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_layer_norm_backward_one_vector_past_a_full_cluster_is_shifted(dtype):
+    """LayerNorm's backward with dweight and dbias of odd 16-bit rows whose span is past
+    16 CTAs' power-of-two shares (262143 columns: 32769 vectors) takes
+    config.shifted_sums_share: whole warps (not a power of two), a cluster that covers
+    the span, the sums in shared memory beside the rows and the weight not staged (read
+    spliced, so only a 16-bit one); shorter spans, a residual's gradients, RMSNorm and
+    rows no such cluster holds keep their shares."""
+    from quack_kernels.ops import norm
+
+    def config_of(n, outs=1, weight_dtype=dtype, rms=False, accumulators=2):
+        return norm.backward_config(n, dtype, dtype, (dtype,) * outs, weight_dtype,
+                                    accumulators, rms=rms, shifted=True)
+
+    for n in (262139, 262143, 262145, 290817):
+        cfg = config_of(n)
+        assert cfg.row_shift and cfg.vec == 8 and cfg.vecs_per_thread == 1, (n, cfg)
+        assert cfg.threads_per_row % 32 == 0 and cfg.threads_per_row & (cfg.threads_per_row - 1)
+        assert cfg.cluster_size <= config.MAX_CLUSTER_SIZE and cfg.cols_covered >= n + 7, cfg
+        kernel = norm._backward_kernel_object(cfg, False, dtype, dtype, True, True, dtype)
+        assert not kernel.weight_staged and not kernel.sums_in_registers
+        assert kernel.launch_smem_bytes() <= config.SMEM_BYTES_PER_CTA
+        # (the kernel's warps: at most 3 a scheduler, 168 registers a thread)
+        assert cfg.threads_per_row <= 3 * 4 * 32, cfg
+        assert config_of(n, outs=3) == config_of(n, outs=3, weight_dtype=None) \
+            and not config_of(n, outs=3).row_shift
+        assert not config_of(n, weight_dtype=torch.float32).row_shift
+        assert config_of(n, rms=True, accumulators=1).threads_per_row in (256, 512)
+    assert config.shifted_sums_share(262137, 2) is None  # (a span of 32768 vectors)
+    assert config_of(262137).threads_per_row == 512
+    assert config.shifted_sums_share(262144, 2) is None
+    assert not config_of(300001).row_shift  # (past shared memory)

@@ -1099,6 +1099,8 @@ def shifted_row_share(share_of_span: Callable[[int], RowConfig], unshifted: RowC
 # staged only where it fits). Six chunks: 11 warps, at most 3 a scheduler, so 168
 # registers a thread (five: 13 warps at 128 registers spilled 8 bytes, sm_90a).
 SPAN_SUMS_CHUNKS = 6
+# (only spans past the largest such power-of-two share: shorter rows keep their shares)
+SPAN_SUMS_MIN_VECTORS = MAX_CLUSTER_SIZE * 2048
 
 
 def shifted_sums_share(n_cols: int, elem_bytes: int) -> RowConfig | None:
@@ -1109,6 +1111,8 @@ def shifted_sums_share(n_cols: int, elem_bytes: int) -> RowConfig | None:
     if elem_bytes != 2 or n_cols % 2 == 0:
         return None
     vectors = -(-(n_cols + per_access - 1) // per_access)
+    if vectors <= SPAN_SUMS_MIN_VECTORS:
+        return None
     warp_vectors = 32 * SPAN_SUMS_CHUNKS
     threads = 32 * -(-vectors // (MAX_CLUSTER_SIZE * warp_vectors))
     if threads > 1024:
