@@ -1097,7 +1097,11 @@ def shifted_row_share(share_of_span: Callable[[int], RowConfig], unshifted: RowC
 # needs (11 at 262143: 16896 columns, 198 KiB with the sums in shared memory), the weight
 # read from global memory and spliced to each row's shift (NormBackward: the weight is
 # staged only where it fits). Six chunks: 11 warps, at most 3 a scheduler, so 168
-# registers a thread (five: 13 warps at 128 registers spilled 8 bytes, sm_90a).
+# registers a thread (five: 13 warps at 128 registers spilled 8 bytes, sm_90a). H100,
+# kernels alone (results/norm_backward_span_sums_H100_20261206.txt): bf16 512x262143
+# 17.9 -> 36.4% of the copy ceiling, fp16 19.1 -> 37.1, bf16 256x290817 (12 warps) 3.9 ->
+# 34.3; 1.12x torch.compile in the runner (it lost at 0.54x). One CTA an SM, one
+# staging buffer: far from the 79% of 262144 columns' double-buffered share.
 SPAN_SUMS_CHUNKS = 6
 # (only spans past the largest such power-of-two share: shorter rows keep their shares)
 SPAN_SUMS_MIN_VECTORS = MAX_CLUSTER_SIZE * 2048
