@@ -1067,6 +1067,14 @@ def test_layer_norm_backward_one_vector_past_a_full_cluster_is_shifted(dtype):
             and not config_of(n, outs=3).row_shift
         assert not config_of(n, weight_dtype=torch.float32).row_shift
         assert config_of(n, rms=True, accumulators=1).threads_per_row in (256, 512)
+    for n in (262143, 327675, 400001, 442361):
+        # (RMSNorm and one sum: their wider CTAs spilled; an fp32 dx: 32-byte vectors)
+        for rms, accumulators in ((True, 1), (False, 1)):
+            cfg = config_of(n, rms=rms, accumulators=accumulators)
+            assert cfg.threads_per_row & (cfg.threads_per_row - 1) == 0, cfg
+        cfg = norm.backward_config(n, dtype, dtype, (torch.float32,), dtype, 2, shifted=True)
+        assert cfg.threads_per_row & (cfg.threads_per_row - 1) == 0, cfg
+    assert not config_of(400001).row_shift  # (14 warps: past SPAN_SUMS_MAX_THREADS)
     assert config.shifted_sums_share(262137, 2) is None  # (a span of 32768 vectors)
     assert config_of(262137).threads_per_row == 512
     assert config.shifted_sums_share(262144, 2) is None

@@ -582,3 +582,21 @@ def test_odd_row_register_shares_do_not_spill(tmp_path, n, dtype, weight_dtype, 
         cfg, rms, dtype, dtype, weight_dtype, False, None, dtype, None, True, need_dbias))
     (*_, usage), = measure([variant], str(tmp_path), cuobjdump)
     assert spills(usage) == 0, (cfg, usage)
+
+
+@pytest.mark.parametrize("n, dtype", [(262143, torch.bfloat16), (262145, torch.float16),
+                                      (290817, torch.bfloat16)])
+def test_layer_norm_backward_past_a_full_cluster_does_not_spill(tmp_path, cuobjdump, n, dtype):
+    """config.shifted_sums_share (LayerNorm's dweight and dbias of odd 16-bit rows one
+    vector past 16 CTAs' power-of-two shares; the report's N grid has none of them): CTAs
+    of 11-12 whole warps, 168 registers a thread, its weight read spliced, no spill (13
+    warps at 128 registers spilled 8 bytes)."""
+    from quack_kernels.ops import norm
+
+    cfg = norm.backward_config(n, dtype, dtype, (dtype,), dtype, 2, shifted=True)
+    assert cfg.row_shift and cfg.threads_per_row in (352, 384), cfg
+    variant = ("norm_bwd", n, dtype, cfg, lambda: norm.backward_kernel(
+        cfg, False, dtype, dtype, dtype, False, None, dtype, None, True, True))
+    (*_, kernel, usage), = measure([variant], str(tmp_path), cuobjdump)
+    assert not kernel.weight_staged
+    assert spills(usage) == 0, (cfg, usage)

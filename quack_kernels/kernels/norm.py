@@ -585,7 +585,9 @@ class NormBackward(RowKernel):
     def _xhat_g(self, tiles: RowTiles, c: int, mW, mean, rstd, weight_offset, acc_w, acc_b,
                 mask_rows: bool):
         """xhat and g of chunk ``c``, both 0 past the row end and on rows past M (where
-        ``mask_rows``); adds this chunk's dw / db terms when accumulators are given."""
+        ``mask_rows``; g past the row end only with accumulators where the weight is
+        spliced: the dh pass stores nothing there); adds this chunk's dw / db terms when
+        accumulators are given."""
         h = tiles.values(0, c, fill=0.0, mask_rows=mask_rows)
         dy = tiles.values(1, c, fill=0.0, mask_rows=mask_rows)
         xhat = (h - mean) * rstd

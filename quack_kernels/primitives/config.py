@@ -1103,8 +1103,11 @@ def shifted_row_share(share_of_span: Callable[[int], RowConfig], unshifted: RowC
 # 34.3; 1.12x torch.compile in the runner (it lost at 0.54x). One CTA an SM, one
 # staging buffer: far from the 79% of 262144 columns' double-buffered share.
 SPAN_SUMS_CHUNKS = 6
-# (only spans past the largest such power-of-two share: shorter rows keep their shares)
+# (only spans past the largest such power-of-two share: shorter rows keep their shares;
+# and only CTAs of at most 3 warps a scheduler: 14-18 warps, 96-128 registers, spilled
+# 8-16 bytes at 327K-442K columns)
 SPAN_SUMS_MIN_VECTORS = MAX_CLUSTER_SIZE * 2048
+SPAN_SUMS_MAX_THREADS = 3 * 4 * 32
 
 
 def shifted_sums_share(n_cols: int, elem_bytes: int) -> RowConfig | None:
@@ -1119,7 +1122,7 @@ def shifted_sums_share(n_cols: int, elem_bytes: int) -> RowConfig | None:
         return None
     warp_vectors = 32 * SPAN_SUMS_CHUNKS
     threads = 32 * -(-vectors // (MAX_CLUSTER_SIZE * warp_vectors))
-    if threads > 1024:
+    if threads > SPAN_SUMS_MAX_THREADS:
         return None
     return RowConfig(n_cols=n_cols, vec=per_access, threads_per_row=threads, rows_per_block=1,
                      cluster_size=-(-vectors // (threads * SPAN_SUMS_CHUNKS)), vecs_per_thread=1,
