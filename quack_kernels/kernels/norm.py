@@ -555,7 +555,7 @@ class NormBackward(RowKernel):
         """weight + offset in chunk ``c``, read from shared memory where staged."""
         if cutlass.const_expr(self.weight_staged):
             w = tiles.column_values(mW, c)
-        elif cutlass.const_expr(self.cfg.row_shift):
+        elif cutlass.const_expr(self.splices_weight(mW)):
             # (unspecified past the row end: see _xhat_g)
             w = tiles.shifted_column_values(mW, c)
         else:

@@ -1070,10 +1070,9 @@ def shifted_row_share(share_of_span: Callable[[int], RowConfig], unshifted: RowC
     see rows.ShiftClassOrder); its L2 prefetch is dropped (a shifted row's span
     starts before it, off the 16 bytes a bulk prefetch needs)."""
     n_cols = unshifted.n_cols
-    if elem_bytes != 2 or vector_width(n_cols, elem_bytes) != 1:
+    if not _shiftable_odd_rows(n_cols, elem_bytes):
         return None
-    per_access = ACCESS_BYTES // elem_bytes
-    cfg = share_of_span(-(-(n_cols + per_access - 1) // per_access) * per_access)
+    cfg = share_of_span(shifted_span(n_cols, elem_bytes))
     if through_smem:
         cfg = dataclasses.replace(cfg, l2_prefetch=0)
         placed = cfg.staging in ("smem", "registers") \
@@ -1110,14 +1109,28 @@ SPAN_SUMS_MIN_VECTORS = MAX_CLUSTER_SIZE * 2048
 SPAN_SUMS_MAX_THREADS = 3 * 4 * 32
 
 
+def shifted_span(n_cols: int, elem_bytes: int) -> int:
+    """Columns of the aligned span a shifted row of ``n_cols`` columns is read over:
+    up to a vector less one before the row, rounded up to whole 16-byte vectors."""
+    per_access = ACCESS_BYTES // elem_bytes
+    return -(-(n_cols + per_access - 1) // per_access) * per_access
+
+
+def _shiftable_odd_rows(n_cols: int, elem_bytes: int) -> bool:
+    """Whether rows of ``n_cols`` ``elem_bytes``-byte values are the odd 16-bit rows that
+    shifting serves (one-value vectors otherwise)."""
+    return elem_bytes == 2 and vector_width(n_cols, elem_bytes) == 1
+
+
 def shifted_sums_share(n_cols: int, elem_bytes: int) -> RowConfig | None:
     """The shifted share above of odd ``elem_bytes``-byte rows of ``n_cols`` columns
-    (one vector a chunk, SPAN_SUMS_CHUNKS chunks, a full cluster); None for rows a
-    cluster of such CTAs does not hold (past SMEM_BYTES_PER_CTA: the caller checks)."""
-    per_access = ACCESS_BYTES // elem_bytes
-    if elem_bytes != 2 or n_cols % 2 == 0:
+    (one vector a chunk, SPAN_SUMS_CHUNKS chunks, a full cluster); None for other rows,
+    spans of SPAN_SUMS_MIN_VECTORS or fewer, and spans needing CTAs past
+    SPAN_SUMS_MAX_THREADS (whether it fits SMEM_BYTES_PER_CTA: the caller checks)."""
+    if not _shiftable_odd_rows(n_cols, elem_bytes):
         return None
-    vectors = -(-(n_cols + per_access - 1) // per_access)
+    per_access = ACCESS_BYTES // elem_bytes
+    vectors = shifted_span(n_cols, elem_bytes) // per_access
     if vectors <= SPAN_SUMS_MIN_VECTORS:
         return None
     warp_vectors = 32 * SPAN_SUMS_CHUNKS
