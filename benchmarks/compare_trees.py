@@ -16,7 +16,9 @@ cross-entropy forward without and with the gradient), ce_loss_opts 1 and ce_grad
 (the same with label smoothing 0.1, z-loss 1e-4 and softcap 30), ce_mean 1 (the public
 loss alone with its mean, every launch it makes), rms_fwd / ln_fwd 2 and
 rms_fwd_res / ln_fwd_res 4 (norm forward of x, or of x + residual with the sum stored),
-rms_bwd / ln_bwd 3 (norm backward: dx, dweight and for LayerNorm dbias).
+rms_bwd / ln_bwd 3 (norm backward: dx, dweight and for LayerNorm dbias), rms_bwd_res /
+ln_bwd_res 5 (the same with a residual's gradients: the stream's incoming gradient read,
+dx and the residual's gradient written).
 """
 
 import argparse
@@ -28,7 +30,7 @@ import tempfile
 
 CASES = ("sm_fwd", "sm_bwd", "lsm_bwd", "ce_loss", "ce_grad", "ce_loss_opts", "ce_grad_opts",
          "ce_mean", "ce_step", "rms_fwd", "ln_fwd", "rms_fwd_res", "ln_fwd_res", "rms_bwd",
-         "ln_bwd")
+         "ln_bwd", "rms_bwd_res", "ln_bwd_res")
 DEFAULT_SHAPES = "bf16:4096x128256,bf16:8192x151936,bf16:2048x65536,bf16:512x262144"
 
 
@@ -88,14 +90,17 @@ def case_call(case, x):
                                                            grad, scale)), 2 if grad else 1
     weight = torch.randn(n, device=x.device, dtype=x.dtype)
     bias = torch.randn(n, device=x.device, dtype=x.dtype)
-    if case.endswith("_bwd"):
+    if "_bwd" in case:
         rms = case.startswith("rms")
         _, _, mean, rstd = norm_ops.norm_forward(x, weight, None if rms else bias, None, 1e-5,
                                                  0.0, rms, None, None, False)
         dy = torch.randn_like(x)
-        return (lambda: norm_ops._norm_backward_cuda(dy, x, weight, mean, rstd, None, 0.0, rms,
-                                                     x.dtype, None, True,
-                                                     None if rms else x.dtype)), 3
+        dres_out = torch.randn_like(x) if case.endswith("_res") else None
+        dres_dtype = None if dres_out is None else x.dtype
+        return (lambda: norm_ops._norm_backward_cuda(dy, x, weight, mean, rstd, dres_out, 0.0,
+                                                     rms, x.dtype, dres_dtype, True,
+                                                     None if rms else x.dtype)), \
+            3 if dres_out is None else 5
     residual = torch.randn_like(x) if case.endswith("_res") else None
     moved = 2 if residual is None else 4
     if case.startswith("rms"):

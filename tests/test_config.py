@@ -1045,8 +1045,8 @@ def test_layer_norm_backward_one_vector_past_a_full_cluster_is_shifted(dtype):
     16 CTAs' power-of-two shares (262143 columns: 32769 vectors) takes
     config.shifted_sums_share: whole warps (not a power of two), a cluster that covers
     the span, the sums in shared memory beside the rows and the weight not staged (read
-    spliced, so only a 16-bit one); shorter spans, a residual's gradients, RMSNorm and
-    rows no such cluster holds keep their shares."""
+    spliced, so only a 16-bit one), with a residual's gradients too; shorter spans,
+    RMSNorm and rows no such cluster holds keep their shares."""
     from quack_kernels.ops import norm
 
     def config_of(n, outs=1, weight_dtype=dtype, rms=False, accumulators=2):
@@ -1063,8 +1063,7 @@ def test_layer_norm_backward_one_vector_past_a_full_cluster_is_shifted(dtype):
         assert kernel.launch_smem_bytes() <= config.SMEM_BYTES_PER_CTA
         # (the kernel's warps: at most 3 a scheduler, 168 registers a thread)
         assert cfg.threads_per_row <= 3 * 4 * 32, cfg
-        assert config_of(n, outs=3) == config_of(n, outs=3, weight_dtype=None) \
-            and not config_of(n, outs=3).row_shift
+        assert config_of(n, outs=3) == config_of(n, outs=3, weight_dtype=None) == cfg
         assert not config_of(n, weight_dtype=torch.float32).row_shift
         assert config_of(n, rms=True, accumulators=1).threads_per_row in (256, 512)
     for n in (262143, 327675, 400001, 442361):
@@ -1072,8 +1071,9 @@ def test_layer_norm_backward_one_vector_past_a_full_cluster_is_shifted(dtype):
         for rms, accumulators in ((True, 1), (False, 1)):
             cfg = config_of(n, rms=rms, accumulators=accumulators)
             assert cfg.threads_per_row & (cfg.threads_per_row - 1) == 0, cfg
-        cfg = norm.backward_config(n, dtype, dtype, (torch.float32,), dtype, 2, shifted=True)
-        assert cfg.threads_per_row & (cfg.threads_per_row - 1) == 0, cfg
+        for outs in ((torch.float32,), (dtype, torch.float32, dtype)):
+            cfg = norm.backward_config(n, dtype, dtype, outs, dtype, 2, shifted=True)
+            assert cfg.threads_per_row & (cfg.threads_per_row - 1) == 0, (outs, cfg)
     assert not config_of(400001).row_shift  # (14 warps: past SPAN_SUMS_MAX_THREADS)
     assert config.shifted_sums_share(262137, 2) is None  # (a span of 32768 vectors)
     assert config_of(262137).threads_per_row == 512

@@ -10,7 +10,7 @@ import quack_kernels as qk
 from quack_kernels.ops import norm as ops
 from quack_kernels.primitives.config import (ODD_ROW_FORWARD_SHARES, ODD_ROW_FORWARD_VALUES,
                                              ODD_ROW_SHARES, loop_grid_rows,
-                                             partial_sum_rows)
+                                             partial_sum_rows, shift_order_keeps_class_sizes)
 
 from helpers import assert_close, poison_allocator, switched
 
@@ -498,18 +498,17 @@ def test_shifted_odd_rows_backward(n, dtype, weight_dtype, residual, rms, shifte
     three row blocks a CTA and more; dx (and the residual gradient), dweight and dbias
     on poisoned outputs (the partial sums too) against fp64, dy large at the rows'
     edges and in the weight's first and last columns; then the public API (the C++ path)
-    on the same rows (LayerNorm of 1001 columns, and of 262143 with a residual's
-    gradients: unshifted; of 262143 without: config.shifted_sums_share, the weight read
-    spliced), and a misaligned weight (a 16-bit one: unshifted)."""
+    on the same rows (LayerNorm of 1001 columns: unshifted; of 262143:
+    config.shifted_sums_share, the weight read spliced), and a misaligned weight (a
+    16-bit one: unshifted)."""
     dres_dtype = dtype if residual else None
     sums = 1 if rms else 2
     outs = (dtype, dtype, dtype) if residual else (dtype,)
     shifted = ops.backward_config(n, dtype, dtype, outs, weight_dtype, sums, 1, rms=rms,
                                   shifted=True)
-    # (LayerNorm's span share at 1001 columns holds two rows a CTA, and config.
-    # shifted_sums_share has no variant with a residual's gradients: those rows keep their
+    # (LayerNorm's span share at 1001 columns holds two rows a CTA: those rows keep their
     # one-value share)
-    assert shifted.row_shift == (rms or not (n == 1001 or n == 262143 and residual)), shifted
+    assert shifted.row_shift == (rms or n != 1001), shifted
     if shifted.row_shift and not rms and n == 262143:
         assert shifted.threads_per_row & (shifted.threads_per_row - 1), shifted
     plan = ops._backward_plan(n, rms, dtype, dtype, weight_dtype, dres_dtype, dtype, dres_dtype,
@@ -549,7 +548,8 @@ def test_shifted_odd_rows_backward(n, dtype, weight_dtype, residual, rms, shifte
     check_backward(dy, h, weight_off, mean, rstd, 0.0, rms, need_db=not rms)
 
 
-@pytest.mark.parametrize("n, rms", [(4097, False), (50257, True), (100001, False)])
+@pytest.mark.parametrize("n, rms", [(4097, False), (50257, True), (100001, False),
+                                    (131073, True)])
 @pytest.mark.parametrize("rows, grid", [
     ("1", None), ("5", None), ("a CTA each", None), ("8 a CTA", None), ("16 a CTA + 3", None),
     (40, 1), (40, 2), (43, 3), (41, 7), (45, 9), (67, 8), (67, 16), (8, 8), (203, 24)])
@@ -560,16 +560,17 @@ def test_shifted_backward_on_row_counts(n, rms, rows, grid, shifted_norm_rows, m
     on a grid one short of the resident one (every class start a range start), 8 and
     16 rows a CTA. On grids held to ``grid`` row blocks: one CTA through all 8 classes,
     a few CTAs across several, and grids of a multiple of 8 (each class split among G / 8
-    CTAs of its own: ShiftClassOrder.splits_classes). The partial sums start as
-    NaN, so a row left unwritten (or a row visited twice or never) shows in dx, dweight
-    or dbias."""
+    CTAs of its own: ShiftClassOrder.splits_classes); RMSNorm of 131073 columns reads
+    its class sizes back from shared memory (config.shift_order_keeps_class_sizes). The
+    partial sums start as NaN, so a row left unwritten (or a row visited twice or never)
+    shows in dx, dweight or dbias."""
     dtype = torch.bfloat16
     if grid is not None:
         monkeypatch.setattr(ops, "resident_row_blocks", lambda kernel, device: grid)
     plan = ops._backward_plan(n, rms, dtype, dtype, dtype, None, dtype, None, True,
                               None if rms else dtype, 1, True, torch.device("cuda"))
     cfg, resident, sum_cfg = plan[1], plan[2], plan[4]
-    assert cfg.row_shift, cfg
+    assert cfg.row_shift and shift_order_keeps_class_sizes(cfg) == (n == 131073), cfg
     m = rows if grid is not None else {"1": 1, "5": 5, "a CTA each": resident - 1,
                                        "8 a CTA": 8 * resident,
                                        "16 a CTA + 3": 16 * resident + 3}[rows]

@@ -584,19 +584,31 @@ def test_odd_row_register_shares_do_not_spill(tmp_path, n, dtype, weight_dtype, 
     assert spills(usage) == 0, (cfg, usage)
 
 
-@pytest.mark.parametrize("n, dtype", [(262143, torch.bfloat16), (262145, torch.float16),
-                                      (290817, torch.bfloat16)])
-def test_layer_norm_backward_past_a_full_cluster_does_not_spill(tmp_path, cuobjdump, n, dtype):
-    """config.shifted_sums_share (LayerNorm's dweight and dbias of odd 16-bit rows one
-    vector past 16 CTAs' power-of-two shares; the report's N grid has none of them): CTAs
-    of 11-12 whole warps, 168 registers a thread, its weight read spliced, no spill (13
-    warps at 128 registers spilled 8 bytes)."""
+@pytest.mark.parametrize("n, dtype, rms, sums, residual", [
+    (262143, torch.bfloat16, False, True, False), (262145, torch.float16, False, True, False),
+    (290817, torch.bfloat16, False, True, False), (262143, torch.float16, False, True, True),
+    (262143, torch.bfloat16, False, False, True), (262143, torch.bfloat16, True, True, True)])
+def test_norm_backward_past_a_full_cluster_does_not_spill(tmp_path, cuobjdump, n, dtype, rms,
+                                                           sums, residual):
+    """The shifted backward of odd 16-bit rows one vector past 16 CTAs' power-of-two
+    shares (the report's N grid has none of them): LayerNorm's dweight and dbias take
+    config.shifted_sums_share (CTAs of 11-12 whole warps, 168 registers a thread, the
+    weight read spliced; 13 warps at 128 registers spilled 8 bytes), with a residual's
+    gradients too; with those gradients LayerNorm without sums (128 registers) and
+    RMSNorm with dweight (255) keep their span shares, and spilled 8 bytes before the
+    class sizes were kept in shared memory (rows.ShiftClassOrder.keep)."""
     from quack_kernels.ops import norm
 
-    cfg = norm.backward_config(n, dtype, dtype, (dtype,), dtype, 2, shifted=True)
-    assert cfg.row_shift and cfg.threads_per_row in (352, 384), cfg
+    accumulators = (1 if rms else 2) if sums else 0
+    outs = (dtype,) * (3 if residual else 1)
+    cfg = norm.backward_config(n, dtype, dtype, outs, dtype, accumulators, rms=rms,
+                               shifted=True)
+    assert cfg.row_shift, cfg
+    span_sums = sums and not rms
+    assert (cfg.threads_per_row in (352, 384)) == span_sums, cfg
     variant = ("norm_bwd", n, dtype, cfg, lambda: norm.backward_kernel(
-        cfg, False, dtype, dtype, dtype, False, None, dtype, None, True, True))
+        cfg, rms, dtype, dtype, dtype, residual, dtype if residual else None, dtype,
+        dtype if residual else None, sums, span_sums))
     (*_, kernel, usage), = measure([variant], str(tmp_path), cuobjdump)
-    assert not kernel.weight_staged
+    assert kernel.weight_staged != span_sums and kernel.keeps_class_sizes
     assert spills(usage) == 0, (cfg, usage)

@@ -46,10 +46,10 @@ from ..primitives.config import (SHIFT_CLASSES, SMEM_BYTES_PER_CTA, RowConfig, l
                                  norm_backward_refills_chunks, norm_backward_rereads_unmasked,
                                  norm_forward_columns_before_reduction,
                                  norm_forward_early_columns, prefetch_row_stats,
-                                 row_stats_a_block_ahead, splices_shifted_columns,
-                                 stage_columns_once)
-from ..primitives.rows import (KEPT_ORDER_VALUES, ReductionSlot, RowKernel, RowTiles,
-                               ShiftClassOrder)
+                                 row_stats_a_block_ahead, shift_order_keeps_class_sizes,
+                                 splices_shifted_columns, stage_columns_once)
+from ..primitives.rows import (ReductionSlot, RowKernel, RowTiles, ShiftClassOrder,
+                               kept_order_values)
 
 ZERO = (Float32(0.0),)
 
@@ -345,7 +345,14 @@ class NormBackward(RowKernel):
 
     def smem_bytes(self) -> int:
         # shifted rows: the kept order (ShiftClassOrder.keep), an aligned allocation
-        return super().smem_bytes() + (16 + 4 * KEPT_ORDER_VALUES if self.cfg.row_shift else 0)
+        kept = 16 + 4 * kept_order_values(self.keeps_class_sizes)
+        return super().smem_bytes() + (kept if self.cfg.row_shift else 0)
+
+    @property
+    def keeps_class_sizes(self) -> bool:
+        """Whether the shifted rows' order keeps its class sizes in shared memory too
+        (config.shift_order_keeps_class_sizes)."""
+        return shift_order_keeps_class_sizes(self.cfg)
 
     def splices_weight(self, mW) -> bool:
         """Whether a shifted row's weight is read from global memory, spliced to the
@@ -392,7 +399,7 @@ class NormBackward(RowKernel):
         if cutlass.const_expr(cfg.row_shift):
             # (every class, those this CTA does not write skipped inside: the order is
             # kept in shared memory, see ShiftClassOrder.keep)
-            kept = ShiftClassOrder(mH.shape[0], grid_rows).keep(smem)
+            kept = ShiftClassOrder(mH.shape[0], grid_rows).keep(smem, self.keeps_class_sizes)
             for shift_class in cutlass.range(SHIFT_CLASSES, unroll=1):
                 # (one method call a loop body: see RowKernel.for_each_row_block)
                 self._class_row_blocks(shift_class, kept, home, mH.shape[0], grid_rows,

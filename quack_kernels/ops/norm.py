@@ -178,12 +178,12 @@ def backward_config(n_cols: int, h_dtype, dy_dtype, out_dtypes: tuple, weight_dt
                                 sum(_bytes(h_dtype, dy_dtype, weight_dtype)), through_smem=True)
         if _fits_shifted(cfg, kernel_for, weight_dtype, weight_staged=True):
             return cfg
-        # (LayerNorm's two sums only, measured there; the weight then read from global
-        # memory: spliced, so 16-bit; with a residual's gradients read and written besides
-        # dx it spilled 8 bytes, sm_90a, as did RMSNorm's and one sum's wider CTAs)
+        # (LayerNorm's two sums only, measured there, with or without a residual's
+        # gradients; the weight then read from global memory: spliced, so 16-bit;
+        # RMSNorm's and one sum's wider CTAs spilled, sm_90a)
         spliced = weight_dtype is None or splices_shifted_columns(weight_dtype.itemsize)
         cfg = shifted_sums_share(n_cols, max(_bytes(h_dtype, dy_dtype, *out_dtypes))) \
-            if accumulators == 2 and not rms and spliced and len(out_dtypes) == 1 else None
+            if accumulators == 2 and not rms and spliced else None
         return cfg if _fits_shifted(cfg, kernel_for, weight_dtype) else unshifted
     tuned = all(v is None for v in (cta_row_bytes, values_per_thread, max_threads_per_row))
     register_threads = norm_backward_register_threads(staged, accumulators, n_cols, rms,
@@ -351,7 +351,7 @@ def report_variants(n_grid, dtypes):
                            + ("_shifted" if shifted else ""), n, dtype, cfg,
                            lambda args=args: forward_kernel(*args))
                 # (sums, residual gradients): none; both; the sums alone where their
-                # share is another (config.shifted_sums_share)
+                # share is another (RMSNorm's odd-row register share of 50257 columns)
                 for (sums, dres), shifted in itertools.product(
                         ((False, False), (True, True), (True, False)), (False, True)):
                     accumulators = (1 if rms else 2) if sums else 0

@@ -1100,7 +1100,10 @@ def shifted_row_share(share_of_span: Callable[[int], RowConfig], unshifted: RowC
 # kernels alone (results/norm_backward_span_sums_H100_20261206.txt): bf16 512x262143
 # 17.9 -> 36.4% of the copy ceiling, fp16 19.1 -> 37.1, bf16 256x290817 (12 warps) 3.9 ->
 # 34.3; 1.12x torch.compile in the runner (it lost at 0.54x). One CTA an SM, one
-# staging buffer: far from the 79% of 262144 columns' double-buffered share.
+# staging buffer: far from the 79% of 262144 columns' double-buffered share. With a
+# residual's gradients too (its 8-byte spill gone with shift_order_keeps_class_sizes):
+# bf16 512x262143 25.1 -> 44.8%, 256x290817 6.0 -> 45.8
+# (results/norm_backward_kept_sizes_H100_20261206.txt).
 SPAN_SUMS_CHUNKS = 6
 # (only spans past the largest such power-of-two share: shorter rows keep their shares;
 # and only CTAs of at most 3 warps a scheduler: 14-18 warps, 96-128 registers, spilled
@@ -1144,6 +1147,23 @@ def shifted_sums_share(n_cols: int, elem_bytes: int) -> RowConfig | None:
 
 # The shifts a 16-bit row may have: 0-7 values past a 16-byte boundary.
 SHIFT_CLASSES = ACCESS_BYTES // 2
+
+
+# A shifted norm backward's order (rows.ShiftClassOrder.keep) keeps its class sizes in
+# shared memory on shares of one staging buffer there: computed from the row count they
+# were hoisted out of the loop over classes and spilled 8 bytes at 262143 columns with a
+# residual's gradients (sm_90a: LayerNorm without sums at 128 registers, RMSNorm with
+# dweight at 255), and LayerNorm's span share (shifted_sums_share) with those gradients
+# spilled too. Not on one-chunk register shares: read from shared memory there they
+# cost the LayerNorm backward 10-15 points (H100, kernels alone, results/norm_backward_
+# kept_sizes_H100_20261206.txt: fp16 4096x32001 83.0 -> 70.2%, bf16 4096x50257 77.1 ->
+# 62.6; RMSNorm within a point); on single-buffered shares they stayed level (bf16
+# 512x262143 with a residual's gradients: RMSNorm 58.8 -> 58.9, LayerNorm 36.5 -> 36.8
+# without; 1024x131073 RMSNorm 60.5 -> 60.3). Double-buffered shares in shared memory
+# (no sums; LayerNorm 131073) keep the computed sizes: they do not spill, and only
+# 131073 was measured (level).
+def shift_order_keeps_class_sizes(cfg: RowConfig) -> bool:
+    return cfg.row_shift and cfg.staging == "smem" and cfg.stages == 1
 
 
 def splices_shifted_columns(column_bytes: int) -> bool:

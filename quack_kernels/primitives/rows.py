@@ -206,11 +206,13 @@ class ShiftClassOrder:
     def __init__(self, num_rows, grid_rows, cta=None, kept=None):
         """``cta``: this CTA's block index (a plain int: the order computed on the host,
         as tests check it; else the kernel's block_idx.x). ``kept``: the CTA's range
-        and written classes as ``keep`` stored them, read instead of computed."""
+        and written classes (and the class sizes, where ``keep`` kept them) as ``keep``
+        stored them, read instead of computed."""
         self.grid_rows = grid_rows
+        sizes_kept = kept is not None and cute.size(kept) > KEPT_ORDER_VALUES
         # classes hold per_class rows, the first ``longer`` of them one more
-        self.per_class = num_rows // SHIFT_CLASSES
-        self.longer = num_rows % SHIFT_CLASSES
+        self.per_class = kept[4] if sizes_kept else num_rows // SHIFT_CLASSES
+        self.longer = kept[5] if sizes_kept else num_rows % SHIFT_CLASSES
         self.cta = cute.arch.block_idx()[0] if cta is None else cta
         if kept is not None:
             self.first, self.end = kept[0], kept[1]
@@ -231,16 +233,24 @@ class ShiftClassOrder:
         self.first = _select(self.splits_classes, start + class_first, first)
         self.end = _select(self.splits_classes, start + class_end, end)
 
-    def keep(self, smem) -> cute.Tensor:
+    def keep(self, smem, sizes: bool = False) -> cute.Tensor:
         """This CTA's range and written classes (first, end, first class, end class)
         stored in shared memory, for a loop over classes to read in each class (``kept``
         of a new order): held in registers, the compiler hoists them out of that loop
         and keeps them live across the loop over rows inside it, which spilled the
-        16-bit LayerNorm backward of 131073 columns at its 128 registers. Every thread
-        stores the same values, so each reads back its own without a barrier."""
-        kept = smem.allocate_tensor(Int32, cute.make_layout(KEPT_ORDER_VALUES), byte_alignment=16)
+        16-bit LayerNorm backward of 131073 columns at its 128 registers. With ``sizes``
+        the class sizes (per_class, longer) too, for the same reason: computed from the
+        row count they spilled 8 bytes of the 16-bit backward of 262143 columns with a
+        residual's gradients (LayerNorm at 128 registers, RMSNorm at 255); not kept
+        by default, as loaded from shared memory they cost one-chunk register shares
+        10-15 points (see NormBackward.keeps_class_sizes). Every thread stores the same
+        values, so each reads back its own without a barrier."""
+        kept = smem.allocate_tensor(Int32, cute.make_layout(kept_order_values(sizes)),
+                                    byte_alignment=16)
         kept[0], kept[1] = self.first, self.end
         kept[2], kept[3] = self.written_classes()
+        if cutlass.const_expr(sizes):
+            kept[4], kept[5] = self.per_class, self.longer
         return kept
 
     @staticmethod
@@ -283,7 +293,13 @@ class ShiftClassOrder:
                 _select(self.splits_classes, self.own_class + 1, end))
 
 
-KEPT_ORDER_VALUES = 4  # Int32 values ShiftClassOrder.keep stores
+KEPT_ORDER_VALUES = 4  # Int32 values ShiftClassOrder.keep stores (without the sizes)
+
+
+def kept_order_values(sizes: bool) -> int:
+    """Int32 values ShiftClassOrder.keep stores, with the class sizes or not (two more,
+    padded to 16 bytes)."""
+    return 2 * KEPT_ORDER_VALUES if sizes else KEPT_ORDER_VALUES
 
 
 def _balanced_part(count, parts, part):
