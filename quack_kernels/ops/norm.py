@@ -351,7 +351,8 @@ def report_variants(n_grid, dtypes):
                            + ("_shifted" if shifted else ""), n, dtype, cfg,
                            lambda args=args: forward_kernel(*args))
                 # (sums, residual gradients): none; both; the sums alone where their
-                # share is another (RMSNorm's odd-row register share of 50257 columns)
+                # share is another (a share sized by its outputs, such as RMSNorm's
+                # odd-row register share of 50257 columns)
                 for (sums, dres), shifted in itertools.product(
                         ((False, False), (True, True), (True, False)), (False, True)):
                     accumulators = (1 if rms else 2) if sums else 0
