@@ -2,13 +2,15 @@
 baseline of the same run and the issue's target for it, as a markdown table.
 
     python benchmarks/summarize.py [--results benchmarks/results] [--family norm]
-        [--misses]
+        [--misses] [--gpu h200]
 
 A case is (op, dtype, M, N); its latest result is the newest CSV (by the runner's
 ``date`` column) holding a quack_kernels row for it without an error, and the baselines
 are compared within that CSV only (numbers from different runs are not comparable:
 the copy ceiling and the host differ). ``--misses`` keeps the rows that miss their
-target or lose to a baseline.
+target or lose to a baseline. ``--gpu`` keeps the CSVs of one GPU (a case-insensitive
+part of the runner's ``gpu`` column: the issues' targets are for the H200, and runs on
+another card are not comparable with them).
 """
 
 from __future__ import annotations
@@ -71,13 +73,15 @@ class Case:
         return below or (self.speedup is not None and self.speedup < 1.0)
 
 
-def read_cases(results: pathlib.Path) -> dict[tuple, Case]:
-    """Latest Case per (op, dtype, M, N) over every runner CSV in ``results``."""
+def read_cases(results: pathlib.Path, gpu: str = "") -> dict[tuple, Case]:
+    """Latest Case per (op, dtype, M, N) over every runner CSV in ``results`` (of a GPU
+    whose name holds ``gpu``, any case)."""
     latest: dict[tuple, tuple[str, Case]] = {}
     for path in sorted(results.glob("*.csv")):
         with path.open(newline="") as f:
             rows = [r for r in csv.DictReader(f) if not r.get("error") and r.get("time_us")]
-        if not rows or "impl" not in rows[0]:
+        if not rows or "impl" not in rows[0] \
+                or gpu.lower() not in rows[0].get("gpu", "").lower():
             continue
         by_case: dict[tuple, dict[str, dict]] = {}
         for r in rows:
@@ -127,8 +131,10 @@ def main(argv=None) -> int:
                    help="comma list of softmax, norm, cross_entropy")
     p.add_argument("--misses", action="store_true",
                    help="only cases below their target or behind a baseline")
+    p.add_argument("--gpu", default="",
+                   help="only CSVs of a GPU whose name holds this (e.g. h200; default: any)")
     args = p.parse_args(argv)
-    cases = read_cases(args.results)
+    cases = read_cases(args.results, args.gpu)
     for fam in args.family.split(","):
         chosen = sorted((c for c in cases.values() if family(c.op) == fam
                          and (c.misses or not args.misses)),

@@ -1079,3 +1079,36 @@ def test_layer_norm_backward_one_vector_past_a_full_cluster_is_shifted(dtype):
     assert config_of(262137).threads_per_row == 512
     assert config.shifted_sums_share(262144, 2) is None
     assert not config_of(300001).row_shift  # (past shared memory)
+
+
+def test_norm_forward_loads_columns_a_chunk_ahead_on_staged_shares_of_many_chunks():
+    """config.norm_forward_columns_ahead: LayerNorm's staged shares of more than two
+    chunks whose columns are loaded together in the output pass (the measured wins:
+    bf16 32K-256K columns, fp32 64K-128K) load them a chunk ahead; shares of two chunks
+    (fp32 32768, lost), register shares and shares holding their columns do not."""
+    from quack_kernels.kernels.norm import NormForward
+    from quack_kernels.ops import norm
+    from quack_kernels.ops.norm import cutlass_dtype
+
+    def ahead(n, dtype, residual=False, rms=False, shifted=False):
+        cfg = norm.forward_config(n, rms, dtype, dtype, residual, dtype, dtype,
+                                  None if rms else dtype, shifted=shifted)
+        assert cfg.row_shift == shifted
+        dt = cutlass_dtype(dtype)
+        kernel = NormForward(cfg, rms, dt, dt, dt, residual, residual,
+                             (dt,) if rms else (dt, dt))
+        return kernel.columns_ahead
+
+    bf16, f32 = torch.bfloat16, torch.float32
+    assert all(ahead(n, bf16) for n in (32768, 65536, 131072, 262144))
+    assert ahead(65536, f32) and ahead(131072, f32) and ahead(131072, bf16, residual=True)
+    assert not ahead(32768, f32)  # two chunks
+    assert not ahead(65536, bf16, residual=True)  # two chunks
+    assert not ahead(4096, bf16)  # a register share
+    assert not ahead(262144, f32)  # 32 values a chunk: loaded one after the other
+    assert not ahead(262144, bf16, rms=True)  # RMSNorm holds its weight from the start
+    assert not ahead(50257, bf16)  # odd rows: narrow vectors ...
+    assert not ahead(50257, bf16, shifted=True)  # ... or shifted
+    staged = norm.forward_config(262144, False, bf16, bf16, False, bf16, bf16, bf16)
+    assert config.norm_forward_columns_ahead(staged, 2)
+    assert not config.norm_forward_columns_ahead(dataclasses.replace(staged, staging="global"), 2)

@@ -8,7 +8,8 @@ import sys
 import pytest
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "summarize.py"
-FIELDS = ["op", "dtype", "M", "N", "impl", "time_us", "gbps", "pct_of_copy", "date", "error"]
+FIELDS = ["op", "dtype", "M", "N", "impl", "time_us", "gbps", "pct_of_copy", "date", "error",
+          "gpu"]
 
 
 @pytest.fixture(scope="module")
@@ -21,13 +22,13 @@ def summarize():
     del sys.modules[spec.name]
 
 
-def write(path, date, rows):
+def write(path, date, rows, gpu="NVIDIA H200"):
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, FIELDS)
         writer.writeheader()
         for op, m, n, impl, us, pct, error in rows:
             writer.writerow(dict(op=op, dtype="bf16", M=m, N=n, impl=impl, time_us=us,
-                                 gbps=1.0, pct_of_copy=pct, date=date, error=error))
+                                 gbps=1.0, pct_of_copy=pct, date=date, error=error, gpu=gpu))
 
 
 def test_latest_run_fastest_baseline_and_targets(tmp_path, summarize):
@@ -51,6 +52,19 @@ def test_latest_run_fastest_baseline_and_targets(tmp_path, summarize):
     small = cases[("softmax_fwd", "bf16", 4096, 4096)]
     assert small.target is None and small.misses  # off the grid: only the baselines count
     assert "| rms_norm_bwd | bf16 | 8192x16384 | 84.0 | 80.0 | torch |" in summarize.table([norm])
+
+
+def test_gpu_filter_keeps_the_runs_of_one_card(tmp_path, summarize):
+    write(tmp_path / "h200.csv", "2026-11-30T01:00", [
+        ("layer_norm_fwd", 2048, 65536, "quack_kernels", 200.0, 83.0, "")])
+    write(tmp_path / "h100.csv", "2026-12-06T07:45", [
+        ("layer_norm_fwd", 2048, 65536, "quack_kernels", 190.0, 95.6, "")],
+        gpu="NVIDIA H100 80GB HBM3")
+    key = ("layer_norm_fwd", "bf16", 2048, 65536)
+    assert summarize.read_cases(tmp_path)[key].csv == "h100.csv"  # the newest, any card
+    assert summarize.read_cases(tmp_path, "h200")[key].csv == "h200.csv"
+    assert summarize.read_cases(tmp_path, "H100")[key].ours_pct == 95.6
+    assert summarize.read_cases(tmp_path, "a100") == {}
 
 
 @pytest.mark.parametrize("op, m, n, target", [

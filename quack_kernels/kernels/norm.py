@@ -44,7 +44,7 @@ from ..primitives.config import (SHIFT_CLASSES, SMEM_BYTES_PER_CTA, RowConfig, l
                                  layer_norm_reduces_once, loop_ctas_per_sm, norm_backward_fma_form,
                                  norm_backward_holds_weight, norm_backward_loop_registers,
                                  norm_backward_refills_chunks, norm_backward_rereads_unmasked,
-                                 norm_forward_columns_before_reduction,
+                                 norm_forward_columns_ahead, norm_forward_columns_before_reduction,
                                  norm_forward_early_columns, prefetch_row_stats,
                                  row_stats_a_block_ahead, shift_order_keeps_class_sizes,
                                  splices_shifted_columns, stage_columns_once)
@@ -89,6 +89,8 @@ class NormForward(RowKernel):
         self.columns_before_reduction = norm_forward_columns_before_reduction(
             len(self.staged_dtypes), self.staged_bytes_per_col, cfg)
         self.late_columns_together = late_columns_together(cfg)
+        self.columns_ahead = not self.holds_columns \
+            and norm_forward_columns_ahead(cfg, x_dtype.width // 8)
         if cfg.row_shift:
             # the weight and bias (``column_dtypes``) that are not spliced to a shifted
             # row's shift are staged in shared memory at it (splices_shifted_columns)
@@ -138,12 +140,15 @@ class NormForward(RowKernel):
             return tiles.column_values(mV, chunk, raw=raw)
         return tiles.load(tiles.broadcast_rows(mV), chunk, guard_rows=False, raw=raw)
 
+    def _chunk_columns(self, tiles: RowTiles, mW, mB, chunk: int) -> tuple:
+        """(weight, bias) of ``chunk``, loaded now in their own dtypes: widened where
+        used, they stay half the registers until then (widened at the load, RMSNorm bf16
+        262144 held 100 registers instead of 79)."""
+        return self._column(tiles, mW, chunk, raw=True), self._column(tiles, mB, chunk, raw=True)
+
     def _share_columns(self, tiles: RowTiles, mW, mB) -> list:
-        """(weight, bias) of every chunk of this CTA's share, loaded now in their own
-        dtypes: widened where used, they stay half the registers across the reduction
-        (widened at the load, RMSNorm bf16 262144 took 100 registers instead of 79)."""
-        return [(self._column(tiles, mW, c, raw=True), self._column(tiles, mB, c, raw=True))
-                for c in range(self.cfg.num_chunks)]
+        """_chunk_columns of every chunk of this CTA's share."""
+        return [self._chunk_columns(tiles, mW, mB, c) for c in range(self.cfg.num_chunks)]
 
     @property
     def holds_columns(self) -> bool:
@@ -240,10 +245,15 @@ class NormForward(RowKernel):
         rstd = cute.math.rsqrt(variance + eps)
         offset_scale = weight_offset * rstd
 
+        if cutlass.const_expr(self.columns_ahead):
+            # (config.norm_forward_columns_ahead: each chunk's loaded with the chunk before)
+            held_columns = {0: self._chunk_columns(tiles, mW, mB, 0)}
         for c in cutlass.range_constexpr(cfg.num_chunks):
+            if cutlass.const_expr(self.columns_ahead and c + 1 < cfg.num_chunks):
+                held_columns[c + 1] = self._chunk_columns(tiles, mW, mB, c + 1)
             h = kept[c] if cutlass.const_expr(cfg.staging == "registers") else self._stream(tiles, c)
             weight, bias = None, None
-            if cutlass.const_expr(self.holds_columns):
+            if cutlass.const_expr(self.holds_columns or self.columns_ahead):
                 weight, bias = (None if v is None else tiles.to_fp32(v) for v in held_columns[c])
             elif cutlass.const_expr(self.late_columns_together):
                 weight, bias = self._column(tiles, mW, c), self._column(tiles, mB, c)

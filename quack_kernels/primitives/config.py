@@ -823,6 +823,25 @@ def late_columns_together(cfg: RowConfig) -> bool:
     return cfg.thread_values_per_chunk <= LATE_COLUMNS_TOGETHER_VALUES
 
 
+# Columns loaded in the output pass of a share staged in shared memory, together
+# (late_columns_together), are loaded a chunk ahead on shares of more than two chunks:
+# chunk c + 1's before chunk c's math and stores, which they would otherwise wait behind
+# (the stores may alias them). H100, kernels alone, LayerNorm of x alone (benchmarks/
+# results/norm_forward_columns_ahead_H100_20261206.txt), % of the copy ceiling: bf16
+# 4096x32768 93.6 -> 95.8, 2048x65536 91.7 -> 95.4, 1024x131072 90.8 -> 95.0, 512x262144
+# 89.0 -> 92.9, fp32 2048x65536 92.4 -> 96.9, 1024x131072 87.3 -> 95.6; with a residual
+# bf16 1024x131072 93.0 -> 94.0; one-CTA 8192x16384 level (95.8 / 95.7). Shares of two
+# chunks lost (fp32 4096x32768 97.2 -> 94.5, with a residual bf16 2048x65536 95.4 ->
+# 94.5), so they keep the late loads. The extra registers (40 -> 64 at bf16 262144) cost
+# clusters no CTA (their launches are fenced to three CTAs per SM: fenced_smem_bytes);
+# the one-CTA share of 16384 columns went from five CTAs per SM to three, and ran level.
+# Only rows of whole 16-byte vectors were measured: odd rows (shifted, or of narrower
+# vectors) keep the late loads.
+def norm_forward_columns_ahead(cfg: RowConfig, row_bytes: int) -> bool:
+    return cfg.staging == "smem" and cfg.num_chunks > 2 and late_columns_together(cfg) \
+        and not cfg.row_shift and whole_vectors(cfg, row_bytes)
+
+
 # Norm backward of 16-bit rows (h and dy staged; dweight / dbias sums kept per column,
 # each counted as one more fp32 tensor of the share): CTA row bytes and vectors per
 # thread of each staged tensor, from H200 sweeps over the issue's grid (N = 1K..256K at
