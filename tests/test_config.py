@@ -241,9 +241,11 @@ def test_norm_forward_late_columns_where_measured():
         assert not config.late_columns_together(cfg)  # 64 values a thread
         assert not share(262144, rms, torch.float32, False)[1]  # x alone
         assert not share(65536, rms, torch.float32, True)[1]  # staged pair under 1 MiB
-    # LayerNorm of x alone in shared memory: 16-bit chunks together, fp32 ones not
+    # LayerNorm of x alone in shared memory: chunks together (fp32 ones cut to
+    # LAYER_NORM_LONG_ROW_VALUES so that they are), a residual's register share not
     assert config.late_columns_together(share(262144, False, torch.bfloat16, False)[0])
-    assert not config.late_columns_together(share(262144, False, torch.float32, False)[0])
+    assert config.late_columns_together(share(262144, False, torch.float32, False)[0])
+    assert not config.late_columns_together(share(131073, False, torch.float32, True)[0])
 
 
 def test_layer_norm_registers_shares_over_a_cluster_are_staged():
@@ -1084,7 +1086,7 @@ def test_layer_norm_backward_one_vector_past_a_full_cluster_is_shifted(dtype):
 def test_norm_forward_loads_columns_a_chunk_ahead_on_staged_shares_of_many_chunks():
     """config.norm_forward_columns_ahead: LayerNorm's staged shares of more than two
     chunks whose columns are loaded together in the output pass (the measured wins:
-    bf16 32K-256K columns, fp32 64K-128K) load them a chunk ahead; shares of two chunks
+    bf16 32K-256K columns, fp32 64K-512K) load them a chunk ahead; shares of two chunks
     (fp32 32768, lost), register shares and shares holding their columns do not."""
     from quack_kernels.kernels.norm import NormForward
     from quack_kernels.ops import norm
@@ -1105,10 +1107,14 @@ def test_norm_forward_loads_columns_a_chunk_ahead_on_staged_shares_of_many_chunk
     assert not ahead(32768, f32)  # two chunks
     assert not ahead(65536, bf16, residual=True)  # two chunks
     assert not ahead(4096, bf16)  # a register share
-    assert not ahead(262144, f32)  # 32 values a chunk: loaded one after the other
+    assert not ahead(262144, f32, residual=True)  # a register share
     assert not ahead(262144, bf16, rms=True)  # RMSNorm holds its weight from the start
     assert not ahead(50257, bf16)  # odd rows: narrow vectors ...
     assert not ahead(50257, bf16, shifted=True)  # ... or shifted
+    # fp32 rows past 196K columns: chunks of 8 values instead of 32, so that they do
+    assert all(ahead(n, f32) for n in (196608, 262144, 524288))
+    assert norm.forward_config(262144, False, f32, f32, False, f32, f32, f32) \
+        .thread_values_per_chunk == config.LAYER_NORM_LONG_ROW_VALUES
     staged = norm.forward_config(262144, False, bf16, bf16, False, bf16, bf16, bf16)
     assert config.norm_forward_columns_ahead(staged, 2)
     assert not config.norm_forward_columns_ahead(dataclasses.replace(staged, staging="global"), 2)

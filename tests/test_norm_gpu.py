@@ -692,11 +692,12 @@ def test_mixed_dtypes_residual_prenorm(x_dtype, r_dtype, w_dtype, res_dtype, out
         assert b.grad is None
 
 
-@pytest.mark.parametrize("n", [32768, 50000, 65536, 131072])
+@pytest.mark.parametrize("n", [32768, 50000, 65536, 131072, 200000, 262144, 524288])
 def test_layer_norm_of_fp32_rows_staged_over_a_cluster(n):
-    """fp32 LayerNorm of x alone whose share would be kept in registers is staged in
-    chunks in shared memory (config.staged_layer_norm_share): one reduction, the columns
-    loaded in the output pass."""
+    """fp32 LayerNorm of x alone staged in chunks in shared memory over a cluster
+    (config.staged_layer_norm_share: where its share would be kept in registers, and
+    past 196K columns in chunks of LAYER_NORM_LONG_ROW_VALUES): one reduction, the
+    columns loaded in the output pass (a chunk ahead on shares of 3+ chunks)."""
     cfg = _fp32_layer_norm_config(n)
     assert cfg.cluster_size > 1 and cfg.staging == "smem" and cfg.num_chunks > 1
     _check_fp32_layer_norm_forward(n)

@@ -740,14 +740,28 @@ LAYER_NORM_STAGED_VALUES = ((8, 8), (4, 16))
 LAYER_NORM_ONE_CTA_MAX_VALUES = 28
 
 
+# ... and a share staged in shared memory anyway whose chunks hold more than
+# LATE_COLUMNS_TOGETHER_VALUES a thread (fp32 rows of 196K+ columns: 32) takes chunks of
+# LAYER_NORM_LONG_ROW_VALUES, so that its weight and bias load together, a chunk ahead
+# (norm_forward_columns_ahead; four chunks of 16 needed 90 registers, two CTAs per SM).
+# H100, kernels alone (results/norm_forward_columns_ahead_H100_20261206.txt): fp32
+# 512x262144 77.5 -> 81.7%, 1024x200000 83.4 -> 94.0, 256x524288 60.3 -> 63.5.
+LAYER_NORM_LONG_ROW_VALUES = 8
+
+
 def staged_layer_norm_share(share: Callable[..., RowConfig], access_elem_bytes: int) -> RowConfig:
     """``share()`` (row_config with the caller's arguments: LayerNorm of x alone, accessed
     ``cfg.vec`` elements of ``access_elem_bytes`` at a time) where it would be a registers
     share: staged in chunks of LAYER_NORM_STAGED_VALUES per thread for its cluster size,
     or a one-CTA share of more than LAYER_NORM_ONE_CTA_MAX_VALUES per thread split over
-    two CTAs."""
+    two CTAs; staged with chunks of more than LATE_COLUMNS_TOGETHER_VALUES: chunks of
+    LAYER_NORM_LONG_ROW_VALUES."""
     cfg = share()
-    if cfg.staging != "registers" or not whole_vectors(cfg, access_elem_bytes):
+    if not whole_vectors(cfg, access_elem_bytes):
+        return cfg
+    if cfg.staging == "smem" and not late_columns_together(cfg):
+        return share(values_per_thread=LAYER_NORM_LONG_ROW_VALUES)
+    if cfg.staging != "registers":
         return cfg
     for min_cluster, values in LAYER_NORM_STAGED_VALUES:
         if cluster_class(cfg) >= min_cluster:
