@@ -1115,6 +1115,13 @@ def test_norm_forward_loads_columns_a_chunk_ahead_on_staged_shares_of_many_chunk
     assert all(ahead(n, f32) for n in (196608, 262144, 524288))
     assert norm.forward_config(262144, False, f32, f32, False, f32, f32, f32) \
         .thread_values_per_chunk == config.LAYER_NORM_LONG_ROW_VALUES
+    # not 16-bit shares widened past MAX_CHUNKS_PER_SHARE (1M columns: 64 values, 8
+    # chunks), nor bf16 rows with an fp32 weight (4-value vectors: no loads ahead)
+    long_bf16 = norm.forward_config(1 << 20, False, bf16, bf16, False, bf16, bf16, bf16)
+    assert long_bf16.num_chunks <= config.MAX_CHUNKS_PER_SHARE
+    assert long_bf16.thread_values_per_chunk > config.LATE_COLUMNS_TOGETHER_VALUES
+    mixed = norm.forward_config(262144, False, bf16, bf16, False, bf16, f32, f32)
+    assert mixed.vec == 4 and mixed.thread_values_per_chunk == 32
     staged = norm.forward_config(262144, False, bf16, bf16, False, bf16, bf16, bf16)
     assert config.norm_forward_columns_ahead(staged, 2)
     assert not config.norm_forward_columns_ahead(dataclasses.replace(staged, staging="global"), 2)

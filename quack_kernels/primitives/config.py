@@ -740,26 +740,34 @@ LAYER_NORM_STAGED_VALUES = ((8, 8), (4, 16))
 LAYER_NORM_ONE_CTA_MAX_VALUES = 28
 
 
-# ... and a share staged in shared memory anyway whose chunks hold more than
-# LATE_COLUMNS_TOGETHER_VALUES a thread (fp32 rows of 196K+ columns: 32) takes chunks of
+# ... and an fp32 share staged in shared memory anyway at the default VALUES_PER_THREAD
+# (more than LATE_COLUMNS_TOGETHER_VALUES: fp32 rows of 131K+ columns) takes chunks of
 # LAYER_NORM_LONG_ROW_VALUES, so that its weight and bias load together, a chunk ahead
 # (norm_forward_columns_ahead; four chunks of 16 needed 90 registers, two CTAs per SM).
 # H100, kernels alone (results/norm_forward_columns_ahead_H100_20261206.txt): fp32
-# 512x262144 77.5 -> 81.7%, 1024x200000 83.4 -> 94.0, 256x524288 60.3 -> 63.5.
+# 512x262144 77.5 -> 81.7%, 1024x200000 83.4 -> 94.0, 256x524288 60.3 -> 63.5, and in a
+# review's A/B 1024x150000 80.8 -> 94.6, 256x786432 58.0 -> 61.9. Not for 16-bit shares
+# widened past MAX_CHUNKS_PER_SHARE chunks (bf16 of 524K+ columns: 17-46 chunks of 8
+# lost 12-14 points, 128x1048576 53.4 -> 41.2), nor for bf16 rows with an fp32 weight
+# (32 values of 4-value vectors, not bf16's default: the loads ahead need whole vectors
+# of x, so the split would come without them).
 LAYER_NORM_LONG_ROW_VALUES = 8
 
 
-def staged_layer_norm_share(share: Callable[..., RowConfig], access_elem_bytes: int) -> RowConfig:
-    """``share()`` (row_config with the caller's arguments: LayerNorm of x alone, accessed
-    ``cfg.vec`` elements of ``access_elem_bytes`` at a time) where it would be a registers
-    share: staged in chunks of LAYER_NORM_STAGED_VALUES per thread for its cluster size,
-    or a one-CTA share of more than LAYER_NORM_ONE_CTA_MAX_VALUES per thread split over
-    two CTAs; staged with chunks of more than LATE_COLUMNS_TOGETHER_VALUES: chunks of
+def staged_layer_norm_share(share: Callable[..., RowConfig], access_elem_bytes: int,
+                            row_elem_bytes: int) -> RowConfig:
+    """``share()`` (row_config with the caller's arguments: LayerNorm of x alone, of
+    ``row_elem_bytes`` elements, accessed ``cfg.vec`` elements of ``access_elem_bytes``
+    at a time) where it would be a registers share: staged in chunks of
+    LAYER_NORM_STAGED_VALUES per thread for its cluster size, or a one-CTA share of more
+    than LAYER_NORM_ONE_CTA_MAX_VALUES per thread split over two CTAs; staged at the
+    default values per thread, more than LATE_COLUMNS_TOGETHER_VALUES: chunks of
     LAYER_NORM_LONG_ROW_VALUES."""
     cfg = share()
     if not whole_vectors(cfg, access_elem_bytes):
         return cfg
-    if cfg.staging == "smem" and not late_columns_together(cfg):
+    if cfg.staging == "smem" and cfg.thread_values_per_chunk == VALUES_PER_THREAD[row_elem_bytes] \
+            and not late_columns_together(cfg):
         return share(values_per_thread=LAYER_NORM_LONG_ROW_VALUES)
     if cfg.staging != "registers":
         return cfg
