@@ -30,7 +30,7 @@ import tempfile
 
 CASES = ("sm_fwd", "sm_bwd", "lsm_bwd", "ce_loss", "ce_grad", "ce_loss_opts", "ce_grad_opts",
          "ce_mean", "ce_step", "rms_fwd", "ln_fwd", "rms_fwd_res", "ln_fwd_res", "rms_bwd",
-         "ln_bwd", "rms_bwd_res", "ln_bwd_res")
+         "ln_bwd", "rms_bwd_res", "ln_bwd_res", "rms_fwd_w32", "ln_fwd_w32", "ln_fwd_res_w32")
 DEFAULT_SHAPES = "bf16:4096x128256,bf16:8192x151936,bf16:2048x65536,bf16:512x262144"
 
 
@@ -88,8 +88,11 @@ def case_call(case, x):
         scale = torch.ones(m, device=x.device) if grad else None
         return (lambda: ce_ops._cross_entropy_forward_cuda(x, target, None, -100, *options,
                                                            grad, scale)), 2 if grad else 1
-    weight = torch.randn(n, device=x.device, dtype=x.dtype)
-    bias = torch.randn(n, device=x.device, dtype=x.dtype)
+    # ("_w32": the norm's weight and bias in fp32, e.g. bf16 activations with fp32 params)
+    column_dtype = torch.float32 if case.endswith("_w32") else x.dtype
+    case = case.removesuffix("_w32")
+    weight = torch.randn(n, device=x.device, dtype=column_dtype)
+    bias = torch.randn(n, device=x.device, dtype=column_dtype)
     if "_bwd" in case:
         rms = case.startswith("rms")
         _, _, mean, rstd = norm_ops.norm_forward(x, weight, None if rms else bias, None, 1e-5,

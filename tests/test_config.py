@@ -1092,13 +1092,14 @@ def test_norm_forward_loads_columns_a_chunk_ahead_on_staged_shares_of_many_chunk
     from quack_kernels.ops import norm
     from quack_kernels.ops.norm import cutlass_dtype
 
-    def ahead(n, dtype, residual=False, rms=False, shifted=False):
-        cfg = norm.forward_config(n, rms, dtype, dtype, residual, dtype, dtype,
-                                  None if rms else dtype, shifted=shifted)
+    def ahead(n, dtype, residual=False, rms=False, shifted=False, column_dtype=None):
+        column_dtype = column_dtype or dtype
+        cfg = norm.forward_config(n, rms, dtype, dtype, residual, dtype, column_dtype,
+                                  None if rms else column_dtype, shifted=shifted)
         assert cfg.row_shift == shifted
-        dt = cutlass_dtype(dtype)
+        dt, ct = cutlass_dtype(dtype), cutlass_dtype(column_dtype)
         kernel = NormForward(cfg, rms, dt, dt, dt, residual, residual,
-                             (dt,) if rms else (dt, dt))
+                             (ct,) if rms else (ct, ct))
         return kernel.columns_ahead
 
     bf16, f32 = torch.bfloat16, torch.float32
@@ -1111,17 +1112,29 @@ def test_norm_forward_loads_columns_a_chunk_ahead_on_staged_shares_of_many_chunk
     assert not ahead(262144, bf16, rms=True)  # RMSNorm holds its weight from the start
     assert not ahead(50257, bf16)  # odd rows: narrow vectors ...
     assert not ahead(50257, bf16, shifted=True)  # ... or shifted
-    # fp32 rows past 196K columns: chunks of 8 values instead of 32, so that they do
-    assert all(ahead(n, f32) for n in (196608, 262144, 524288))
-    assert norm.forward_config(262144, False, f32, f32, False, f32, f32, f32) \
-        .thread_values_per_chunk == config.LAYER_NORM_LONG_ROW_VALUES
+    # fp32 rows past 131K columns: chunks of 16 or 8 values instead of 32, so that they
+    # do; 16 where those cover no more columns than 8 would (fewer chunks, no more tail)
+    assert all(ahead(n, f32) for n in (150000, 196608, 200000, 262144, 524288))
+
+    def fp32_values(n):
+        return norm.forward_config(n, False, f32, f32, False, f32, f32, f32) \
+            .thread_values_per_chunk
+
+    wide, narrow = config.LATE_COLUMNS_TOGETHER_VALUES, config.LAYER_NORM_LONG_ROW_VALUES
+    assert all(fp32_values(n) == wide for n in (196608, 262144, 300000, 524288, 786432))
+    assert all(fp32_values(n) == narrow for n in (150000, 200000))  # 16 pad more
     # not 16-bit shares widened past MAX_CHUNKS_PER_SHARE (1M columns: 64 values, 8
-    # chunks), nor bf16 rows with an fp32 weight (4-value vectors: no loads ahead)
+    # chunks)
     long_bf16 = norm.forward_config(1 << 20, False, bf16, bf16, False, bf16, bf16, bf16)
     assert long_bf16.num_chunks <= config.MAX_CHUNKS_PER_SHARE
     assert long_bf16.thread_values_per_chunk > config.LATE_COLUMNS_TOGETHER_VALUES
-    mixed = norm.forward_config(262144, False, bf16, bf16, False, bf16, f32, f32)
-    assert mixed.vec == 4 and mixed.thread_values_per_chunk == 32
+    # bf16 rows with an fp32 weight: 4-value vectors, whole in the columns' width, in
+    # chunks of 16 from 16K columns (fp32's 32 before)
+    for n in (16384, 65536, 262144):
+        mixed = norm.forward_config(n, False, bf16, bf16, False, bf16, f32, f32)
+        assert mixed.vec == 4 and mixed.thread_values_per_chunk == wide
+        assert ahead(n, bf16, column_dtype=f32)
+    assert not ahead(65536, bf16, residual=True, column_dtype=f32)  # a register share
     staged = norm.forward_config(262144, False, bf16, bf16, False, bf16, bf16, bf16)
     assert config.norm_forward_columns_ahead(staged, 2)
     assert not config.norm_forward_columns_ahead(dataclasses.replace(staged, staging="global"), 2)

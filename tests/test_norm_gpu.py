@@ -696,8 +696,8 @@ def test_mixed_dtypes_residual_prenorm(x_dtype, r_dtype, w_dtype, res_dtype, out
 def test_layer_norm_of_fp32_rows_staged_over_a_cluster(n):
     """fp32 LayerNorm of x alone staged in chunks in shared memory over a cluster
     (config.staged_layer_norm_share: where its share would be kept in registers, and
-    past 196K columns in chunks of LAYER_NORM_LONG_ROW_VALUES): one reduction, the
-    columns loaded in the output pass (a chunk ahead on shares of 3+ chunks)."""
+    past 131K columns in chunks of 16 or 8 values): one reduction, the columns loaded in
+    the output pass (a chunk ahead on shares of 3+ chunks)."""
     cfg = _fp32_layer_norm_config(n)
     assert cfg.cluster_size > 1 and cfg.staging == "smem" and cfg.num_chunks > 1
     _check_fp32_layer_norm_forward(n)
@@ -713,15 +713,48 @@ def test_layer_norm_of_fp32_rows_of_8k_columns_on_two_ctas(n):
     _check_fp32_layer_norm_forward(n)
 
 
-def _fp32_layer_norm_config(n):
+@pytest.mark.parametrize("n", [150000, 262144])
+@pytest.mark.parametrize("column_dtype", [torch.bfloat16, torch.float16])
+def test_layer_norm_of_fp32_rows_with_16bit_columns_past_131k_columns(n, column_dtype):
+    """fp32 x with a 16-bit weight and bias past 131K columns: the fp32 rows' chunks of
+    16 (262144) or 8 (150000) values, the columns a chunk ahead, with columns of half
+    x's width."""
+    cfg = _fp32_layer_norm_config(n, column_dtype)
+    assert cfg.staging == "smem" and cfg.num_chunks > 2
+    _check_fp32_layer_norm_forward(n, column_dtype)
+
+
+@pytest.mark.parametrize("n", [16384, 65536, 131072, 262144])
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("residual", [False, True])
+def test_layer_norm_of_16bit_rows_with_fp32_columns_staged(n, x_dtype, residual):
+    """16-bit x (and residual) with an fp32 weight and bias, on shares staged in shared
+    memory: 4-value vectors of x, the columns loaded a chunk ahead where the share has
+    more than two chunks (norm_forward_columns_ahead counts the columns' width)."""
+    m = 9
+    x = fresh((m, n), x_dtype, 2.0, 0.5)
+    r = fresh((m, n), x_dtype) if residual else None
+    w, b = fresh(n, torch.float32, 0.5, 1.0), fresh(n, torch.float32, 0.5)
+    stats = torch.empty(m, dtype=torch.float32, device="cuda")
+    poison_allocator(x, x, stats, stats)  # y, h, mean, rstd start as NaN
+    y, h, mean, rstd = ops.norm_forward(x, w, b, r, 1e-5, 0.0, False, None, None, residual)
+    ry, rh, rmean, rrstd = forward_ref(x, w, b, r, 1e-5, 0.0, False)
+    assert_close(y, ry, x_dtype)
+    if residual:
+        assert_close(h, rh, x_dtype, name="h")
+    assert_close(mean, rmean, torch.float32, name="mean")
+    assert_close(rstd, rrstd, torch.float32, name="rstd")
+
+
+def _fp32_layer_norm_config(n, column_dtype=torch.float32):
     return ops.forward_config(n, False, torch.float32, torch.float32, False, torch.float32,
-                              torch.float32, torch.float32)
+                              column_dtype, column_dtype)
 
 
-def _check_fp32_layer_norm_forward(n):
+def _check_fp32_layer_norm_forward(n, column_dtype=torch.float32):
     m = 9
     x = fresh((m, n), torch.float32, 2.0, 0.5)
-    w, b = fresh(n, torch.float32, 0.5, 1.0), fresh(n, torch.float32, 0.5)
+    w, b = fresh(n, column_dtype, 0.5, 1.0), fresh(n, column_dtype, 0.5)
     stats = torch.empty(m, dtype=torch.float32, device="cuda")
     poison_allocator(x, stats, stats)  # y, mean, rstd start as NaN
     y, _, mean, rstd = ops.norm_forward(x, w, b, None, 1e-5, 0.0, False, None, None, False)

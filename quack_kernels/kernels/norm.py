@@ -89,8 +89,8 @@ class NormForward(RowKernel):
         self.columns_before_reduction = norm_forward_columns_before_reduction(
             len(self.staged_dtypes), self.staged_bytes_per_col, cfg)
         self.late_columns_together = late_columns_together(cfg)
-        self.columns_ahead = not self.holds_columns \
-            and norm_forward_columns_ahead(cfg, x_dtype.width // 8)
+        self.columns_ahead = not self.holds_columns and norm_forward_columns_ahead(
+            cfg, max(d.width for d in (x_dtype, *column_dtypes)) // 8)
         if cfg.row_shift:
             # the weight and bias (``column_dtypes``) that are not spliced to a shifted
             # row's shift are staged in shared memory at it (splices_shifted_columns)

@@ -742,33 +742,43 @@ LAYER_NORM_ONE_CTA_MAX_VALUES = 28
 
 # ... and an fp32 share staged in shared memory anyway at the default VALUES_PER_THREAD
 # (more than LATE_COLUMNS_TOGETHER_VALUES: fp32 rows of 131K+ columns) takes chunks of
-# LAYER_NORM_LONG_ROW_VALUES, so that its weight and bias load together, a chunk ahead
-# (norm_forward_columns_ahead; four chunks of 16 needed 90 registers, two CTAs per SM).
-# H100, kernels alone (results/norm_forward_columns_ahead_H100_20261206.txt): fp32
-# 512x262144 77.5 -> 81.7%, 1024x200000 83.4 -> 94.0, 256x524288 60.3 -> 63.5, and in a
-# review's A/B 1024x150000 80.8 -> 94.6, 256x786432 58.0 -> 61.9. Not for 16-bit shares
-# widened past MAX_CHUNKS_PER_SHARE chunks (bf16 of 524K+ columns: 17-46 chunks of 8
-# lost 12-14 points, 128x1048576 53.4 -> 41.2), nor for bf16 rows with an fp32 weight
-# (32 values of 4-value vectors, not bf16's default: the loads ahead need whole vectors
-# of x, so the split would come without them).
+# LATE_COLUMNS_TOGETHER_VALUES, or of LAYER_NORM_LONG_ROW_VALUES where those cover fewer
+# columns (a smaller empty tail), so that its weight and bias load together, a chunk
+# ahead (norm_forward_columns_ahead). H100, kernels alone (results/norm_forward_columns_
+# ahead_H100_20261206.txt), 32 -> 8 values: fp32 512x262144 77.5 -> 81.7%, 1024x200000
+# 83.4 -> 94.0, 256x524288 60.3 -> 63.5, and in a review's A/B 1024x150000 80.8 -> 94.6,
+# 256x786432 58.0 -> 61.9. 8 -> 16 values (results/norm_forward_layer_long_rows_H100_
+# H200_20261206.txt; 90 registers at 262144, two CTAs per SM, against 56): H100 512x262144
+# 81.6 -> 90.0, 512x300000 82.2 -> 90.0, 256x524288 65.3 -> 69.9, 256x786432 62.2 ->
+# 69.1, 512x196608 and 256x393216 level; H200 512x262144 73.4 -> 77.0, 256x786432 51.6
+# -> 59.1. Chunks of 16 that cover more columns lost (H200 1024x200000, 4 chunks with
+# the last 1% full, 83.4 -> 73.4; 1024x150000 84.8 -> 79.7), as did the last chunk held
+# in registers (1024x150000 68.3) and the first chunk's columns loaded before the
+# cluster exchange (H100 1024x200000 93.9 -> 88.0). Not for 16-bit shares widened past
+# MAX_CHUNKS_PER_SHARE chunks (bf16 of 524K+ columns: 17-46 chunks of 8 lost 12-14
+# points, 128x1048576 53.4 -> 41.2). 16-bit rows with an fp32 weight (32 values of
+# 4-value vectors, fp32's default: vectors whole in the columns' width) take the rule
+# too, from 16K columns (see norm_forward_columns_ahead).
 LAYER_NORM_LONG_ROW_VALUES = 8
 
 
-def staged_layer_norm_share(share: Callable[..., RowConfig], access_elem_bytes: int,
-                            row_elem_bytes: int) -> RowConfig:
-    """``share()`` (row_config with the caller's arguments: LayerNorm of x alone, of
-    ``row_elem_bytes`` elements, accessed ``cfg.vec`` elements of ``access_elem_bytes``
-    at a time) where it would be a registers share: staged in chunks of
-    LAYER_NORM_STAGED_VALUES per thread for its cluster size, or a one-CTA share of more
-    than LAYER_NORM_ONE_CTA_MAX_VALUES per thread split over two CTAs; staged at the
-    default values per thread, more than LATE_COLUMNS_TOGETHER_VALUES: chunks of
-    LAYER_NORM_LONG_ROW_VALUES."""
+def staged_layer_norm_share(share: Callable[..., RowConfig], access_elem_bytes: int) -> RowConfig:
+    """``share()`` (row_config with the caller's arguments: LayerNorm of x alone,
+    accessed ``cfg.vec`` elements of ``access_elem_bytes``, its widest dtype, at a time)
+    where it would be a registers share: staged in chunks of LAYER_NORM_STAGED_VALUES
+    per thread for its cluster size, or a one-CTA share of more than
+    LAYER_NORM_ONE_CTA_MAX_VALUES per thread split over two CTAs; staged at the widest
+    dtype's default values per thread, more than LATE_COLUMNS_TOGETHER_VALUES: chunks of
+    LATE_COLUMNS_TOGETHER_VALUES, or of LAYER_NORM_LONG_ROW_VALUES where those cover
+    fewer columns."""
     cfg = share()
     if not whole_vectors(cfg, access_elem_bytes):
         return cfg
-    if cfg.staging == "smem" and cfg.thread_values_per_chunk == VALUES_PER_THREAD[row_elem_bytes] \
+    if cfg.staging == "smem" and cfg.thread_values_per_chunk == VALUES_PER_THREAD[access_elem_bytes] \
             and not late_columns_together(cfg):
-        return share(values_per_thread=LAYER_NORM_LONG_ROW_VALUES)
+        wide = share(values_per_thread=LATE_COLUMNS_TOGETHER_VALUES)
+        narrow = share(values_per_thread=LAYER_NORM_LONG_ROW_VALUES)
+        return wide if wide.cols_covered <= narrow.cols_covered else narrow
     if cfg.staging != "registers":
         return cfg
     for min_cluster, values in LAYER_NORM_STAGED_VALUES:
@@ -857,11 +867,16 @@ def late_columns_together(cfg: RowConfig) -> bool:
 # 94.5), so they keep the late loads. The extra registers (40 -> 64 at bf16 262144) cost
 # clusters no CTA (their launches are fenced to three CTAs per SM: fenced_smem_bytes);
 # the one-CTA share of 16384 columns went from five CTAs per SM to three, and ran level.
-# Only rows of whole 16-byte vectors were measured: odd rows (shifted, or of narrower
-# vectors) keep the late loads.
-def norm_forward_columns_ahead(cfg: RowConfig, row_bytes: int) -> bool:
+# Only whole 16-byte vectors of the widest of x and the columns were measured: odd rows
+# (shifted, or of narrower vectors) keep the late loads. 16-bit x with an fp32 weight and
+# bias (8-byte vectors of x; 16-value chunks: staged_layer_norm_share), H100, kernels
+# alone (results/norm_forward_layer_long_rows_H100_H200_20261206.txt): bf16 2048x65536
+# 87.9 -> 90.4, 1024x131072 85.1 -> 87.7, 256x524288 59.9 -> 67.0, fp16 1024x131072 86.9
+# -> 88.4, 512x262144 and 8192x16384 level.
+def norm_forward_columns_ahead(cfg: RowConfig, widest_bytes: int) -> bool:
+    """``widest_bytes``: of the widest of x and the per-column vectors."""
     return cfg.staging == "smem" and cfg.num_chunks > 2 and late_columns_together(cfg) \
-        and not cfg.row_shift and whole_vectors(cfg, row_bytes)
+        and not cfg.row_shift and whole_vectors(cfg, widest_bytes)
 
 
 # Norm backward of 16-bit rows (h and dy staged; dweight / dbias sums kept per column,
