@@ -1135,6 +1135,17 @@ def test_norm_forward_loads_columns_a_chunk_ahead_on_staged_shares_of_many_chunk
         assert mixed.vec == 4 and mixed.thread_values_per_chunk == wide
         assert ahead(n, bf16, column_dtype=f32)
     assert not ahead(65536, bf16, residual=True, column_dtype=f32)  # a register share
+    assert ahead(196608, bf16, residual=True, column_dtype=f32)  # staged, 3 chunks
+    # ... in at most LAYER_NORM_LONG_ROW_MAX_CHUNKS chunks (987136: 31 of 8 or 16 of 16)
+    for n in (557056, 987136, 1048576):
+        mixed = norm.forward_config(n, False, bf16, bf16, False, bf16, f32, f32)
+        assert mixed.num_chunks <= config.LAYER_NORM_LONG_ROW_MAX_CHUNKS
+        assert mixed.thread_values_per_chunk <= wide
+    # not where the loads ahead would be narrower than whole vectors: 16-bit x with an
+    # fp32 output (4-value vectors of 16-bit x and columns) keeps fp32's 32 values
+    for columns in (bf16, None):
+        out_fp32 = norm.forward_config(262144, False, bf16, bf16, False, f32, columns, columns)
+        assert out_fp32.vec == 4 and out_fp32.thread_values_per_chunk == 32
     staged = norm.forward_config(262144, False, bf16, bf16, False, bf16, bf16, bf16)
     assert config.norm_forward_columns_ahead(staged, 2)
     assert not config.norm_forward_columns_ahead(dataclasses.replace(staged, staging="global"), 2)

@@ -724,13 +724,17 @@ def test_layer_norm_of_fp32_rows_with_16bit_columns_past_131k_columns(n, column_
     _check_fp32_layer_norm_forward(n, column_dtype)
 
 
-@pytest.mark.parametrize("n", [16384, 65536, 131072, 262144])
+@pytest.mark.parametrize("n,residual", [(16384, False), (65536, False), (131072, False),
+                                        (262144, False), (196608, True), (393216, True)])
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("residual", [False, True])
-def test_layer_norm_of_16bit_rows_with_fp32_columns_staged(n, x_dtype, residual):
+def test_layer_norm_of_16bit_rows_with_fp32_columns_staged(n, residual, x_dtype):
     """16-bit x (and residual) with an fp32 weight and bias, on shares staged in shared
-    memory: 4-value vectors of x, the columns loaded a chunk ahead where the share has
-    more than two chunks (norm_forward_columns_ahead counts the columns' width)."""
+    memory in chunks of 16 values or fewer, more than two: 4-value vectors of x, the
+    columns loaded a chunk ahead (norm_forward_columns_ahead counts the columns'
+    width)."""
+    cfg = ops.forward_config(n, False, x_dtype, x_dtype, residual, x_dtype, torch.float32,
+                             torch.float32)
+    assert cfg.staging == "smem" and cfg.num_chunks > 2 and cfg.thread_values_per_chunk <= 16
     m = 9
     x = fresh((m, n), x_dtype, 2.0, 0.5)
     r = fresh((m, n), x_dtype) if residual else None

@@ -136,7 +136,7 @@ def forward_config(n_cols: int, rms: bool, x_dtype, residual_dtype, has_residual
     if has_residual:
         return share(values_per_thread=values_per_thread)
     cfg = widened_16bit_share(share, bytes_per_col, widest) if rms \
-        else staged_layer_norm_share(share, widest)
+        else staged_layer_norm_share(share, widest, max(_bytes(x_dtype, weight_dtype, bias_dtype)))
     return odd_row_forward_share(share, cfg, bytes_per_col, "reread" if rms else "staged") \
         or cfg
 

@@ -740,45 +740,49 @@ LAYER_NORM_STAGED_VALUES = ((8, 8), (4, 16))
 LAYER_NORM_ONE_CTA_MAX_VALUES = 28
 
 
-# ... and an fp32 share staged in shared memory anyway at the default VALUES_PER_THREAD
-# (more than LATE_COLUMNS_TOGETHER_VALUES: fp32 rows of 131K+ columns) takes chunks of
+# ... and a share staged in shared memory anyway at its widest dtype's default
+# VALUES_PER_THREAD, more than LATE_COLUMNS_TOGETHER_VALUES (fp32 rows of 131K+ columns;
+# 16-bit rows with an fp32 weight or bias from 8K columns), takes chunks of
 # LATE_COLUMNS_TOGETHER_VALUES, or of LAYER_NORM_LONG_ROW_VALUES where those cover fewer
 # columns (a smaller empty tail), so that its weight and bias load together, a chunk
-# ahead (norm_forward_columns_ahead). H100, kernels alone (results/norm_forward_columns_
-# ahead_H100_20261206.txt), 32 -> 8 values: fp32 512x262144 77.5 -> 81.7%, 1024x200000
-# 83.4 -> 94.0, 256x524288 60.3 -> 63.5, and in a review's A/B 1024x150000 80.8 -> 94.6,
-# 256x786432 58.0 -> 61.9. 8 -> 16 values (results/norm_forward_layer_long_rows_H100_
-# H200_20261206.txt; 90 registers at 262144, two CTAs per SM, against 56): H100 512x262144
-# 81.6 -> 90.0, 512x300000 82.2 -> 90.0, 256x524288 65.3 -> 69.9, 256x786432 62.2 ->
-# 69.1, 512x196608 and 256x393216 level; H200 512x262144 73.4 -> 77.0, 256x786432 51.6
-# -> 59.1. Chunks of 16 that cover more columns lost (H200 1024x200000, 4 chunks with
-# the last 1% full, 83.4 -> 73.4; 1024x150000 84.8 -> 79.7), as did the last chunk held
-# in registers (1024x150000 68.3) and the first chunk's columns loaded before the
-# cluster exchange (H100 1024x200000 93.9 -> 88.0). Not for 16-bit shares widened past
-# MAX_CHUNKS_PER_SHARE chunks (bf16 of 524K+ columns: 17-46 chunks of 8 lost 12-14
-# points, 128x1048576 53.4 -> 41.2). 16-bit rows with an fp32 weight (32 values of
-# 4-value vectors, fp32's default: vectors whole in the columns' width) take the rule
-# too, from 16K columns (see norm_forward_columns_ahead).
+# ahead (norm_forward_columns_ahead): only where those loads are whole vectors (of the
+# widest of x and the columns), and in at most LAYER_NORM_LONG_ROW_MAX_CHUNKS chunks.
+# H100, kernels alone (results/norm_forward_columns_ahead_H100_20261206.txt), 32 -> 8
+# values: fp32 512x262144 77.5 -> 81.7%, 1024x200000 83.4 -> 94.0, 256x524288 60.3 ->
+# 63.5, and in a review's A/B 1024x150000 80.8 -> 94.6, 256x786432 58.0 -> 61.9. 8 -> 16
+# values (results/norm_forward_layer_long_rows_H100_H200_20261206.txt; 90 registers at
+# 262144, two CTAs per SM, against 56): H100 512x262144 81.6 -> 90.0, 512x300000 82.2 ->
+# 90.0, 256x524288 65.3 -> 69.9, 256x786432 62.2 -> 69.1, 512x196608 and 256x393216
+# level; H200 512x262144 73.4 -> 77.0, 256x786432 51.6 -> 59.1. Chunks of 16 that cover
+# more columns lost (H200 1024x200000, 4 chunks with the last 1% full, 83.4 -> 73.4;
+# 1024x150000 84.8 -> 79.7), as did the last chunk held in registers (1024x150000 68.3)
+# and the first chunk's columns loaded before the cluster exchange (H100 1024x200000
+# 93.9 -> 88.0). Many chunks lost: bf16 shares widened past MAX_CHUNKS_PER_SHARE (1M
+# columns) in 17-46 chunks of 8, 12-14 points (128x1048576 53.4 -> 41.2), so no split
+# takes more chunks than the most that gained (fp32 256x786432 in 24 chunks of 8). 16-bit
+# x with an fp32 weight and bias: see norm_forward_columns_ahead.
 LAYER_NORM_LONG_ROW_VALUES = 8
+LAYER_NORM_LONG_ROW_MAX_CHUNKS = 24
 
 
-def staged_layer_norm_share(share: Callable[..., RowConfig], access_elem_bytes: int) -> RowConfig:
+def staged_layer_norm_share(share: Callable[..., RowConfig], access_elem_bytes: int,
+                            loaded_ahead_bytes: int) -> RowConfig:
     """``share()`` (row_config with the caller's arguments: LayerNorm of x alone,
     accessed ``cfg.vec`` elements of ``access_elem_bytes``, its widest dtype, at a time)
     where it would be a registers share: staged in chunks of LAYER_NORM_STAGED_VALUES
     per thread for its cluster size, or a one-CTA share of more than
     LAYER_NORM_ONE_CTA_MAX_VALUES per thread split over two CTAs; staged at the widest
-    dtype's default values per thread, more than LATE_COLUMNS_TOGETHER_VALUES: chunks of
-    LATE_COLUMNS_TOGETHER_VALUES, or of LAYER_NORM_LONG_ROW_VALUES where those cover
-    fewer columns."""
+    dtype's default values per thread, more than LATE_COLUMNS_TOGETHER_VALUES, where the
+    columns would load ahead in whole vectors (``loaded_ahead_bytes``: the widest of x
+    and its weight and bias): _long_row_chunks."""
     cfg = share()
     if not whole_vectors(cfg, access_elem_bytes):
         return cfg
-    if cfg.staging == "smem" and cfg.thread_values_per_chunk == VALUES_PER_THREAD[access_elem_bytes] \
+    default_values = VALUES_PER_THREAD[access_elem_bytes]
+    if cfg.staging == "smem" and cfg.thread_values_per_chunk == default_values \
             and not late_columns_together(cfg):
-        wide = share(values_per_thread=LATE_COLUMNS_TOGETHER_VALUES)
-        narrow = share(values_per_thread=LAYER_NORM_LONG_ROW_VALUES)
-        return wide if wide.cols_covered <= narrow.cols_covered else narrow
+        long_rows = whole_vectors(cfg, loaded_ahead_bytes) and _long_row_chunks(share)
+        return long_rows or cfg
     if cfg.staging != "registers":
         return cfg
     for min_cluster, values in LAYER_NORM_STAGED_VALUES:
@@ -787,6 +791,16 @@ def staged_layer_norm_share(share: Callable[..., RowConfig], access_elem_bytes: 
     if cfg.cluster_size == 1 and cfg.thread_values_per_chunk > LAYER_NORM_ONE_CTA_MAX_VALUES:
         return share(cta_row_bytes=CTA_ROW_BYTES)
     return cfg
+
+
+def _long_row_chunks(share: Callable[..., RowConfig]) -> RowConfig | None:
+    """``share`` in chunks of LATE_COLUMNS_TOGETHER_VALUES or LAYER_NORM_LONG_ROW_VALUES
+    per thread, whichever covers fewer columns (the wider on a tie), of those within
+    LAYER_NORM_LONG_ROW_MAX_CHUNKS chunks; None where neither is."""
+    splits = [split for split in (share(values_per_thread=LATE_COLUMNS_TOGETHER_VALUES),
+                                  share(values_per_thread=LAYER_NORM_LONG_ROW_VALUES))
+              if split.num_chunks <= LAYER_NORM_LONG_ROW_MAX_CHUNKS]
+    return min(splits, key=lambda split: split.cols_covered, default=None)
 
 
 # The norm forward of rows split over a cluster loads its whole share of the weight (and
@@ -872,7 +886,10 @@ def late_columns_together(cfg: RowConfig) -> bool:
 # bias (8-byte vectors of x; 16-value chunks: staged_layer_norm_share), H100, kernels
 # alone (results/norm_forward_layer_long_rows_H100_H200_20261206.txt): bf16 2048x65536
 # 87.9 -> 90.4, 1024x131072 85.1 -> 87.7, 256x524288 59.9 -> 67.0, fp16 1024x131072 86.9
-# -> 88.4, 512x262144 and 8192x16384 level.
+# -> 88.4, 512x262144 and 8192x16384 level; then (against the shares of 32 values loaded
+# late) 8192x10000 87.3 -> 89.7, 8192x12288 level, 256x557056 63.6 -> 66.3, 128x987136
+# 40.5 -> 52.0, 128x1048576 37.0 -> 52.9, and staged shares with a residual 512x196608
+# 86.6 -> 91.0, 256x393216 68.5 -> 71.3.
 def norm_forward_columns_ahead(cfg: RowConfig, widest_bytes: int) -> bool:
     """``widest_bytes``: of the widest of x and the per-column vectors."""
     return cfg.staging == "smem" and cfg.num_chunks > 2 and late_columns_together(cfg) \
