@@ -617,21 +617,25 @@ def test_norm_backward_past_a_full_cluster_does_not_spill(tmp_path, cuobjdump, n
 def test_layer_norm_forward_loads_the_next_chunks_columns_before_its_stores(tmp_path,
                                                                             cuobjdump):
     """config.norm_forward_columns_ahead in the sm_90a code: where it applies (bf16 65536
-    columns, four chunks) the weight and bias vectors of two chunks are loaded before the
-    first 16-byte store of the output; on a two-chunk share (fp32 32768) one chunk's."""
+    columns, four chunks; bf16 x with an fp32 weight and bias, whose output is stored
+    8 bytes a vector) the weight and bias vectors of two chunks are loaded before the
+    first store of the output; on a two-chunk share (fp32 32768) one chunk's."""
     from quack_kernels.ops import norm
 
-    for n, dtype, ahead in ((65536, torch.bfloat16, True), (32768, torch.float32, False)):
-        cfg = norm.forward_config(n, False, dtype, dtype, False, dtype, dtype, dtype)
-        folder = tmp_path / str(n)
+    bf16, f32 = torch.bfloat16, torch.float32
+    for n, dtype, columns, ahead in ((65536, bf16, bf16, True), (65536, bf16, f32, True),
+                                     (32768, f32, f32, False)):
+        cfg = norm.forward_config(n, False, dtype, dtype, False, dtype, columns, columns)
+        folder = tmp_path / f"{n}_{columns.itemsize}"
         folder.mkdir()
         variant = (str(n), n, dtype, cfg, lambda: norm.forward_kernel(
-            cfg, False, dtype, dtype, False, False, dtype, dtype, dtype))
+            cfg, False, dtype, dtype, False, False, columns, columns, dtype))
         (*_, kernel, _), = measure([variant], str(folder), cuobjdump)
         assert kernel.columns_ahead == ahead
         cubin, = {c.parent: c for c in folder.rglob("*.cubin")}.values()  # (one a variant)
-        accesses = re.findall(r"\b(LDG\.E\.128|STG\.E\.128)\b",
+        store = f"STG.E.{8 * cfg.vec * dtype.itemsize}"  # (the columns' loads: 16 bytes)
+        accesses = re.findall(r"\b(LDG\.E\.128|STG\.E\.(?:64|128))\b",
                               disassembly(str(cubin), cuobjdump))
-        loads_first = accesses[:accesses.index("STG.E.128")].count("LDG.E.128")
+        loads_first = accesses[:accesses.index(store)].count("LDG.E.128")
         per_chunk = 2 * cfg.vecs_per_thread  # the weight and bias vectors of one chunk
         assert loads_first == (2 if ahead else 1) * per_chunk, (n, loads_first)
