@@ -781,8 +781,7 @@ def staged_layer_norm_share(share: Callable[..., RowConfig], access_elem_bytes: 
     default_values = VALUES_PER_THREAD[access_elem_bytes]
     if cfg.staging == "smem" and cfg.thread_values_per_chunk == default_values \
             and not late_columns_together(cfg):
-        long_rows = whole_vectors(cfg, loaded_ahead_bytes) and _long_row_chunks(share)
-        return long_rows or cfg
+        return _long_row_chunks(share, loaded_ahead_bytes) or cfg
     if cfg.staging != "registers":
         return cfg
     for min_cluster, values in LAYER_NORM_STAGED_VALUES:
@@ -793,13 +792,16 @@ def staged_layer_norm_share(share: Callable[..., RowConfig], access_elem_bytes: 
     return cfg
 
 
-def _long_row_chunks(share: Callable[..., RowConfig]) -> RowConfig | None:
+def _long_row_chunks(share: Callable[..., RowConfig],
+                     loaded_ahead_bytes: int) -> RowConfig | None:
     """``share`` in chunks of LATE_COLUMNS_TOGETHER_VALUES or LAYER_NORM_LONG_ROW_VALUES
-    per thread, whichever covers fewer columns (the wider on a tie), of those within
-    LAYER_NORM_LONG_ROW_MAX_CHUNKS chunks; None where neither is."""
+    per thread, whichever covers fewer columns (the wider on a tie), of those that load
+    their columns ahead (norm_forward_columns_ahead) in at most
+    LAYER_NORM_LONG_ROW_MAX_CHUNKS chunks; None where neither does."""
     splits = [split for split in (share(values_per_thread=LATE_COLUMNS_TOGETHER_VALUES),
                                   share(values_per_thread=LAYER_NORM_LONG_ROW_VALUES))
-              if split.num_chunks <= LAYER_NORM_LONG_ROW_MAX_CHUNKS]
+              if split.num_chunks <= LAYER_NORM_LONG_ROW_MAX_CHUNKS
+              and norm_forward_columns_ahead(split, loaded_ahead_bytes)]
     return min(splits, key=lambda split: split.cols_covered, default=None)
 
 
