@@ -481,6 +481,25 @@ def test_norm_forward_keeps_long_residual_rows_in_registers(rms, x_dtype, r_dtyp
     assert cfg(most, residual=False).staging != "registers"
 
 
+def test_softmax_backward_rereads_dy_in_reverse_only_where_its_rows_outgrow_l2():
+    """config.rereads_in_reverse: the fp32 softmax backward re-reads dy (y staged alone)
+    last chunk first, with L2 hints, for rows of 1M columns (4 MB of dy: seven resident
+    clusters' rows outgrow half of L2), not 800000 (3.05 MiB: lost there) nor 524288;
+    the log_softmax (dy staged) and 16-bit rows (both staged) read nothing twice."""
+    from quack_kernels.ops import softmax
+
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert config.rereads_in_reverse(1000000, 4) and config.rereads_in_reverse(1 << 20, 4)
+    assert not config.rereads_in_reverse(800000, 4)
+    assert not config.rereads_in_reverse(1 << 20, 2)
+    cases = {(1 << 20, f32, False): True, (1000000, f32, False): True,
+             (800000, f32, False): False, (524288, f32, False): False,
+             (1 << 20, f32, True): False, (1 << 20, bf16, False): False}
+    for (n, dtype, log), expected in cases.items():
+        kernel = softmax.backward_kernel(softmax.backward_config(n, dtype, log=log), dtype, log)[0]
+        assert kernel.rereads_dy_in_reverse == expected, (n, dtype, log)
+
+
 def test_softmax_forward_takes_wide_values_for_wide_16bit_shares():
     """config.wide_16bit_share: 16-bit softmax rows whose 16-CTA shares outgrow
     CTA_ROW_BYTES take WIDE_SHARE_VALUES per thread where staged; rows of 256 KiB,

@@ -418,6 +418,46 @@ def test_l2_prefetch_refuses_vectors_under_16_bytes():
         compile_kernel(*softmax.forward_kernel(cfg, f32, False))
 
 
+def test_reversed_dy_reread_carries_l2_hints_in_the_ptx(tmp_path):
+    """The fp32 softmax backward of 1M columns (config.rereads_in_reverse) reads each
+    dy vector twice with an L2 policy, evict_last then evict_first, stores every dx
+    vector with evict_first, and its output pass starts at the last chunk (its first
+    store lies furthest into the row); at 800000 columns nothing carries a policy and
+    the output pass starts at chunk 0."""
+    import glob
+
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
+
+    from quack_kernels.ops import softmax
+    from quack_kernels.primitives.tiling import L2_POLICIES
+
+    f32 = torch.float32
+    for n, hinted in ((1 << 20, True), (800000, False)):
+        cfg = softmax.backward_config(n, f32, log=False)
+        kernel, *fakes = softmax.backward_kernel(cfg, f32, False)
+        dump = tmp_path / str(n)
+        dump.mkdir()
+        cute.compile(kernel, *fakes, make_fake_stream(use_tvm_ffi_env_stream=True),
+                     options=f"--enable-tvm-ffi --keep-ptx --dump-dir={dump}")
+        ptx = "".join(open(f).read() for f in glob.glob(f"{dump}/*.ptx"))
+        vectors = cfg.num_chunks * cfg.vecs_per_thread  # of dy (and dx) a thread
+        loads = len(re.findall(r"ld\.global\.L2::cache_hint\.v4", ptx))
+        stores = re.findall(r"st\.global[.\w:]*\.v4\.b32\s*\[%rd\d+\+?(\d*)\]", ptx)
+        hinted_stores = len(re.findall(r"st\.global\.L2::cache_hint\.v4", ptx))
+        policies = [len(re.findall(rf"mov\.b64\s+%rd\d+, {L2_POLICIES[p]};", ptx))
+                    for p in ("evict_last", "evict_first")]
+        assert len(stores) == vectors, n
+        offsets = [int(o or 0) for o in stores]
+        if hinted:
+            assert (loads, hinted_stores) == (2 * vectors, vectors)
+            assert policies == [vectors, 2 * vectors]
+            assert offsets[0] == (cfg.num_chunks - 1) * cfg.cols_per_chunk * 4
+        else:
+            assert (loads, hinted_stores, policies) == (0, 0, [0, 0])
+            assert offsets[0] == 0
+
+
 def test_cluster_barriers_in_the_sass(tmp_path, cuobjdump):
     """rows.ReductionSlot on a cluster: a looping reduction waits on one mbarrier per
     scratch buffer (two inits, SYNCS.EXCH.64), a kernel with two one-off reductions

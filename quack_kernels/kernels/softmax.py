@@ -22,7 +22,8 @@ from cutlass.memory import SmemAllocator
 from cutlass import Float32
 
 from ..primitives import reduce as red
-from ..primitives.config import RowConfig, softmax_merges_max_first, stages_in_smem
+from ..primitives.config import (RowConfig, rereads_in_reverse, softmax_merges_max_first,
+                                 stages_in_smem)
 from ..primitives.rows import ReductionSlot, RowKernel, RowTiles
 
 class SoftmaxForward(RowKernel):
@@ -94,6 +95,10 @@ class SoftmaxBackward(RowKernel):
         self.stages_both = cfg.staging != "smem" or stages_in_smem(cfg, 2 * dtype.width // 8)
         self.streams_y = log and not self.stages_both
         self.streams_dy = not log and not self.stages_both
+        # where dy's rows outgrow L2 (config.rereads_in_reverse) its second read goes
+        # last chunk first: the chunks read last are the likeliest still there
+        self.rereads_dy_in_reverse = self.streams_dy and rereads_in_reverse(
+            cfg.n_cols, dtype.width // 8)
         self.staged_dtypes = (dtype, dtype) if self.stages_both else (dtype,)
 
     @cute.jit
@@ -120,9 +125,11 @@ class SoftmaxBackward(RowKernel):
         partial = Float32(0.0)
         # a streamed dy's loads issued a chunk ahead, before the wait for y's copies (one
         # chunk at a time, their latency was exposed)
-        loaded = self._prefetch(tiles, mdY, 0, {}, self.streams_dy)
+        first_read_policy = "evict_last" if self.rereads_dy_in_reverse else None
+        loaded = self._prefetch(tiles, mdY, 0, {}, self.streams_dy, first_read_policy)
         for c in cutlass.range_constexpr(cfg.num_chunks):
-            loaded = self._prefetch(tiles, mdY, c + 1, loaded, self.streams_dy)
+            loaded = self._prefetch(tiles, mdY, c + 1, loaded, self.streams_dy,
+                                    first_read_policy)
             tiles.wait_chunk(c)
             # log_softmax needs sum(dy); softmax needs sum(y * dy)
             if cutlass.const_expr(self.streams_y):
@@ -137,9 +144,17 @@ class SoftmaxBackward(RowKernel):
         tiles.prefetch_ahead(also=() if streamed is None else (streamed,))
         (dot,) = slot.allreduce((partial,), red.sum_combine, (Float32(0.0),))
 
-        loaded = self._prefetch(tiles, streamed, 0, {}, streamed is not None)
-        for c in cutlass.range_constexpr(cfg.num_chunks):
-            loaded = self._prefetch(tiles, streamed, c + 1, loaded, streamed is not None)
+        order = list(range(cfg.num_chunks))
+        if cutlass.const_expr(self.rereads_dy_in_reverse):
+            order.reverse()
+        # (dy's re-read and the dx stores are its last use and its only one)
+        last_use_policy = "evict_first" if self.rereads_dy_in_reverse else None
+        loaded = self._prefetch(tiles, streamed, order[0], {}, streamed is not None,
+                                last_use_policy)
+        for i, c in enumerate(order):
+            if cutlass.const_expr(i + 1 < len(order)):
+                loaded = self._prefetch(tiles, streamed, order[i + 1], loaded,
+                                        streamed is not None, last_use_policy)
             if cutlass.const_expr(cfg.staging == "registers"):
                 y, dy = kept[c]
             elif cutlass.const_expr(self.streams_y):
@@ -151,15 +166,17 @@ class SoftmaxBackward(RowKernel):
                 dx = dy - cute.math.exp2(y * red.LOG2_E, fastmath=True) * dot
             else:
                 dx = y * (dy - dot)
-            tiles.store(mdX, c, dx)
+            tiles.store(mdX, c, dx, l2_policy=last_use_policy)
 
     def _prefetch(self, tiles: RowTiles, mT: cute.Tensor, chunk: int, loaded: dict,
-                  streams: bool) -> dict:
+                  streams: bool, l2_policy: str | None = None) -> dict:
         """``loaded`` (chunk -> values, 0 past the row end) with ``chunk``'s values of
-        ``mT`` read from global memory, where it ``streams`` and the chunk exists. In
+        ``mT`` read from global memory (with ``l2_policy``, a key of
+        tiling.L2_POLICIES), where it ``streams`` and the chunk exists. In
         mT's dtype: widened where used, a chunk in flight holds half the registers
         (widened at the load, the bf16 log_softmax backward of 1M columns took 98
         registers instead of 72 and ran 8% slower)."""
         if streams and chunk < self.cfg.num_chunks:
-            loaded = {**loaded, chunk: tiles.load(mT, chunk, fill=0.0, raw=True)}
+            loaded = {**loaded, chunk: tiles.load(mT, chunk, fill=0.0, raw=True,
+                                                  l2_policy=l2_policy)}
         return loaded

@@ -398,6 +398,27 @@ HELD_SHARE_VALUES = 32
 # re-read y and dy both. H200 kernels alone: 128x1048576 59.4 -> 71.8%, 256x1048576
 # 60.1 -> 74.7, 128x1000000 59.2 -> 72.1, 256x524288 76.2 -> 84.2.
 Y_SHARE_VALUES = 16
+# The second read of such a dy comes from L2 only while its lines survive the traffic
+# between the two reads (y, dx and the other resident clusters' rows). Where the rows
+# of dy in flight, about one per cluster of up to 16 CTAs (7 such clusters fit on 132
+# SMs), outgrow half of L2 (a rough bound: 3.57 MiB rows, 936229+ fp32 columns), the
+# output pass re-reads dy last chunk first (the chunks read last are the likeliest
+# still there), dy's first read is marked evict-last and its re-read and the dx stores
+# evict-first (tiling.L2_POLICIES). H100 kernels alone
+# (results/softmax_bwd_reread_in_reverse_H100_20261206.txt), main -> reversed + hints:
+# fp32 128x1048576 78.0 -> 81.7, 256x1048576 79.3 -> 85.7, 128x1000000 77.9 -> 80.3
+# (reversed alone). Under the bound it lost: 256x800000 (3.05 MiB) 81.3 -> 80.2, and
+# 256x524288 (reversed alone, 16 bytes spilled) 94.5 -> 87.4; rows between 800000 and
+# 936229 columns were not measured.
+L2_BYTES = 50 * 1024 * 1024
+RESIDENT_FULL_CLUSTERS = 7
+REREAD_IN_REVERSE_MIN_ROW_BYTES = L2_BYTES // 2 // RESIDENT_FULL_CLUSTERS
+
+
+def rereads_in_reverse(n_cols: int, elem_bytes: int) -> bool:
+    """Whether a tensor that a row kernel reads twice from global memory is re-read
+    last chunk first, with L2 eviction hints (see REREAD_IN_REVERSE_MIN_ROW_BYTES)."""
+    return n_cols * elem_bytes >= REREAD_IN_REVERSE_MIN_ROW_BYTES
 
 
 def held_share(n_cols: int, elem_bytes: int, staged_tensors: int,

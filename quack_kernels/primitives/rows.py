@@ -1032,13 +1032,14 @@ class RowTiles:
     @cute.jit
     def load(self, mX: cute.Tensor, chunk, fill: cutlass.Constexpr = 0.0,
              guard_rows: cutlass.Constexpr[bool] = True,
-             raw: cutlass.Constexpr[bool] = False) -> cute.TensorSSA:
+             raw: cutlass.Constexpr[bool] = False,
+             l2_policy: cutlass.Constexpr = None) -> cute.TensorSSA:
         """fp32 values (``raw``: in mX's own dtype) of an unstaged (M, N) tensor (or a
         ``broadcast_rows`` vector, with ``guard_rows=False``) in ``chunk`` (an int, or a
         runtime index), read straight from global memory; vectors past the row end (and
         rows past M when guarded) read as ``fill``, as do the values of a shifted row's
-        edge vectors outside it."""
-        atom = tiling.vector_copy_atom(mX.element_type, self.cfg)
+        edge vectors outside it. ``l2_policy``: a key of tiling.L2_POLICIES."""
+        atom, hint = tiling.global_copy_atom(mX.element_type, self.cfg, False, l2_policy)
         tiled = tiling.tiled_copy(atom, self.cfg)
         thr = tiled.get_slice(self.tidx)
         tXgX = thr.partition_S(self._gmem_tile(mX, chunk))
@@ -1048,9 +1049,9 @@ class RowTiles:
         # runtime branch from outside it)
         if cutlass.const_expr(guard_rows):
             if self.row_in_bounds:
-                cute.copy(tiled, tXgX, tXrX, pred=self.chunk_predicate(chunk))
+                cute.copy(tiled, tXgX, tXrX, pred=self.chunk_predicate(chunk), **hint)
         else:
-            cute.copy(tiled, tXgX, tXrX, pred=self.chunk_predicate(chunk))
+            cute.copy(tiled, tXgX, tXrX, pred=self.chunk_predicate(chunk), **hint)
         if cutlass.const_expr(self.cfg.row_shift):
             padding = cute.make_fragment_like(tXrX)
             padding.fill(fill)
@@ -1086,10 +1087,13 @@ class RowTiles:
 
     @cute.jit
     def store(self, mY: cute.Tensor, chunk: cutlass.Constexpr[int], values: cute.TensorSSA,
-              guard_rows: cutlass.Constexpr[bool] = True):
+              guard_rows: cutlass.Constexpr[bool] = True, l2_policy: cutlass.Constexpr = None):
         """Convert to mY's dtype and write the in-bounds vectors of ``chunk`` (all rows
-        of the block when ``guard_rows=False``, e.g. rows of partial sums)."""
-        atom = tiling.vector_copy_atom(mY.element_type, self.cfg)
+        of the block when ``guard_rows=False``, e.g. rows of partial sums). ``l2_policy``:
+        a key of tiling.L2_POLICIES (not for shifted rows)."""
+        assert l2_policy is None or not self.cfg.row_shift, \
+            "a shifted row's store takes no L2 policy"
+        atom, hint = tiling.global_copy_atom(mY.element_type, self.cfg, True, l2_policy)
         tiled = tiling.tiled_copy(atom, self.cfg)
         thr = tiled.get_slice(self.tidx)
         tYgY = thr.partition_D(self._gmem_tile(mY, chunk))
@@ -1100,9 +1104,9 @@ class RowTiles:
                 self._store_shifted(tiled, tYrY, tYgY, chunk)
         elif cutlass.const_expr(guard_rows):
             if self.row_in_bounds:
-                cute.copy(tiled, tYrY, tYgY, pred=self.preds[chunk])
+                cute.copy(tiled, tYrY, tYgY, pred=self.preds[chunk], **hint)
         else:
-            cute.copy(tiled, tYrY, tYgY, pred=self.preds[chunk])
+            cute.copy(tiled, tYrY, tYgY, pred=self.preds[chunk], **hint)
 
     @cute.jit
     def _store_shifted(self, tiled, tYrY: cute.Tensor, tYgY: cute.Tensor,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Boolean, Float32, Int32
+from cutlass import Boolean, Float32, Int32, Int64
 from cutlass._mlir import ir
 from cutlass._mlir.dialects import arith, vector
 
@@ -52,6 +52,22 @@ def vector_copy_atom(dtype, cfg: RowConfig):
     return cute.make_copy_atom(
         cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=dtype.width * cfg.vec
     )
+
+
+# L2 eviction policies of ld / st .L2::cache_hint: createpolicy.fractional.L2::evict_*
+# with fraction 1.0, as CUTLASS encodes them (CacheHintSm90, cute/arch/copy_sm90_desc.hpp)
+L2_POLICIES = {"evict_first": 0x12F0000000000000, "evict_last": 0x14F0000000000000}
+
+
+def global_copy_atom(dtype, cfg: RowConfig, to_global: bool, l2_policy: str | None = None):
+    """(atom, keyword arguments of its cute.copy) of a vectorized global load (or store,
+    ``to_global``), with ``l2_policy`` (a key of L2_POLICIES) when given: the plain
+    vector atom drops a cache policy, the G2R / R2G ones take it."""
+    if l2_policy is None:
+        return vector_copy_atom(dtype, cfg), {}
+    op = cute.nvgpu.CopyR2GOp() if to_global else cute.nvgpu.CopyG2ROp()
+    atom = cute.make_copy_atom(op, dtype, num_bits_per_copy=dtype.width * cfg.vec)
+    return atom, dict(cache_policy=Int64(L2_POLICIES[l2_policy]))
 
 
 def tiled_copy(atom, cfg: RowConfig):
