@@ -147,7 +147,7 @@ class SoftmaxBackward(RowKernel):
         order = list(range(cfg.num_chunks))
         if cutlass.const_expr(self.rereads_dy_in_reverse):
             order.reverse()
-        # (dy's re-read and the dx stores are its last use and its only one)
+        # (dy's re-read is its last use, and dx is written once and not read here)
         last_use_policy = "evict_first" if self.rereads_dy_in_reverse else None
         loaded = self._prefetch(tiles, streamed, order[0], {}, streamed is not None,
                                 last_use_policy)
