@@ -126,7 +126,7 @@ class CrossEntropyForward(RowKernel):
         # conversion: widened by integer ops (config.widens_by_integer_ops), the share of
         # 524288 columns with the gradient, smoothing and z-loss was held to 80 registers
         # by ptxas and spilled 8 bytes (sm_90a; converted: 102 registers, no spill).
-        self.integer_widening = not (softcap and not fixed_max)
+        self.integer_widening = False if softcap and not fixed_max else None
         # "sum" / "mean": the loss also reduced over the rows by the grid's last CTA
         # (_reduce_rows) instead of by two more launches after this one
         assert reduce in ("none", "sum", "mean")
@@ -170,6 +170,8 @@ class CrossEntropyForward(RowKernel):
         whole_chunks = whole_vectors(cfg, dtype.width // 8) and not cfg.needs_col_predicate
         if self.streams and plain_terms and dtype.width == 16 and whole_chunks:
             self.block_registers = STREAM_LOSS_REGISTERS
+            # bf16 widened by integer ops on this share too (config.widens_by_integer_ops)
+            self.integer_widening = True
         assert self.loops or cfg.stages == 1, "prefetching needs the looping grid"
         # Target column found by offsets from the thread's first value (see
         # tiling.is_column): the per-value coordinates held the one-block gradient
@@ -521,7 +523,11 @@ class CrossEntropyForward(RowKernel):
         (the target, when set aside, as -inf); ``target_col`` is the target's column in
         the tiles."""
         fill = -math.inf if self.streams_shifted else 0.0
-        z = self._cap(tiles.load(tiles.staged[0], chunk, fill=fill), inv_softcap, softcap)
+        # no row guard: a streamed share's CTA always has its row (one row a CTA, one
+        # CTA per row and rank: the grid is the rows)
+        rows_guarded = self.cfg.rows_per_block > 1
+        z = self._cap(tiles.load(tiles.staged[0], chunk, fill=fill, guard_rows=rows_guarded),
+                      inv_softcap, softcap)
         tXcX = tiles.chunk_coords(chunk)
         if cutlass.const_expr(self.target_aside):
             z = cute.where(tiling.is_column(tXcX, target_col, self.column_offsets), -math.inf, z)

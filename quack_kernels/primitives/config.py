@@ -244,9 +244,10 @@ def whole_vectors(cfg: RowConfig, elem_bytes: int) -> bool:
 # (not understood): RMSNorm bwd on register shares 32768x4096 87.5 -> 68.8, 2048x65536
 # 93.3 -> 88.5, LayerNorm fwd on one CTA 8192x16384 91.3 -> 83.3. Rows re-read from
 # global memory gained a little (cross-entropy loss alone 512x262144 79.4 -> 80.2,
-# 4096x128256 92.3 -> 93.2): not taken, its GPU tests have not run. A kernel may keep the
-# DSL's conversion where this rule spills it (RowTiles' integer_widening: the
-# cross-entropy's running max of capped logits).
+# 4096x128256 92.3 -> 93.2): the plain streamed loss takes it (RowTiles'
+# integer_widening, set by CrossEntropyForward), the other re-read shares do not. A kernel
+# may keep the DSL's conversion where this rule spills it (the cross-entropy's running
+# max of capped logits).
 def widens_by_integer_ops(cfg: RowConfig) -> bool:
     return cfg.staging == "smem" and cfg.cluster_size > 1
 

@@ -372,8 +372,9 @@ class RowTiles:
     values() reads those zeros). Not for one-value vectors (odd rows), where a store per
     vector costs as much as a select per value.
 
-    ``integer_widening``: whether bf16 values may be widened by integer ops where
-    config.widens_by_integer_ops says so (to_fp32); False keeps the DSL's conversion.
+    ``integer_widening``: whether bf16 values are widened by integer ops (to_fp32):
+    None where config.widens_by_integer_ops says so; False keeps the DSL's conversion,
+    True takes the integer ops on any share.
 
     Shifted rows (``cfg.row_shift``, config.shifted_row_share): the tiles start at the
     16-byte boundary at or before the row's first value, ``shift`` values before it, so
@@ -386,9 +387,10 @@ class RowTiles:
     (in_class: rows of one shift)."""
 
     def __init__(self, cfg: RowConfig, staged: list, smem, pad: float | None = None,
-                 integer_widening: bool = True):
+                 integer_widening: bool | None = None):
         self.cfg = cfg
-        self.widens_by_integer_ops = integer_widening and widens_by_integer_ops(cfg)
+        self.widens_by_integer_ops = widens_by_integer_ops(cfg) if integer_widening is None \
+            else integer_widening
         padded = cfg.staging != "global" and cfg.needs_col_predicate and cfg.vec > 1
         self.pad = pad if padded else None
         tidx = cute.arch.thread_idx()[0]
