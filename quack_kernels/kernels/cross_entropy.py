@@ -170,7 +170,8 @@ class CrossEntropyForward(RowKernel):
         whole_chunks = whole_vectors(cfg, dtype.width // 8) and not cfg.needs_col_predicate
         if self.streams and plain_terms and dtype.width == 16 and whole_chunks:
             self.block_registers = STREAM_LOSS_REGISTERS
-            # bf16 widened by integer ops on this share too (config.widens_by_integer_ops)
+            # bf16 widened by integer ops on this share too (config.widens_by_integer_ops;
+            # fp16 keeps its conversion either way)
             self.integer_widening = True
         assert self.loops or cfg.stages == 1, "prefetching needs the looping grid"
         # Target column found by offsets from the thread's first value (see
