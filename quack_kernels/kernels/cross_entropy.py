@@ -122,11 +122,6 @@ class CrossEntropyForward(RowKernel):
         assert softcap or not fixed_max, "only capped logits have a fixed bound"
         self.fixed_max = fixed_max
         self.combine = _fixed_max_combine if fixed_max else _combine
-        # Capped logits past the fixed bound (the running max) keep the DSL's bf16
-        # conversion: widened by integer ops (config.widens_by_integer_ops), the share of
-        # 524288 columns with the gradient, smoothing and z-loss was held to 80 registers
-        # by ptxas and spilled 8 bytes (sm_90a; converted: 102 registers, no spill).
-        self.integer_widening = False if softcap and not fixed_max else None
         # "sum" / "mean": the loss also reduced over the rows by the grid's last CTA
         # (_reduce_rows) instead of by two more launches after this one
         assert reduce in ("none", "sum", "mean")
@@ -168,11 +163,17 @@ class CrossEntropyForward(RowKernel):
         # whole 16-byte vectors in whole chunks (narrowed vectors of a misaligned tensor
         # and a partial last chunk spilled under the holds below)
         whole_chunks = whole_vectors(cfg, dtype.width // 8) and not cfg.needs_col_predicate
-        if self.streams and plain_terms and dtype.width == 16 and whole_chunks:
+        held_stream = self.streams and plain_terms and dtype.width == 16 and whole_chunks
+        if held_stream:
             self.block_registers = STREAM_LOSS_REGISTERS
-            # bf16 widened by integer ops on this share too (config.widens_by_integer_ops;
-            # fp16 keeps its conversion either way)
-            self.integer_widening = True
+        # bf16 widening (RowTiles' integer_widening): by integer ops on the held streamed
+        # share too, else where config.widens_by_integer_ops says (fp16 keeps its
+        # conversion either way). Capped logits past the fixed bound (the running max)
+        # keep the DSL's conversion: widened by integer ops, the share of 524288 columns
+        # with the gradient, smoothing and z-loss was held to 80 registers by ptxas and
+        # spilled 8 bytes (sm_90a; converted: 102 registers, no spill).
+        self.integer_widening = False if softcap and not fixed_max else (
+            True if held_stream else None)
         assert self.loops or cfg.stages == 1, "prefetching needs the looping grid"
         # Target column found by offsets from the thread's first value (see
         # tiling.is_column): the per-value coordinates held the one-block gradient
