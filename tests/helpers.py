@@ -148,6 +148,20 @@ def compiled_sass(kernel_and_fakes, folder, cuobjdump: str) -> tuple[dict, str]:
     return resource_usage(cubin, cuobjdump), disassembly(cubin, cuobjdump)
 
 
+def compiled_ptx(kernel_and_fakes, folder) -> str:
+    """The PTX of a kernel (``(kernel, *fake arguments)``) compiled for sm_90a, kept in
+    ``folder`` (a pathlib.Path, made if missing)."""
+    import glob
+
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
+
+    folder.mkdir(exist_ok=True)
+    cute.compile(*kernel_and_fakes, make_fake_stream(use_tvm_ffi_env_stream=True),
+                 options=f"--enable-tvm-ffi --keep-ptx --dump-dir={folder}")
+    return "".join(open(f).read() for f in glob.glob(f"{folder}/*.ptx"))
+
+
 def switched(monkeypatch, switch: str, on: bool, caches) -> Iterator[None]:
     """A fixture's body: config.``switch`` set to ``on`` for one test, the launch caches
     (dicts) emptied before and after it (their keys do not hold the switch)."""

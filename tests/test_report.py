@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from helpers import compiled_ptx
 from quack_kernels.report import (_RES, _cubin_file, disassembly, measure,
                                    resource_usage, spills)
 
@@ -424,23 +425,13 @@ def test_reversed_dy_reread_carries_l2_hints_in_the_ptx(tmp_path):
     vector with evict_first, and its output pass starts at the last chunk (its first
     store lies furthest into the row); at 800000 columns nothing carries a policy and
     the output pass starts at chunk 0."""
-    import glob
-
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_stream
-
     from quack_kernels.ops import softmax
     from quack_kernels.primitives.tiling import L2_POLICIES
 
     f32 = torch.float32
     for n, hinted in ((1 << 20, True), (800000, False)):
         cfg = softmax.backward_config(n, f32, log=False)
-        kernel, *fakes = softmax.backward_kernel(cfg, f32, False)
-        dump = tmp_path / str(n)
-        dump.mkdir()
-        cute.compile(kernel, *fakes, make_fake_stream(use_tvm_ffi_env_stream=True),
-                     options=f"--enable-tvm-ffi --keep-ptx --dump-dir={dump}")
-        ptx = "".join(open(f).read() for f in glob.glob(f"{dump}/*.ptx"))
+        ptx = compiled_ptx(softmax.backward_kernel(cfg, f32, False), tmp_path / str(n))
         vectors = cfg.num_chunks * cfg.vecs_per_thread  # of dy (and dx) a thread
         loads = len(re.findall(r"ld\.global\.L2::cache_hint\.v4", ptx))
         stores = re.findall(r"st\.global[.\w:]*\.v4\.b32\s*\[%rd\d+\+?(\d*)\]", ptx)
@@ -456,6 +447,38 @@ def test_reversed_dy_reread_carries_l2_hints_in_the_ptx(tmp_path):
         else:
             assert (loads, hinted_stores, policies) == (0, 0, [0, 0])
             assert offsets[0] == 0
+
+
+def test_training_step_kernels_overlap_their_launches_in_the_ptx(tmp_path):
+    """The cross-entropy training step's kernels (mean denominator, loss + gradient,
+    rescale) are launched with programmatic dependent launch: each waits for the kernel
+    before it (griddepcontrol.wait) before it touches global memory; the loss and the
+    rescale let the next kernel in right after that wait, the denominator only after its
+    last access. A kernel launched the usual way (softmax forward) carries neither."""
+    from quack_kernels.ops import cross_entropy, rescale, softmax
+
+    bf16, i64 = torch.bfloat16, torch.int64
+    wait, let_in = "griddepcontrol.wait", "griddepcontrol.launch_dependents"
+    kernels = {
+        "loss": (cross_entropy.forward_kernel(
+            cross_entropy.forward_config(4096, bf16, False, True), bf16, i64, weighted=False,
+            smoothing=False, zloss=False, softcap=False, write_grad=True, reduce="mean"),
+            [wait, let_in, "global"], ["global"]),
+        "rescale": (rescale.rescale_kernel(rescale.rescale_config(4096, bf16), bf16, None, i64,
+                                           False), [wait, let_in, "global"], ["global"]),
+        "denominator": (cross_entropy.mean_denominator_kernel(False, i64),
+                        [wait, "global"], ["global", let_in]),
+        "softmax": (softmax.forward_kernel(softmax.forward_config(4096, bf16), bf16, False),
+                    ["global"], ["global"]),
+    }
+    for name, (kernel_and_fakes, first, last) in kernels.items():
+        ptx = compiled_ptx(kernel_and_fakes, tmp_path / name)
+        events = ["global" if m.group(1) else m.group(0) for m in re.finditer(
+            r"griddepcontrol\.\w+|\b(ld\.global|st\.global|atom\.global|cp\.async[.\w]*global)",
+            ptx)]
+        grid_controls = [e for e in events if e != "global"]
+        assert events[:len(first)] == first and events[-len(last):] == last, (name, events[:4])
+        assert grid_controls == [e for e in first + last if e != "global"], name
 
 
 def test_cluster_barriers_in_the_sass(tmp_path, cuobjdump):

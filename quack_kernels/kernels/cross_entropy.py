@@ -113,6 +113,9 @@ class CrossEntropyForward(RowKernel):
     recompiles."""
 
     loop_registers = CE_LOOP_REGISTERS
+    # the training step launches it right after the mean's denominator and the rescale
+    # right after it (ops.cross_entropy): each launch overlaps the kernel before it
+    programmatic_launch = True
     GRID_SUM_VALUES = 2  # a reduction's sums over the grid: losses and row weights
 
     def __init__(self, cfg: RowConfig, dtype, *, weighted: bool, smoothing: bool,
@@ -244,6 +247,7 @@ class CrossEntropyForward(RowKernel):
                mGradScale: cute.Tensor, mReduced: cute.Tensor, mPartials: cute.Tensor,
                ignore_index: Int64, smoothing: Float32, lse_square_scale: Float32,
                softcap: Float32, grid_rows: Int32):
+        self.begin()
         cfg = self.cfg
         smem = SmemAllocator()
         staged = [mX]

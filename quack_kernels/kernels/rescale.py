@@ -35,6 +35,7 @@ class RowRescale(RowKernel):
 
     staged_dtypes = ()
     reductions = 0
+    programmatic_launch = True  # right after the loss kernel (see CrossEntropyForward)
 
     def __init__(self, cfg: RowConfig, with_target: bool, out_of_place: bool, uniform: bool):
         assert cfg.staging == "global", "the rescale reads rows straight from global memory"
@@ -53,6 +54,7 @@ class RowRescale(RowKernel):
     @cute.kernel
     def kernel(self, mGrad: cute.Tensor, mOut: cute.Tensor, mTarget, mDloss: cute.Tensor,
                mHeld: cute.Tensor, ignore_index: Int64, grid_rows: Int32):
+        self.begin()
         home = RowTiles(self.cfg, [mGrad], SmemAllocator())
         rows = mGrad.shape[0]
         if cutlass.const_expr(self.uniform):

@@ -41,6 +41,19 @@ def broadcast_rows(mV: cute.Tensor, num_rows, n_cols: int) -> cute.Tensor:
     return cute.make_tensor(mV.iterator, cute.make_layout((num_rows, n_cols), stride=(0, 1)))
 
 
+@cute.jit
+def wait_for_previous_grid(let_next_launch: cutlass.Constexpr[bool] = True):
+    """The start of a kernel launched with programmatic dependent launch (Hopper PDL:
+    ``use_pdl``), whose CTAs may be scheduled while the kernel before it in the stream
+    still runs: wait until that kernel has finished and its writes are visible, before
+    this one touches global memory (so only the launch overlaps, whatever kernel came
+    before); ``let_next_launch``: then let the next such kernel be scheduled too (else
+    the kernel calls griddepcontrol_launch_dependents itself, or its end does)."""
+    cute.arch.griddepcontrol_wait()
+    if cutlass.const_expr(let_next_launch):
+        cute.arch.griddepcontrol_launch_dependents()
+
+
 class RowKernel(GridSum):
     """Base for kernels over rows of ``cfg.n_cols`` elements. Subclasses set
     ``self.cfg`` and ``self.staged_dtypes`` (dtypes of the row tensors kept on chip,
@@ -56,6 +69,8 @@ class RowKernel(GridSum):
     grid_sums: int = 0  # fp32 values summed over the grid at the end (block_sum scratch)
     loop_registers: int = LOOP_REGS_PER_THREAD  # per thread, when looping over row blocks
     block_registers: int | None = None  # per thread of a one-block-per-CTA launch, if held
+    # launched with programmatic dependent launch (see wait_for_previous_grid)
+    programmatic_launch: bool = False
     _ctas_per_sm = None
 
     @property
@@ -141,8 +156,15 @@ class RowKernel(GridSum):
             cluster=[1, cfg.cluster_size, 1] if self.launches_clusters else None,
             smem=smem,
             stream=stream,
+            use_pdl=self.programmatic_launch,
             **occupancy,
         )
+
+    @cute.jit
+    def begin(self):
+        """A kernel body's first call: with ``programmatic_launch``, wait_for_previous_grid."""
+        if cutlass.const_expr(self.programmatic_launch):
+            wait_for_previous_grid()
 
     def row_block_iterations(self, num_rows, grid_rows):
         """(this CTA's first row block, its iterations) in a looping grid of ``grid_rows``
