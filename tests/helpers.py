@@ -151,15 +151,11 @@ def compiled_sass(kernel_and_fakes, folder, cuobjdump: str) -> tuple[dict, str]:
 def compiled_ptx(kernel_and_fakes, folder) -> str:
     """The PTX of a kernel (``(kernel, *fake arguments)``) compiled for sm_90a, kept in
     ``folder`` (a pathlib.Path, made if missing)."""
-    import glob
-
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_stream
+    from quack_kernels.primitives.compile_cache import compile_kernel
 
     folder.mkdir(exist_ok=True)
-    cute.compile(*kernel_and_fakes, make_fake_stream(use_tvm_ffi_env_stream=True),
-                 options=f"--enable-tvm-ffi --keep-ptx --dump-dir={folder}")
-    return "".join(open(f).read() for f in glob.glob(f"{folder}/*.ptx"))
+    compile_kernel(*kernel_and_fakes, keep_ptx_in=str(folder))
+    return "".join(path.read_text() for path in sorted(folder.glob("*.ptx")))
 
 
 def switched(monkeypatch, switch: str, on: bool, caches) -> Iterator[None]:

@@ -474,11 +474,14 @@ def test_training_step_kernels_overlap_their_launches_in_the_ptx(tmp_path):
     for name, (kernel_and_fakes, first, last) in kernels.items():
         ptx = compiled_ptx(kernel_and_fakes, tmp_path / name)
         events = ["global" if m.group(1) else m.group(0) for m in re.finditer(
-            r"griddepcontrol\.\w+|\b(ld\.global|st\.global|atom\.global|cp\.async[.\w]*global)",
+            r"griddepcontrol\.\w+|\b((?:ld|st|atom|red|multimem|prefetch|cp\.async)\.[\w.:]*global)",
             ptx)]
         grid_controls = [e for e in events if e != "global"]
         assert events[:len(first)] == first and events[-len(last):] == last, (name, events[:4])
         assert grid_controls == [e for e in first + last if e != "global"], name
+        # the launch asks for it exactly where the kernel waits (RowKernel.launch, and
+        # MeanDenominator's own)
+        assert kernel_and_fakes[0].programmatic_launch == (wait in grid_controls), name
 
 
 def test_cluster_barriers_in_the_sass(tmp_path, cuobjdump):

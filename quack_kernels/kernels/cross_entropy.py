@@ -113,8 +113,8 @@ class CrossEntropyForward(RowKernel):
     recompiles."""
 
     loop_registers = CE_LOOP_REGISTERS
-    # the training step launches it right after the mean's denominator and the rescale
-    # right after it (ops.cross_entropy): each launch overlaps the kernel before it
+    # the training step's kernels (denominator, this, the rescale) overlap each launch
+    # with the kernel before; begin() waits for it, so any kernel before is safe
     programmatic_launch = True
     GRID_SUM_VALUES = 2  # a reduction's sums over the grid: losses and row weights
 

@@ -30,6 +30,8 @@ class MeanDenominator(GridSum):
     config says so (mWeight is then only a placeholder). ``mPartials``: GridSum's words
     for ``num_ctas`` CTAs, zero at launch."""
 
+    programmatic_launch = True  # see CrossEntropyForward.programmatic_launch
+
     def __init__(self, cfg: MeanDenominatorConfig):
         self.cfg = cfg
 
@@ -41,15 +43,15 @@ class MeanDenominator(GridSum):
                  mPartials: cute.Tensor, ignore_index: Int64, num_ctas: Int32, stream):
         self.kernel(mTarget, mWeight, mOut, mPartials, ignore_index).launch(
             grid=[num_ctas, 1, 1], block=[self.cfg.threads_per_block, 1, 1], smem=self.smem_bytes(),
-            stream=stream, use_pdl=True)
+            stream=stream, use_pdl=self.programmatic_launch)
 
     @cute.kernel
     def kernel(self, mTarget: cute.Tensor, mWeight: cute.Tensor, mOut: cute.Tensor,
                mPartials: cute.Tensor, ignore_index: Int64):
-        # the first of the training step's kernels (ops.cross_entropy): its launch
-        # overlaps the kernel before it. The loss kernel is let in only at the end: let in
-        # at the start, its looping grid (sized to fill every SM) was placed while these
-        # CTAs held room, and the bf16 step at 131072x1024 took 225 us instead of 207 (H100)
+        # the first of the training step's kernels (ops.cross_entropy). The loss kernel
+        # is let in only as these CTAs end: let in at their start, its looping grid (sized
+        # to fill every SM) was placed while they held room and the step lost 7%
+        # (results/cross_entropy_step_pdl_late_H100_20261206.txt)
         wait_for_previous_grid(let_next_launch=False)
         threads = self.cfg.threads_per_block
         in_flight = self.cfg.targets_in_flight
@@ -88,4 +90,5 @@ class MeanDenominator(GridSum):
         if holds & (tidx == 0):
             mOut[0] = total
             mOut[1] = Float32(1.0) / total
+        # (as a CTA's exit would, a little sooner: the measured form)
         cute.arch.griddepcontrol_launch_dependents()

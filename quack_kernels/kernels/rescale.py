@@ -35,7 +35,7 @@ class RowRescale(RowKernel):
 
     staged_dtypes = ()
     reductions = 0
-    programmatic_launch = True  # right after the loss kernel (see CrossEntropyForward)
+    programmatic_launch = True  # see CrossEntropyForward.programmatic_launch
 
     def __init__(self, cfg: RowConfig, with_target: bool, out_of_place: bool, uniform: bool):
         assert cfg.staging == "global", "the rescale reads rows straight from global memory"

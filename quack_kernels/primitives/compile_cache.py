@@ -112,9 +112,11 @@ def fake_strided_vector(dtype, length):
     return make_fake_tensor(dtype, (length,), (cute.sym_int(64),), assumed_align=dtype.width // 8)
 
 
-def compile_kernel(kernel_obj, *fake_args, keep_cubin_in: str | None = None):
+def compile_kernel(kernel_obj, *fake_args, keep_cubin_in: str | None = None,
+                   keep_ptx_in: str | None = None):
     """cute.compile with TVM-FFI and the caller's stream taken from torch. With
-    ``keep_cubin_in`` (a folder) the cubin is kept there; its path is ``fn.__cubin__``.
+    ``keep_cubin_in`` (a folder) the cubin is kept there; its path is ``fn.__cubin__``;
+    with ``keep_ptx_in`` the PTX is (one of the two at a time).
     A configuration whose shared memory exceeds a CTA's is refused here, with the row
     length in the message, instead of failing at launch."""
     import cutlass.cute as cute
@@ -132,6 +134,7 @@ def compile_kernel(kernel_obj, *fake_args, keep_cubin_in: str | None = None):
 
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
     options = "--enable-tvm-ffi"
-    if keep_cubin_in:
-        options += f" --keep-cubin --dump-dir={keep_cubin_in}"
+    for kept, folder in (("cubin", keep_cubin_in), ("ptx", keep_ptx_in)):
+        if folder:
+            options += f" --keep-{kept} --dump-dir={folder}"
     return cute.compile(kernel_obj, *fake_args, stream, options=options)

@@ -69,7 +69,8 @@ class RowKernel(GridSum):
     grid_sums: int = 0  # fp32 values summed over the grid at the end (block_sum scratch)
     loop_registers: int = LOOP_REGS_PER_THREAD  # per thread, when looping over row blocks
     block_registers: int | None = None  # per thread of a one-block-per-CTA launch, if held
-    # launched with programmatic dependent launch (see wait_for_previous_grid)
+    # launched with programmatic dependent launch (see wait_for_previous_grid): the
+    # kernel body must then call begin() before it touches global memory
     programmatic_launch: bool = False
     _ctas_per_sm = None
 

@@ -1,0 +1,107 @@
+"""Where the norms' small training steps (issue 3: bf16 forward + backward through
+autograd at 4096x4096 and 1024x8192) spend their time, ours against torch eager: the
+wall time of back-to-back steps, the host's enqueue time alone, the kernels' device
+time (torch.profiler), then the host-side ops of one step at 4096x4096. When wall
+follows host and the kernels' sum is far below it, the step is host-bound.
+
+    python benchmarks/norm_step_host.py
+"""
+
+import collections
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import quack_kernels as qk
+
+from profile_ops import wall_us
+
+F = torch.nn.functional
+ROUNDS = 7
+PROFILED_STEPS = 20
+
+
+def enqueue_us(fn, calls=30):
+    """Host time per call of a loop that never waits for the GPU (it may fall behind)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - start) / calls * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
+def kernel_us(fn, steps=10):
+    """Device time per step of each kernel name, from torch.profiler."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    times = collections.Counter()
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            times[event.name[:40]] += event.device_time_total / steps
+    return times
+
+
+def steps(M, N):
+    """Training steps (x, weight [, bias] all requiring grad), ours and torch's, plus the
+    forward alone that builds the graph."""
+    dtype = torch.bfloat16
+    x = torch.randn(M, N, device="cuda", dtype=dtype).requires_grad_()
+    w = torch.randn(N, device="cuda", dtype=dtype).requires_grad_()
+    b = torch.randn(N, device="cuda", dtype=dtype).requires_grad_()
+    dy = torch.randn(M, N, device="cuda", dtype=dtype)
+
+    def step(f):
+        def run():
+            x.grad = w.grad = b.grad = None
+            f().backward(dy)
+        return run
+
+    return {
+        "ours rms": step(lambda: qk.rms_norm(x, w)),
+        "torch rms": step(lambda: F.rms_norm(x, (N,), w)),
+        "ours ln": step(lambda: qk.layer_norm(x, w, b)),
+        "torch ln": step(lambda: F.layer_norm(x, (N,), w, b)),
+        "ours rms frozen w": step(lambda: qk.rms_norm(x, w.detach())),
+        "torch rms frozen w": step(lambda: F.rms_norm(x, (N,), w.detach())),
+        "ours ln fwd(grad)": lambda: qk.layer_norm(x, w, b),
+        "torch ln fwd(grad)": lambda: F.layer_norm(x, (N,), w, b),
+    }
+
+
+def main():
+    for M, N in ((8, 4096), (1024, 8192), (4096, 4096)):
+        cases = steps(M, N)
+        walls, hosts = collections.defaultdict(list), collections.defaultdict(list)
+        for r in range(ROUNDS):  # interleaved, every other round in reverse
+            order = list(cases.items()) if r % 2 == 0 else list(reversed(cases.items()))
+            for name, fn in order:
+                walls[name].append(wall_us(fn, 100, warmup=5))
+                hosts[name].append(enqueue_us(fn))
+        print(f"=== {M}x{N} bf16: us per step, medians of {ROUNDS} rounds")
+        for name, fn in cases.items():
+            kernels = kernel_us(fn)
+            print(f"{name:20s} wall {statistics.median(walls[name]):6.1f}  host "
+                  f"{statistics.median(hosts[name]):6.1f}  kernels {sum(kernels.values()):6.1f}: "
+                  + ", ".join(f"{k} {t:.1f}" for k, t in kernels.most_common(3)))
+    cases = steps(4096, 4096)
+    for name in ("ours ln", "torch ln", "ours rms", "torch rms"):
+        fn = cases[name]
+        wall_us(fn, 10)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(PROFILED_STEPS):
+                fn()
+            torch.cuda.synchronize()
+        print(f"--- {name} 4096x4096: host ops per step (us, profiler overhead included)")
+        for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:14]:
+            print(f"  {e.key[:50]:50s} self {e.self_cpu_time_total / PROFILED_STEPS:7.1f}  "
+                  f"cum {e.cpu_time_total / PROFILED_STEPS:7.1f}  x{e.count / PROFILED_STEPS:.1f}")
+
+
+if __name__ == "__main__":
+    main()
