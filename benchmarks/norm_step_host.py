@@ -15,6 +15,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import quack_kernels as qk
+from quack_kernels.native import module as native_module
 
 from profile_ops import wall_us
 
@@ -48,8 +49,9 @@ def kernel_us(fn, steps=10):
 
 
 def steps(M, N):
-    """Training steps (x, weight [, bias] all requiring grad), ours and torch's, plus the
-    forward alone that builds the graph."""
+    """Training steps (x, weight [, bias] all requiring grad), ours and torch's; the
+    LayerNorm forward alone (building the graph, and without grad), ours also straight
+    from the C++ entry (no Python layer); its backward alone on a retained graph."""
     dtype = torch.bfloat16
     x = torch.randn(M, N, device="cuda", dtype=dtype).requires_grad_()
     w = torch.randn(N, device="cuda", dtype=dtype).requires_grad_()
@@ -62,15 +64,40 @@ def steps(M, N):
             f().backward(dy)
         return run
 
+    def backward_only(f):
+        y = f()
+
+        def run():
+            x.grad = w.grad = b.grad = None
+            y.backward(dy, retain_graph=True)
+        return run
+
+    def no_grad(f):
+        def run():
+            with torch.no_grad():
+                f()
+        return run
+
+    ours_ln = lambda: qk.layer_norm(x, w, b)  # noqa: E731
+    torch_ln = lambda: F.layer_norm(x, (N,), w, b)  # noqa: E731
+    ours_ln()  # (registers the C++ plan)
+    native = native_module()
+    straight_ln = lambda: native.norm(x, w, b, None, x.dtype, 1e-5, 0.0, False, False)  # noqa: E731
     return {
         "ours rms": step(lambda: qk.rms_norm(x, w)),
         "torch rms": step(lambda: F.rms_norm(x, (N,), w)),
-        "ours ln": step(lambda: qk.layer_norm(x, w, b)),
-        "torch ln": step(lambda: F.layer_norm(x, (N,), w, b)),
+        "ours ln": step(ours_ln),
+        "torch ln": step(torch_ln),
         "ours rms frozen w": step(lambda: qk.rms_norm(x, w.detach())),
         "torch rms frozen w": step(lambda: F.rms_norm(x, (N,), w.detach())),
-        "ours ln fwd(grad)": lambda: qk.layer_norm(x, w, b),
-        "torch ln fwd(grad)": lambda: F.layer_norm(x, (N,), w, b),
+        "ours ln fwd(grad)": ours_ln,
+        "ours ln fwd(grad) C++": straight_ln,
+        "torch ln fwd(grad)": torch_ln,
+        "ours ln fwd no grad": no_grad(ours_ln),
+        "ours ln fwd no grad C++": no_grad(straight_ln),
+        "torch ln fwd no grad": no_grad(torch_ln),
+        "ours ln bwd only": backward_only(ours_ln),
+        "torch ln bwd only": backward_only(torch_ln),
     }
 
 
