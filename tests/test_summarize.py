@@ -67,6 +67,23 @@ def test_gpu_filter_keeps_the_runs_of_one_card(tmp_path, summarize):
     assert summarize.read_cases(tmp_path, "a100") == {}
 
 
+def test_options_case_is_held_to_a_share_of_the_plain_one(tmp_path, summarize):
+    write(tmp_path / "plain.csv", "2026-12-06T01:00", [
+        ("cross_entropy_fwdbwd", 8192, 16384, "quack_kernels", 200.0, 88.0, ""),
+        ("cross_entropy_fwdbwd", 32768, 4096, "quack_kernels", 200.0, 86.0, "")])
+    write(tmp_path / "options.csv", "2026-12-06T02:00", [
+        ("cross_entropy_fwdbwd_options", 8192, 16384, "quack_kernels", 260.0, 67.0, ""),
+        ("cross_entropy_fwdbwd_options", 32768, 4096, "quack_kernels", 220.0, 78.0, ""),
+        ("cross_entropy_fwdbwd_options", 131072, 1024, "quack_kernels", 220.0, 50.0, "")])
+    cases = summarize.read_cases(tmp_path)
+    slow, close = (cases[("cross_entropy_fwdbwd_options", "bf16", m, n)]
+                   for m, n in ((8192, 16384), (32768, 4096)))
+    assert (slow.target, slow.misses) == (79.2, True)
+    assert (close.target, close.misses) == (77.4, False)
+    # without a plain result to compare with, only the baselines count
+    assert cases[("cross_entropy_fwdbwd_options", "bf16", 131072, 1024)].target is None
+
+
 @pytest.mark.parametrize("op, m, n, target", [
     ("softmax_bwd", 512, 262144, 92.0),
     ("softmax_fwd", 128, 1 << 20, 85.0),
