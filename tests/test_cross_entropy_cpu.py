@@ -622,6 +622,27 @@ def test_plain_streamed_bf16_loss_widens_by_integer_ops_unguarded(n, tmp_path, c
             assert len(re.findall(r"\bPRMT\b", sass)) < len(loads), dtype
 
 
+def test_staged_16_bit_rows_recap_on_the_fma_pipe(tmp_path, cuobjdump):
+    """A staged 16-bit row with the fixed max caps its logits twice, for the sums and
+    for the gradient, and takes the second cap's reciprocal by Newton steps on the FMA
+    pipe (kernels.cross_entropy.fma_reciprocal): its SASS holds about one MUFU.RCP a
+    value instead of two, without a spill. fp32 rows and softcaps past the fixed max's
+    bound keep both on the multi-function unit."""
+    for n, dtype, options, on_fma in ((16384, torch.bfloat16, "_capped", True),
+                                      (151936, torch.float16, "_capped", True),
+                                      (151936, torch.float32, "_capped", False),
+                                      (16384, torch.bfloat16, "_capped_wide", False)):
+        cfg, flags = ops.variant(n, dtype, False, **ops.REPORT_OPTIONS[options])
+        kernel = ops.forward_kernel(cfg, dtype, torch.int64, **flags)
+        assert kernel[0].recaps_on_fma == on_fma, (n, dtype, options)
+        usage, sass = compiled_sass(kernel, tmp_path / f"{n}_{dtype}{options}", cuobjdump)
+        assert spills(usage) == 0, (n, dtype, options, usage)
+        values = cfg.thread_values_per_chunk * cfg.num_chunks
+        rcp = len(re.findall(r"\bMUFU\.RCP\b", sass))
+        assert (rcp < 1.5 * values) if on_fma else (rcp >= 2 * values), \
+            (n, dtype, options, rcp, values)
+
+
 def test_per_row_losses_can_be_modified_in_place():
     """reduction="none" hands out a tensor callers may modify in place, as torch's does
     (the autograd function's loss is a view of its (2, M) stats)."""
@@ -642,8 +663,8 @@ def test_per_row_losses_can_be_modified_in_place():
 def test_softcap_takes_the_fixed_max_up_to_its_bound():
     """config.ce_fixed_max: softcaps of either sign up to CE_FIXED_MAX_SOFTCAP (where
     exp(-2 s) is still a normal fp32), not 0 (no cap) nor larger ones; with the gradient
-    and for the streamed loss alone, not with the weight row staged, in the looping grid
-    or for the loss alone of short rows. The kernel refuses a fixed max without softcap
+    and for the streamed loss alone and in the looping grid, not with the weight row
+    staged or for the loss alone of short rows. The kernel refuses a fixed max without softcap
     and holds the kept-values gradient share to KEPT_CAPPED_REGISTERS."""
     bound = config.CE_FIXED_MAX_SOFTCAP
     assert torch.finfo(torch.float32).tiny < math.exp(-2 * bound)
@@ -657,7 +678,8 @@ def test_softcap_takes_the_fixed_max_up_to_its_bound():
     assert not config.ce_fixed_max(0.0, kept, False, True)
     assert not config.ce_fixed_max(bound * 1.001, kept, False, True)
     assert not config.ce_fixed_max(30.0, kept, True, True)
-    assert not config.ce_fixed_max(30.0, looping, False, True)
+    assert config.ce_fixed_max(30.0, looping, False, True) and ops.loops_over_row_blocks(
+        looping, True)
     assert not config.ce_fixed_max(30.0, short, False, False)
     plain = dict(weighted=False, smoothing=True, zloss=True, write_grad=True)
     with pytest.raises(AssertionError):

@@ -268,12 +268,15 @@ def test_cpp_step_with_int32_targets_and_create_graph():
 
 
 @pytest.mark.parametrize("v,dtype", [(4096, torch.float32), (128256, torch.bfloat16),
-                                     (151936, torch.float32)])
+                                     (151936, torch.float32), (16384, torch.bfloat16),
+                                     (151936, torch.bfloat16)])
 def test_softcap_of_infinite_and_nan_logits(v, dtype):
     """softcap caps +-inf logits at +-s (a finite loss and gradient, as torch's tanh
     gives: a set-aside target among them too); a NaN logit makes its row's loss, lse
     and gradient NaN. bf16 128256 columns keep their capped values in registers between
-    the passes; fp32 151936 re-cap them from shared memory. A negative softcap is the
+    the passes; fp32 151936 re-cap them from shared memory, bf16 16384 (the looping grid)
+    and 151936 with the reciprocal on the FMA pipe, whose clamp meets the +inf
+    (kernels.cross_entropy.fma_reciprocal). A negative softcap is the
     same cap (s tanh(x / s) is even in s); one above config.CE_FIXED_MAX_SOFTCAP keeps
     the running max (kernels.cross_entropy, fixed_max)."""
     m, s = 8, 30.0

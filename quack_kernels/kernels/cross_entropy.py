@@ -50,6 +50,8 @@ import math
 import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float16, Float32, Int32, Int64
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import arith, vector
 from cutlass.memory import SmemAllocator
 
 from ..primitives import reduce as red
@@ -89,6 +91,30 @@ def _with_target(other_max: Float32, other_sumexp: Float32, z_target: Float32, v
     other = other_sumexp * cute.math.exp2(other_max - row_max_safe, fastmath=True)
     target = _exp_below(z_target, row_max_safe)
     return row_max, other + cutlass.select_(valid, target, Float32(0.0)), other
+
+
+# fma_reciprocal's first guess 1/y ~ bits(RECIPROCAL_GUESS - bits(y)) (5e-2 relative over
+# [1, 2^100]) and the bound it clamps y to: 1/2^100 is below every cap's rounding, and an
+# exponent that large keeps the guess a normal fp32.
+RECIPROCAL_GUESS = 0x7EF311C3
+RECIPROCAL_CLAMP = 2.0 ** 100
+
+
+def fma_reciprocal(y: cute.TensorSSA) -> cute.TensorSSA:
+    """1 / y for y in [1, inf] (NaN stays NaN) on the FMA pipe, where MUFU.RCP would wait
+    for the multi-function unit: three Newton steps r <- r (2 - y r) from the integer
+    guess take its 5e-2 relative error to 2.6e-3, 6.6e-6 and 6e-8 (fp32 emulation against
+    fp64 over [1, 2^100]: MUFU.RCP's level). y = inf gives 2^-100."""
+    y = cute.where(y > Float32(RECIPROCAL_CLAMP), Float32(RECIPROCAL_CLAMP), y)
+    words_type = ir.VectorType.get([cute.size(y.shape)], Int32.mlir_type)
+    words = vector.bitcast(words_type, y)
+    guess = arith.subi(arith.constant(words_type, ir.DenseElementsAttr.get_splat(
+        words_type, ir.IntegerAttr.get(Int32.mlir_type, RECIPROCAL_GUESS))), words)
+    r = cute.TensorSSA(vector.bitcast(ir.VectorType.get([cute.size(y.shape)], Float32.mlir_type),
+                                      guess), y.shape, Float32)
+    for _ in range(3):
+        r = r * (Float32(2.0) - y * r)
+    return r
 
 
 def _target_gradient(p_target, coef_p, coef_t, one_minus_p_target):
@@ -208,6 +234,15 @@ class CrossEntropyForward(RowKernel):
             and cfg.staging != "global"
         self.target_aside = self.capped_placeholders or self.smoothing_aside or (
             not softcap and not smoothing and (cfg.staging != "global" or self.streams))
+        # A staged 16-bit row capped twice, for its sums and again for its gradient, takes
+        # 6.2-6.5 multi-function-unit ops a value (the cap's ex2 and rcp twice, two exps)
+        # where the bf16 step at 85% of the copy ceiling allows 5.8 (16 a clock per SM,
+        # 2.8 values a clock per SM on an H100); 29-31 of its 46 issue slots are used, so
+        # the second cap takes its reciprocal on the FMA pipe. With the running max and
+        # in fp32 rows that spilled 8 bytes (sm_90a: bf16 / fp16 16384 columns, fp32
+        # 262144 / 524288).
+        self.recaps_on_fma = softcap and fixed_max and write_grad and dtype.width == 16 \
+            and cfg.staging != "registers"
         self.scratch_buffers = 2 if self.loops else 1  # alternate per row block
         plain = write_grad and reduce == "none" and plain_terms
         if plain and whole_chunks and cfg.num_chunks == 1 and dtype != Float16 and (dtype.width == 16 or loop_ctas_per_sm(
@@ -226,19 +261,22 @@ class CrossEntropyForward(RowKernel):
                         grid_rows),
             mX.shape[0], stream, grid_rows=grid_rows if self.loops else None)
 
-    @cute.jit
-    def _cap(self, x, inv_softcap: Float32, softcap: Float32):
+    def _cap(self, x, inv_softcap: Float32, softcap: Float32, recap: bool = False):
         """s tanh(x / s) as s - 2 s / (1 + exp(2 x / s)): the ex2 and rcp of a precise
         tanh and three FP32 instructions per value, where the tanh's relative precision
         near 0 took about 14 more (MUFU.TANH alone is off by 5e-4 relative). Absolute
         error under 6e-7 s (fp32 emulation with the approximate ex2 and rcp), the
         precision exp(z - lse) and the loss need; x = -inf gives -s, +inf gives s.
         SASS of the gradient kernel, 4096x128256 bf16, every option on: 4744 -> 3192
-        instructions per thread (plain: 1304)."""
-        if cutlass.const_expr(self.softcap):
+        instructions per thread (plain: 1304). ``recap``: the gradient pass capping a
+        staged row again, its reciprocal on the FMA pipe where ``recaps_on_fma``."""
+        if self.softcap:
             e = cute.math.exp2(x * (inv_softcap * Float32(2.0 * red.LOG2_E)), fastmath=True)
-            x = softcap - (softcap + softcap) * cute.math.rcp(e + Float32(1.0), approx=True,
-                                                              ftz=True)
+            if recap and self.recaps_on_fma:
+                r = fma_reciprocal(e + Float32(1.0))
+            else:
+                r = cute.math.rcp(e + Float32(1.0), approx=True, ftz=True)
+            x = softcap - (softcap + softcap) * r
         return x
 
     @cute.kernel
@@ -501,7 +539,7 @@ class CrossEntropyForward(RowKernel):
                 if cutlass.const_expr(cfg.staging == "registers"):
                     z, w = kept[c]
                 else:
-                    z = self._cap(tiles.values(0, c), inv_softcap, softcap)
+                    z = self._cap(tiles.values(0, c), inv_softcap, softcap, recap=True)
                     w = None
                     if cutlass.const_expr(self.stage_weight):
                         w = tiles.values(1, c)
