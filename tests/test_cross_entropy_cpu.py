@@ -664,8 +664,8 @@ def test_softcap_takes_the_fixed_max_up_to_its_bound():
     """config.ce_fixed_max: softcaps of either sign up to CE_FIXED_MAX_SOFTCAP (where
     exp(-2 s) is still a normal fp32), not 0 (no cap) nor larger ones; with the gradient
     and for the streamed loss alone and in the looping grid, not with the weight row
-    staged or for the loss alone of short rows. The kernel refuses a fixed max without softcap
-    and holds the kept-values gradient share to KEPT_CAPPED_REGISTERS."""
+    staged or for the loss alone of short rows. The kernel refuses a fixed max without
+    softcap and holds the kept-values gradient share to KEPT_CAPPED_REGISTERS."""
     bound = config.CE_FIXED_MAX_SOFTCAP
     assert torch.finfo(torch.float32).tiny < math.exp(-2 * bound)
     kept = ops.forward_config(128256, torch.float32, False, True, softcap=True)

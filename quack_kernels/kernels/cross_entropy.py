@@ -106,12 +106,13 @@ def fma_reciprocal(y: cute.TensorSSA) -> cute.TensorSSA:
     guess take its 5e-2 relative error to 2.6e-3, 6.6e-6 and 6e-8 (fp32 emulation against
     fp64 over [1, 2^100]: MUFU.RCP's level). y = inf gives 2^-100."""
     y = cute.where(y > Float32(RECIPROCAL_CLAMP), Float32(RECIPROCAL_CLAMP), y)
-    words_type = ir.VectorType.get([cute.size(y.shape)], Int32.mlir_type)
-    words = vector.bitcast(words_type, y)
+    count = cute.size(y.shape)
+    words_type = ir.VectorType.get([count], Int32.mlir_type)
     guess = arith.subi(arith.constant(words_type, ir.DenseElementsAttr.get_splat(
-        words_type, ir.IntegerAttr.get(Int32.mlir_type, RECIPROCAL_GUESS))), words)
-    r = cute.TensorSSA(vector.bitcast(ir.VectorType.get([cute.size(y.shape)], Float32.mlir_type),
-                                      guess), y.shape, Float32)
+        words_type, ir.IntegerAttr.get(Int32.mlir_type, RECIPROCAL_GUESS))),
+        vector.bitcast(words_type, y))
+    r = cute.TensorSSA(vector.bitcast(ir.VectorType.get([count], Float32.mlir_type), guess),
+                       y.shape, Float32)
     for _ in range(3):
         r = r * (Float32(2.0) - y * r)
     return r
@@ -234,7 +235,8 @@ class CrossEntropyForward(RowKernel):
             and cfg.staging != "global"
         self.target_aside = self.capped_placeholders or self.smoothing_aside or (
             not softcap and not smoothing and (cfg.staging != "global" or self.streams))
-        # A staged 16-bit row capped twice, for its sums and again for its gradient, takes
+        # A 16-bit row re-read for its gradient (staged in shared memory, or past that in
+        # global memory) and so capped twice, for its sums and again for its gradient, takes
         # 6.2-6.5 multi-function-unit ops a value (the cap's ex2 and rcp twice, two exps)
         # where the bf16 step at 85% of the copy ceiling allows 5.8 (16 a clock per SM,
         # 2.8 values a clock per SM on an H100); 29-31 of its 46 issue slots are used, so
