@@ -152,6 +152,7 @@ class CrossEntropyForward(RowKernel):
         self.cfg = cfg
         assert softcap or not fixed_max, "only capped logits have a fixed bound"
         self.fixed_max = fixed_max
+        # merges this thread's running (max, sum of exp, non-target sum of exp)
         self.combine = _fixed_max_combine if fixed_max else _combine
         # "sum" / "mean": the loss also reduced over the rows by the grid's last CTA
         # (_reduce_rows) instead of by two more launches after this one
@@ -168,8 +169,6 @@ class CrossEntropyForward(RowKernel):
         self.stage_weight = weighted and smoothing
         assert reduce == "none" or not self.stage_weight, "see config.ce_reduces_in_kernel"
         self.staged_dtypes = (dtype, Float32) if self.stage_weight else (dtype,)
-        # (max, sumexp, sumexp without the target, z_t, [w_t], [sum w z], [W])
-        self.values_per_reduction = 4 + int(weighted) + int(smoothing) + int(self.stage_weight)
         self.loops = loops_over_row_blocks(cfg, write_grad)
         # label smoothing alone sets the target aside too (see target_aside below)
         self.smoothing_aside = smoothing and not softcap and not self.stage_weight \
@@ -241,6 +240,19 @@ class CrossEntropyForward(RowKernel):
         self.target_aside = self.capped_placeholders or self.smoothing_aside or (
             not softcap and not smoothing and (cfg.staging != "global" or self.streams))
         self.scratch_buffers = 2 if self.loops else 1  # alternate per row block
+        # Reduced over the row: ([max], [sum of exp], sum of exp without the target, z_t,
+        # [w_t], [sum w z], [W]). With fixed_max not the max (every thread's is the
+        # cap's, a constant), nor, with the target set aside, the sum over every class
+        # (until _with_target adds the target it is the non-target sum): each value
+        # reduced costs a shuffle and a merge per warp level and a scratch word, and a
+        # row's fixed work is a quarter of the options kernel's at 65536 columns. Under
+        # a running max the sum stays: without it the fp16 capped gradient of 16384
+        # columns and the bf16 streamed loss of 524288 spilled 16-24 bytes (sm_90a).
+        self.reduces_max = not fixed_max
+        self.reduces_sum = not (fixed_max and self.target_aside)
+        self.values_per_reduction = 2 + int(self.reduces_max) + int(self.reduces_sum) \
+            + int(weighted) + int(smoothing) + int(self.stage_weight)
+        self.reduce_combine = _combine if self.reduces_max else red.sum_combine
         # The one-block shares of the fixed-max gradient held to CAPPED_GRAD_REGISTERS: the
         # kept values', and the re-capping shares' staged in shared memory where it leaves
         # room for the CTAs the hold is for (else the hint let the compiler take up to 255
@@ -460,11 +472,13 @@ class CrossEntropyForward(RowKernel):
                                                      softcap)
             if cutlass.const_expr(self.loops):
                 tiles.prefetch_ahead(grid_rows)
-        stats = running[:3]
-        z_target, sum_wz, sum_w = running[3], running[4], running[5]
-
-        partials = (*stats, z_target)
-        identity = (Float32(-math.inf), Float32(0.0), Float32(0.0), Float32(0.0))
+        row_max, row_sumexp, other_sumexp, z_target, sum_wz, sum_w = running
+        partials = (other_sumexp, z_target)
+        identity = (Float32(0.0), Float32(0.0))
+        if cutlass.const_expr(self.reduces_sum):
+            partials, identity = (row_sumexp, *partials), (Float32(0.0), *identity)
+        if cutlass.const_expr(self.reduces_max):
+            partials, identity = (row_max, *partials), (Float32(-math.inf), *identity)
         if cutlass.const_expr(self.weighted):
             partials = partials + (w_target,)
             identity = identity + (Float32(0.0),)
@@ -474,11 +488,18 @@ class CrossEntropyForward(RowKernel):
         if cutlass.const_expr(self.stage_weight):
             partials = partials + (sum_w,)
             identity = identity + (Float32(0.0),)
-        totals = slot.allreduce(partials, self.combine, identity, iteration=iteration)
-        row_max, row_sumexp, other_sumexp, z_target = totals[0], totals[1], totals[2], totals[3]
+        totals = slot.allreduce(partials, self.reduce_combine, identity, iteration=iteration)
+        k = 0
+        if cutlass.const_expr(self.reduces_max):
+            row_max = totals[k]
+            k += 1
+        if cutlass.const_expr(self.reduces_sum):
+            row_sumexp = totals[k]
+            k += 1
+        other_sumexp, z_target = totals[k], totals[k + 1]
+        k += 2
         if cutlass.const_expr(self.target_aside):
             row_max, row_sumexp, other_sumexp = _with_target(row_max, other_sumexp, z_target, valid)
-        k = 4
         w_target = Float32(1.0)
         if cutlass.const_expr(self.weighted):
             w_target = totals[k]
