@@ -626,21 +626,30 @@ def test_staged_16_bit_rows_recap_on_the_fma_pipe(tmp_path, cuobjdump):
     """A staged 16-bit row with the fixed max caps its logits twice, for the sums and
     for the gradient, and takes the second cap's reciprocal by Newton steps on the FMA
     pipe (kernels.cross_entropy.fma_reciprocal): its SASS holds about one MUFU.RCP a
-    value instead of two, without a spill. fp32 rows and softcaps past the fixed max's
-    bound keep both on the multi-function unit."""
-    for n, dtype, options, on_fma in ((16384, torch.bfloat16, "_capped", True),
-                                      (151936, torch.float16, "_capped", True),
-                                      (151936, torch.float32, "_capped", False),
-                                      (16384, torch.bfloat16, "_capped_wide", False)):
+    value instead of two, without a spill. A one-block share in shared memory is held
+    to CAPPED_GRAD_REGISTERS where its shared memory leaves room for the CTAs the hold
+    is for; not where it does not (fp16 524288 columns, one CTA a SM) nor a share
+    re-read from global memory (2M columns, which spilled at 64). fp32 rows and softcaps
+    past the fixed max's bound keep both reciprocals on the multi-function unit."""
+    for n, dtype, options, on_fma, held in (
+            (16384, torch.bfloat16, "_capped", True, False),  # the looping grid
+            (151936, torch.float16, "_capped", True, True),
+            (524288, torch.float16, "_capped", True, False),
+            (2_000_000, torch.bfloat16, "_capped", True, False),
+            (151936, torch.float32, "_capped", False, False),
+            (16384, torch.bfloat16, "_capped_wide", False, False)):
         cfg, flags = ops.variant(n, dtype, False, **ops.REPORT_OPTIONS[options])
         kernel = ops.forward_kernel(cfg, dtype, torch.int64, **flags)
-        assert kernel[0].recaps_on_fma == on_fma, (n, dtype, options)
+        case = (n, dtype, options, cfg.staging)
+        assert kernel[0].recaps_on_fma == on_fma, case
+        assert kernel[0].block_registers == (config.CAPPED_GRAD_REGISTERS if held else None), case
         usage, sass = compiled_sass(kernel, tmp_path / f"{n}_{dtype}{options}", cuobjdump)
-        assert spills(usage) == 0, (n, dtype, options, usage)
+        assert spills(usage) == 0, (case, usage)
+        if held:
+            assert usage["regs"] <= config.CAPPED_GRAD_REGISTERS, (case, usage)
         values = cfg.thread_values_per_chunk * cfg.num_chunks
         rcp = len(re.findall(r"\bMUFU\.RCP\b", sass))
-        assert (rcp < 1.5 * values) if on_fma else (rcp >= 2 * values), \
-            (n, dtype, options, rcp, values)
+        assert (rcp < 1.5 * values) if on_fma else (rcp >= 2 * values), (case, rcp, values)
 
 
 def test_per_row_losses_can_be_modified_in_place():
@@ -665,7 +674,7 @@ def test_softcap_takes_the_fixed_max_up_to_its_bound():
     exp(-2 s) is still a normal fp32), not 0 (no cap) nor larger ones; with the gradient
     and for the streamed loss alone and in the looping grid, not with the weight row
     staged or for the loss alone of short rows. The kernel refuses a fixed max without
-    softcap and holds the kept-values gradient share to KEPT_CAPPED_REGISTERS."""
+    softcap and holds the kept-values gradient share to CAPPED_GRAD_REGISTERS."""
     bound = config.CE_FIXED_MAX_SOFTCAP
     assert torch.finfo(torch.float32).tiny < math.exp(-2 * bound)
     kept = ops.forward_config(128256, torch.float32, False, True, softcap=True)
@@ -688,7 +697,7 @@ def test_softcap_takes_the_fixed_max_up_to_its_bound():
     running = ops.forward_kernel_object(kept, torch.float32, softcap=True, fixed_max=False,
                                         **plain)
     assert kept.staging == "registers" and not held.loops
-    assert held.block_registers == config.KEPT_CAPPED_REGISTERS
+    assert held.block_registers == config.CAPPED_GRAD_REGISTERS
     assert running.block_registers is None
     # the in-kernel reduction's epilogue spilled 16 bytes under the hold (65536 16-bit)
     reduced = ops.forward_kernel_object(kept, torch.float32, softcap=True, fixed_max=True,

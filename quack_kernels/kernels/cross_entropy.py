@@ -57,7 +57,8 @@ from cutlass.memory import SmemAllocator
 from ..primitives import reduce as red
 from ..primitives import tiling
 from ..primitives.config import (CE_LOOP_REGISTERS, CE_PLAIN_GRAD_LOOP_REGISTERS,
-                                 CE_WIDE_GRAD_LOOP_REGISTERS, KEPT_CAPPED_REGISTERS,
+                                 CE_WIDE_GRAD_LOOP_REGISTERS, CAPPED_GRAD_REGISTERS,
+                                 REGISTERS_PER_SM,
                                  STREAM_LOSS_REGISTERS, STREAM_UNROLL, RowConfig, loop_ctas_per_sm, loops_over_row_blocks,
                                  whole_vectors)
 from ..primitives.rows import ReductionSlot, RowKernel, RowTiles, broadcast_rows
@@ -151,6 +152,7 @@ class CrossEntropyForward(RowKernel):
         self.cfg = cfg
         assert softcap or not fixed_max, "only capped logits have a fixed bound"
         self.fixed_max = fixed_max
+        # merges this thread's running (max, sum of exp, non-target sum of exp)
         self.combine = _fixed_max_combine if fixed_max else _combine
         # "sum" / "mean": the loss also reduced over the rows by the grid's last CTA
         # (_reduce_rows) instead of by two more launches after this one
@@ -167,20 +169,22 @@ class CrossEntropyForward(RowKernel):
         self.stage_weight = weighted and smoothing
         assert reduce == "none" or not self.stage_weight, "see config.ce_reduces_in_kernel"
         self.staged_dtypes = (dtype, Float32) if self.stage_weight else (dtype,)
-        # (max, sumexp, sumexp without the target, z_t, [w_t], [sum w z], [W])
-        self.values_per_reduction = 4 + int(weighted) + int(smoothing) + int(self.stage_weight)
         self.loops = loops_over_row_blocks(cfg, write_grad)
         # label smoothing alone sets the target aside too (see target_aside below)
         self.smoothing_aside = smoothing and not softcap and not self.stage_weight \
             and cfg.staging != "global"
         if write_grad and (softcap or (self.smoothing_aside and dtype == Float16)):
             self.loop_registers = CE_WIDE_GRAD_LOOP_REGISTERS
-        # (with class weights 64 spilled 16 bytes, unbounded they take the running max's
-        # 80; with the in-kernel reduction's epilogue 64 spilled 16 bytes at 65536 16-bit
-        # columns)
-        if fixed_max and write_grad and cfg.staging == "registers" and not self.loops \
-                and not weighted and reduce == "none":
-            self.block_registers = KEPT_CAPPED_REGISTERS
+        # A 16-bit row re-read for its gradient (staged in shared memory, or past that in
+        # global memory) and so capped twice, for its sums and again for its gradient, takes
+        # 6.2-6.5 multi-function-unit ops a value (the cap's ex2 and rcp twice, two exps)
+        # where the bf16 step at 85% of the copy ceiling allows 5.8 (16 a clock per SM,
+        # 2.8 values a clock per SM on an H100); 29-31 of its 46 issue slots are used, so
+        # the second cap takes its reciprocal on the FMA pipe. With the running max and
+        # in fp32 rows that spilled 8 bytes (sm_90a: bf16 / fp16 16384 columns, fp32
+        # 262144 / 524288).
+        self.recaps_on_fma = softcap and fixed_max and write_grad and dtype.width == 16 \
+            and cfg.staging != "registers"
         # the loss alone of a share re-read from global memory: one streaming pass
         self.streams = cfg.staging == "global" and not write_grad and not self.stage_weight
         # a shifted row streamed: its loads fill -inf outside it (RowTiles.load), which
@@ -235,17 +239,33 @@ class CrossEntropyForward(RowKernel):
             and cfg.staging != "global"
         self.target_aside = self.capped_placeholders or self.smoothing_aside or (
             not softcap and not smoothing and (cfg.staging != "global" or self.streams))
-        # A 16-bit row re-read for its gradient (staged in shared memory, or past that in
-        # global memory) and so capped twice, for its sums and again for its gradient, takes
-        # 6.2-6.5 multi-function-unit ops a value (the cap's ex2 and rcp twice, two exps)
-        # where the bf16 step at 85% of the copy ceiling allows 5.8 (16 a clock per SM,
-        # 2.8 values a clock per SM on an H100); 29-31 of its 46 issue slots are used, so
-        # the second cap takes its reciprocal on the FMA pipe. With the running max and
-        # in fp32 rows that spilled 8 bytes (sm_90a: bf16 / fp16 16384 columns, fp32
-        # 262144 / 524288).
-        self.recaps_on_fma = softcap and fixed_max and write_grad and dtype.width == 16 \
-            and cfg.staging != "registers"
         self.scratch_buffers = 2 if self.loops else 1  # alternate per row block
+        # Reduced over the row: ([max], [sum of exp], sum of exp without the target, z_t,
+        # [w_t], [sum w z], [W]). With fixed_max not the max (every thread's is the
+        # cap's, a constant), nor, with the target set aside, the sum over every class
+        # (until _with_target adds the target it is the non-target sum): each value
+        # reduced costs a shuffle and a merge per warp level and a scratch word, and a
+        # row's fixed work is a quarter of the options kernel's at 65536 columns. Under
+        # a running max the sum stays: without it the fp16 capped gradient of 16384
+        # columns and the bf16 streamed loss of 524288 spilled 16-24 bytes (sm_90a).
+        self.reduces_max = not fixed_max
+        self.reduces_sum = not (fixed_max and self.target_aside)
+        self.values_per_reduction = 2 + int(self.reduces_max) + int(self.reduces_sum) \
+            + int(weighted) + int(smoothing) + int(self.stage_weight)
+        self.reduce_combine = _combine if self.reduces_max else red.sum_combine
+        # The one-block shares of the fixed-max gradient held to CAPPED_GRAD_REGISTERS: the
+        # kept values', and the re-capping shares' staged in shared memory where it leaves
+        # room for the CTAs the hold is for (else the hint let the compiler take up to 255
+        # registers; a share re-read from global memory spilled at 64: 104 bytes at 2M
+        # bf16 columns). With class weights 64 spilled 16 bytes (unbounded they take the
+        # running max's 80); with the in-kernel reduction's epilogue 64 spilled 16 bytes at
+        # 65536 16-bit columns.
+        held_ctas = REGISTERS_PER_SM // (CAPPED_GRAD_REGISTERS * cfg.threads_per_block)
+        if fixed_max and write_grad and not self.loops and not weighted and reduce == "none" \
+                and (cfg.staging == "registers" or (self.recaps_on_fma and cfg.staging == "smem"
+                     and loop_ctas_per_sm(cfg, self.smem_bytes(), CAPPED_GRAD_REGISTERS)
+                     == held_ctas)):
+            self.block_registers = CAPPED_GRAD_REGISTERS
         plain = write_grad and reduce == "none" and plain_terms
         if plain and whole_chunks and cfg.num_chunks == 1 and dtype != Float16 and (dtype.width == 16 or loop_ctas_per_sm(
                     cfg, self.smem_bytes(), self.loop_registers) <= 2):
@@ -263,23 +283,27 @@ class CrossEntropyForward(RowKernel):
                         grid_rows),
             mX.shape[0], stream, grid_rows=grid_rows if self.loops else None)
 
-    def _cap(self, x, inv_softcap: Float32, softcap: Float32, recap: bool = False):
-        """s tanh(x / s) as s - 2 s / (1 + exp(2 x / s)): the ex2 and rcp of a precise
-        tanh and three FP32 instructions per value, where the tanh's relative precision
-        near 0 took about 14 more (MUFU.TANH alone is off by 5e-4 relative). Absolute
-        error under 6e-7 s (fp32 emulation with the approximate ex2 and rcp), the
-        precision exp(z - lse) and the loss need; x = -inf gives -s, +inf gives s.
-        SASS of the gradient kernel, 4096x128256 bf16, every option on: 4744 -> 3192
-        instructions per thread (plain: 1304). ``recap``: the gradient pass capping a
-        staged row again, its reciprocal on the FMA pipe where ``recaps_on_fma``."""
+    def _cap(self, x, inv_softcap: Float32, softcap: Float32):
+        """s tanh(x / s) as s - 2 s r, r = 1 / (1 + exp(2 x / s)) (_cap_share): the ex2
+        and rcp of a precise tanh and three FP32 instructions per value, where the tanh's
+        relative precision near 0 took about 14 more (MUFU.TANH alone is off by 5e-4
+        relative). Absolute error under 6e-7 s (fp32 emulation with the approximate ex2
+        and rcp), the precision exp(z - lse) and the loss need; x = -inf gives -s, +inf
+        gives s. SASS of the gradient kernel, 4096x128256 bf16, every option on: 4744 ->
+        3192 instructions per thread (plain: 1304)."""
         if self.softcap:
-            e = cute.math.exp2(x * (inv_softcap * Float32(2.0 * red.LOG2_E)), fastmath=True)
-            if recap and self.recaps_on_fma:
-                r = fma_reciprocal(e + Float32(1.0))
-            else:
-                r = cute.math.rcp(e + Float32(1.0), approx=True, ftz=True)
-            x = softcap - (softcap + softcap) * r
+            x = softcap - (softcap + softcap) * self._cap_share(x, inv_softcap)
         return x
+
+    def _cap_share(self, x, inv_softcap: Float32, recap: bool = False):
+        """r = 1 / (1 + exp(2 x / s)) of logits ``x``, which the capped logit z = s - 2 s r
+        and its gradient's chain 1 - (z / s)^2 = 4 r (1 - r) take. ``recap``: the gradient
+        pass capping a staged row again, its reciprocal on the FMA pipe where
+        ``recaps_on_fma``."""
+        e = cute.math.exp2(x * (inv_softcap * Float32(2.0 * red.LOG2_E)), fastmath=True)
+        if recap and self.recaps_on_fma:
+            return fma_reciprocal(e + Float32(1.0))
+        return cute.math.rcp(e + Float32(1.0), approx=True, ftz=True)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mTarget: cute.Tensor, mWeight: cute.Tensor,
@@ -448,11 +472,13 @@ class CrossEntropyForward(RowKernel):
                                                      softcap)
             if cutlass.const_expr(self.loops):
                 tiles.prefetch_ahead(grid_rows)
-        stats = running[:3]
-        z_target, sum_wz, sum_w = running[3], running[4], running[5]
-
-        partials = (*stats, z_target)
-        identity = (Float32(-math.inf), Float32(0.0), Float32(0.0), Float32(0.0))
+        row_max, row_sumexp, other_sumexp, z_target, sum_wz, sum_w = running
+        partials = (other_sumexp, z_target)
+        identity = (Float32(0.0), Float32(0.0))
+        if cutlass.const_expr(self.reduces_sum):
+            partials, identity = (row_sumexp, *partials), (Float32(0.0), *identity)
+        if cutlass.const_expr(self.reduces_max):
+            partials, identity = (row_max, *partials), (Float32(-math.inf), *identity)
         if cutlass.const_expr(self.weighted):
             partials = partials + (w_target,)
             identity = identity + (Float32(0.0),)
@@ -462,11 +488,18 @@ class CrossEntropyForward(RowKernel):
         if cutlass.const_expr(self.stage_weight):
             partials = partials + (sum_w,)
             identity = identity + (Float32(0.0),)
-        totals = slot.allreduce(partials, self.combine, identity, iteration=iteration)
-        row_max, row_sumexp, other_sumexp, z_target = totals[0], totals[1], totals[2], totals[3]
+        totals = slot.allreduce(partials, self.reduce_combine, identity, iteration=iteration)
+        k = 0
+        if cutlass.const_expr(self.reduces_max):
+            row_max = totals[k]
+            k += 1
+        if cutlass.const_expr(self.reduces_sum):
+            row_sumexp = totals[k]
+            k += 1
+        other_sumexp, z_target = totals[k], totals[k + 1]
+        k += 2
         if cutlass.const_expr(self.target_aside):
             row_max, row_sumexp, other_sumexp = _with_target(row_max, other_sumexp, z_target, valid)
-        k = 4
         w_target = Float32(1.0)
         if cutlass.const_expr(self.weighted):
             w_target = totals[k]
@@ -537,22 +570,38 @@ class CrossEntropyForward(RowKernel):
             coef_w = eps_per_class * row_keep
             lse_log2 = row_max + log_sumexp * red.LOG2_E
             one_minus_p_target = other_sumexp * cute.arch.rcp_approx(row_sumexp)
+            # exp(z - lse) as exp2(v slope + offset) of the values v: the capped logits,
+            # or where recaps_on_fma their cap share r (_cap_share): z log2 e - lse_log2
+            # = r (-2 s log2 e) + (s log2 e - lse_log2), one FFMA without z, and the
+            # chain 4 r (1 - r) with its 4 in the coefficients (2 fewer instructions a
+            # value than z and 1 - (z / s)^2)
+            slope, offset, chain = Float32(red.LOG2_E), -lse_log2, Float32(1.0)
+            if cutlass.const_expr(self.recaps_on_fma):
+                slope = softcap * Float32(-2.0 * red.LOG2_E)
+                offset = softcap * Float32(red.LOG2_E) - lse_log2
+                chain = Float32(4.0)
             for c in cutlass.range_constexpr(cfg.num_chunks):
                 if cutlass.const_expr(cfg.staging == "registers"):
-                    z, w = kept[c]
+                    v, w = kept[c]
                 else:
-                    z = self._cap(tiles.values(0, c), inv_softcap, softcap, recap=True)
+                    v = tiles.values(0, c)
+                    if cutlass.const_expr(self.recaps_on_fma):
+                        v = self._cap_share(v, inv_softcap, recap=True)
+                    else:
+                        v = self._cap(v, inv_softcap, softcap)
                     w = None
                     if cutlass.const_expr(self.stage_weight):
                         w = tiles.values(1, c)
-                p = cute.math.exp2(z * red.LOG2_E - lse_log2, fastmath=True)
+                p = cute.math.exp2(v * slope + offset, fastmath=True)
                 if cutlass.const_expr(self.target_aside):
-                    g = p * coef_p  # the set-aside target's gradient is written below
+                    g = p * (coef_p * chain)  # the set-aside target's gradient is written below
                 else:
                     is_target = tiling.is_column(tiles.coords[c], target_col, self.column_offsets)
-                    g = cute.where(is_target, _target_gradient(p, coef_p, coef_t,
-                                                               one_minus_p_target), p * coef_p)
-                tiles.store(mdX, c, self._option_terms(g, z, w, coef_w, inv_softcap))
+                    g = cute.where(is_target, _target_gradient(p, coef_p * chain, coef_t * chain,
+                                                               one_minus_p_target),
+                                   p * (coef_p * chain))
+                tiles.store(mdX, c, self._option_terms(g, v, w, coef_w * chain, inv_softcap,
+                                                       from_share=self.recaps_on_fma))
             if cutlass.const_expr(self.target_aside):
                 p_target = _exp_below(z_target, lse_log2)
                 tiles.store_column(mdX, target_col, self._option_terms(
@@ -625,17 +674,22 @@ class CrossEntropyForward(RowKernel):
             sum_wz = sum_wz + red.thread_reduce(z_sum_in, cute.ReductionOp.ADD, 0.0)
         return (*stats, z_target, sum_wz, sum_w), w
 
-    @cute.jit
-    def _option_terms(self, g, z, w, coef_w: Float32, inv_softcap: Float32):
+    def _option_terms(self, g, v, w, coef_w: Float32, inv_softcap: Float32,
+                      from_share: bool = False):
         """The gradient wrt the logits from ``g`` = A p - B onehot(t) (values or one
-        value): minus (eps/C) w for label smoothing, times the softcap chain."""
-        if cutlass.const_expr(self.stage_weight):
+        value): minus (eps/C) w for label smoothing, times the softcap chain of the capped
+        logits ``v``, or ``from_share`` of their cap share r (_cap_share), r (1 - r): the
+        chain over 4, which the caller's coefficients carry."""
+        if self.stage_weight:
             g = g - w * coef_w
-        elif cutlass.const_expr(self.smoothing):
+        elif self.smoothing:
             g = g - coef_w
-        if cutlass.const_expr(self.softcap):
-            y = z * inv_softcap
-            g = g * (Float32(1.0) - y * y)
+        if self.softcap:
+            if from_share:
+                g = g * (v - v * v)
+            else:
+                y = v * inv_softcap
+                g = g * (Float32(1.0) - y * y)
         return g
 
     def _without_placeholders(self, running: tuple, tiles: RowTiles, target_col: Int32,

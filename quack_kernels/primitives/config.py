@@ -1890,10 +1890,13 @@ CE_WIDE_GRAD_LOOP_REGISTERS = 104
 # spilled until its epilogue was reworked, and the reworked training step replayed
 # slower (bf16 131072x1024 161 -> 165 us).
 CE_PLAIN_GRAD_LOOP_REGISTERS = 80
-# Registers per thread the kept-values share of the fixed-max gradient is held to (4
-# CTAs of 256 threads per SM): unbounded, fp32 rows of 128256 columns compiled to 80 (3
-# CTAs), the count at which the every-option kernel lost 8 points (fourteenth session).
-KEPT_CAPPED_REGISTERS = 64
+# Registers per thread the one-block shares of the fixed-max gradient are held to (4
+# CTAs of 256 threads per SM): the kept values', and the 16-bit ones re-capped on the FMA
+# pipe from shared memory where it leaves room for those 4 CTAs (kernels.cross_entropy).
+# Unbounded, fp32 rows of 128256 columns compiled to 80 (3 CTAs), the count at which
+# the every-option kernel lost 8 points (fourteenth session), and bf16 rows of 151936
+# to 74.
+CAPPED_GRAD_REGISTERS = 64
 
 
 def _kept_values_row_config(n_cols: int, elem: int, max_vec: int | None) -> RowConfig | None:
