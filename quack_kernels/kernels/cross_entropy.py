@@ -243,6 +243,9 @@ class CrossEntropyForward(RowKernel):
         # with the weight row staged (its sum of w z would need w_t as well).
         self.capped_placeholders = softcap and not self.stage_weight \
             and cfg.staging != "global"
+        # (the sums from the shares take every held value as one, the pads and the
+        # set-aside target included: unmasked, their terms counted out afterwards)
+        assert self.capped_placeholders or not self.sums_from_share
         self.target_aside = self.capped_placeholders or self.smoothing_aside or (
             not softcap and not smoothing and (cfg.staging != "global" or self.streams))
         self.scratch_buffers = 2 if self.loops else 1  # alternate per row block
@@ -596,7 +599,7 @@ class CrossEntropyForward(RowKernel):
             # value than z and 1 - (z / s)^2)
             slope, offset, chain = Float32(red.LOG2_E), -lse_log2, Float32(1.0)
             if cutlass.const_expr(self.recaps_on_fma):
-                slope = softcap * Float32(-2.0 * red.LOG2_E)
+                slope = self._share_exponent_slope(softcap)
                 offset = softcap * Float32(red.LOG2_E) - lse_log2
                 chain = Float32(4.0)
             for c in cutlass.range_constexpr(cfg.num_chunks):
@@ -660,6 +663,7 @@ class CrossEntropyForward(RowKernel):
         z_sum_in = z
         if cutlass.const_expr(self.cfg.needs_col_predicate and tiles.pad is None
                               and not self.streams_shifted):
+            assert not self.sums_from_share, "a share r is masked by no -inf"
             z_max_in = tiling.mask_out_of_row(z, tXcX, n_cols, -math.inf)
             z_sum_in = tiling.mask_out_of_row(z, tXcX, n_cols, 0.0)
         if cutlass.const_expr(self.sums_from_share):
