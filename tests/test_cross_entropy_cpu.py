@@ -630,18 +630,24 @@ def test_staged_16_bit_rows_recap_on_the_fma_pipe(tmp_path, cuobjdump):
     to CAPPED_GRAD_REGISTERS where its shared memory leaves room for the CTAs the hold
     is for; not where it does not (fp16 524288 columns, one CTA a SM) nor a share
     re-read from global memory (2M columns, which spilled at 64). fp32 rows and softcaps
-    past the fixed max's bound keep both reciprocals on the multi-function unit."""
-    for n, dtype, options, on_fma, held in (
-            (16384, torch.bfloat16, "_capped", True, False),  # the looping grid
-            (151936, torch.float16, "_capped", True, True),
-            (524288, torch.float16, "_capped", True, False),
-            (2_000_000, torch.bfloat16, "_capped", True, False),
-            (151936, torch.float32, "_capped", False, False),
-            (16384, torch.bfloat16, "_capped_wide", False, False)):
-        cfg, flags = ops.variant(n, dtype, False, **ops.REPORT_OPTIONS[options])
+    past the fixed max's bound keep both reciprocals on the multi-function unit. Rows
+    staged in shared memory, shifted ones included, take their sums from the cap shares
+    too (sums_from_share); not one-value vectors (50257 bf16: masked per value) nor
+    global shares."""
+    for n, dtype, options, on_fma, from_share, held, shifted in (
+            (16384, torch.bfloat16, "_capped", True, True, False, False),  # the looping grid
+            (151936, torch.float16, "_capped", True, True, True, False),
+            (262145, torch.bfloat16, "_capped", True, True, True, True),
+            (524288, torch.float16, "_capped", True, True, False, False),
+            (50257, torch.bfloat16, "_capped", True, False, True, False),
+            (2_000_000, torch.bfloat16, "_capped", True, False, False, False),
+            (151936, torch.float32, "_capped", False, False, False, False),
+            (16384, torch.bfloat16, "_capped_wide", False, False, False, False)):
+        cfg, flags = ops.variant(n, dtype, shifted, **ops.REPORT_OPTIONS[options])
         kernel = ops.forward_kernel(cfg, dtype, torch.int64, **flags)
-        case = (n, dtype, options, cfg.staging)
+        case = (n, dtype, options, cfg.staging, cfg.row_shift)
         assert kernel[0].recaps_on_fma == on_fma, case
+        assert kernel[0].sums_from_share == from_share, case
         assert kernel[0].block_registers == (config.CAPPED_GRAD_REGISTERS if held else None), case
         usage, sass = compiled_sass(kernel, tmp_path / f"{n}_{dtype}{options}", cuobjdump)
         assert spills(usage) == 0, (case, usage)

@@ -293,7 +293,8 @@ def test_softcap_of_infinite_and_nan_logits(v, dtype):
 
 
 @pytest.mark.parametrize("v,dtype", [(1000, torch.float16), (1000, torch.bfloat16),
-                                     (4000, torch.float32), (128256, torch.bfloat16),
+                                     (4000, torch.float32), (10000, torch.bfloat16),
+                                     (128256, torch.bfloat16), (151936, torch.bfloat16),
                                      (151936, torch.float32)])
 def test_softcap_counts_its_placeholders(v, dtype):
     """With softcap the set-aside target and the padding past the row end cap to -s and
@@ -302,7 +303,8 @@ def test_softcap_counts_its_placeholders(v, dtype):
     miscounted placeholder moves lse by 1/C and the smoothing term by 3/C at C = 1000;
     rows of one large logit over such a floor, at the target or elsewhere, too. The
     largest softcap that takes s as the row max (config.CE_FIXED_MAX_SOFTCAP, floor
-    terms exp(-2 s) ~ 1e-35) and one above it, too."""
+    terms exp(-2 s) ~ 1e-35) and one above it, too. bf16 10000 and 151936: padded
+    rows that take their sums from the cap shares (sums_from_share)."""
     m = 12
     x, target = fresh(m, v, dtype)  # rows 1, 6 and 11 ignored
     x[:] = -1e4

@@ -185,6 +185,12 @@ class CrossEntropyForward(RowKernel):
         # 262144 / 524288).
         self.recaps_on_fma = softcap and fixed_max and write_grad and dtype.width == 16 \
             and cfg.staging != "registers"
+        # The sums of a staged row that re-caps on the FMA pipe from its cap shares r
+        # (_cap_share) too: exp(z - s) one FMUL from r, the sum of z from the sum of r;
+        # z itself is never formed (one FFMA a value fewer). Not where the weight row is
+        # staged (its sum of w z) nor past the row end unpadded (a mask per value).
+        self.sums_from_share = self.recaps_on_fma and cfg.staging == "smem" \
+            and not self.stage_weight and (cfg.vec > 1 or not cfg.needs_col_predicate)
         # the loss alone of a share re-read from global memory: one streaming pass
         self.streams = cfg.staging == "global" and not write_grad and not self.stage_weight
         # a shifted row streamed: its loads fill -inf outside it (RowTiles.load), which
@@ -237,6 +243,9 @@ class CrossEntropyForward(RowKernel):
         # with the weight row staged (its sum of w z would need w_t as well).
         self.capped_placeholders = softcap and not self.stage_weight \
             and cfg.staging != "global"
+        # (the sums from the shares take every held value as one, the pads and the
+        # set-aside target included: unmasked, their terms counted out afterwards)
+        assert self.capped_placeholders or not self.sums_from_share
         self.target_aside = self.capped_placeholders or self.smoothing_aside or (
             not softcap and not smoothing and (cfg.staging != "global" or self.streams))
         self.scratch_buffers = 2 if self.loops else 1  # alternate per row block
@@ -294,6 +303,11 @@ class CrossEntropyForward(RowKernel):
         if self.softcap:
             x = softcap - (softcap + softcap) * self._cap_share(x, inv_softcap)
         return x
+
+    @staticmethod
+    def _share_exponent_slope(softcap: Float32) -> Float32:
+        """exp(z - s) = exp2(r (-2 s log2 e)) of a cap share r (_cap_share)."""
+        return softcap * Float32(-2.0 * red.LOG2_E)
 
     def _cap_share(self, x, inv_softcap: Float32, recap: bool = False):
         """r = 1 / (1 + exp(2 x / s)) of logits ``x``, which the capped logit z = s - 2 s r
@@ -462,11 +476,19 @@ class CrossEntropyForward(RowKernel):
                 if cutlass.const_expr(self.target_aside):
                     z_target = running[3] + tiles.take_column(0, c, target_col, -math.inf)
                     running = (*running[:3], z_target, *running[4:])
-                z = self._cap(tiles.values(0, c), inv_softcap, softcap)
+                if cutlass.const_expr(self.sums_from_share):
+                    z = self._cap_share(tiles.values(0, c), inv_softcap)
+                else:
+                    z = self._cap(tiles.values(0, c), inv_softcap, softcap)
                 running, w = self._chunk_stats(z, tiles, c, tiles.coords[c], target_col, running,
                                                softcap)
                 if cutlass.const_expr(cfg.staging == "registers" and self.write_grad):
                     kept.append((z, w))
+            if cutlass.const_expr(self.sums_from_share and self.smoothing):
+                # the sum of the shares as the sum of z = s - 2 s r over every value held
+                held_values = Float32(cfg.thread_values_per_chunk * cfg.num_chunks)
+                running = (*running[:4], held_values * softcap
+                           - (softcap + softcap) * running[4], running[5])
             if cutlass.const_expr(self.capped_placeholders):
                 running = self._without_placeholders(running, tiles, target_col, inv_softcap,
                                                      softcap)
@@ -577,7 +599,7 @@ class CrossEntropyForward(RowKernel):
             # value than z and 1 - (z / s)^2)
             slope, offset, chain = Float32(red.LOG2_E), -lse_log2, Float32(1.0)
             if cutlass.const_expr(self.recaps_on_fma):
-                slope = softcap * Float32(-2.0 * red.LOG2_E)
+                slope = self._share_exponent_slope(softcap)
                 offset = softcap * Float32(red.LOG2_E) - lse_log2
                 chain = Float32(4.0)
             for c in cutlass.range_constexpr(cfg.num_chunks):
@@ -641,11 +663,17 @@ class CrossEntropyForward(RowKernel):
         z_sum_in = z
         if cutlass.const_expr(self.cfg.needs_col_predicate and tiles.pad is None
                               and not self.streams_shifted):
+            assert not self.sums_from_share, "a share r is masked by no -inf"
             z_max_in = tiling.mask_out_of_row(z, tXcX, n_cols, -math.inf)
             z_sum_in = tiling.mask_out_of_row(z, tXcX, n_cols, 0.0)
-        bound = softcap if self.fixed_max \
-            else red.thread_reduce(z_max_in, cute.ReductionOp.MAX, -math.inf)
-        chunk_max, e = red.chunk_exp2(z_max_in, bound, base2=True)
+        if cutlass.const_expr(self.sums_from_share):
+            # z the cap share r: exp(z - s) = exp2(r (-2 s log2 e))
+            chunk_max = softcap * red.LOG2_E
+            e = cute.math.exp2(z * self._share_exponent_slope(softcap), fastmath=True)
+        else:
+            bound = softcap if self.fixed_max \
+                else red.thread_reduce(z_max_in, cute.ReductionOp.MAX, -math.inf)
+            chunk_max, e = red.chunk_exp2(z_max_in, bound, base2=True)
         chunk_sum = red.thread_reduce(e, cute.ReductionOp.ADD, 0.0)
         z_target = running[3]
         if cutlass.const_expr(self.target_aside):
@@ -710,7 +738,10 @@ class CrossEntropyForward(RowKernel):
             count = count + (cfg.thread_values_per_chunk * cfg.num_chunks - tiles.values_in_row())
         placeholders = Float32(count)
         row_max, row_sum, other_sum, z_raw, sum_wz, sum_w = running
-        term = _exp_below(-softcap, red.finite_or_zero(row_max))
+        if cutlass.const_expr(self.sums_from_share):
+            term = cute.math.exp2(self._share_exponent_slope(softcap), fastmath=True)  # r = 1
+        else:
+            term = _exp_below(-softcap, red.finite_or_zero(row_max))
         z_target = cutlass.select_(held, self._cap(z_raw, inv_softcap, softcap), Float32(0.0))
         return (row_max, row_sum - placeholders * term, other_sum - placeholders * term,
                 z_target, sum_wz + placeholders * softcap + z_target, sum_w)
