@@ -657,7 +657,8 @@ class CrossEntropyForward(RowKernel):
         W) with chunk ``chunk``'s (capped) logits ``z`` added, the chunk's staged class
         weights or None). The weights are read only after the logits' terms: loaded
         earlier they stay live through them and spilled (151936 fp32 columns). With
-        ``fixed_max`` the max is the cap ``softcap``."""
+        ``fixed_max`` the max is the cap ``softcap``; with ``sums_from_share`` ``z`` holds
+        the cap shares r and the sum of z their sum (the caller converts it)."""
         n_cols = self.cfg.n_cols
         z_max_in = z
         z_sum_in = z
