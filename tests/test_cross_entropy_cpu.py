@@ -653,7 +653,7 @@ def test_staged_16_bit_rows_recap_on_the_fma_pipe(tmp_path, cuobjdump):
         assert spills(usage) == 0, (case, usage)
         if held:
             assert usage["regs"] <= config.CAPPED_GRAD_REGISTERS, (case, usage)
-        values = cfg.thread_values_per_chunk * cfg.num_chunks
+        values = cfg.thread_values
         rcp = len(re.findall(r"\bMUFU\.RCP\b", sass))
         assert (rcp < 1.5 * values) if on_fma else (rcp >= 2 * values), (case, rcp, values)
 

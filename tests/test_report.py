@@ -540,7 +540,7 @@ def test_bf16_widened_by_integer_ops_where_the_config_says(tmp_path, cuobjdump):
         sass = disassembly(str(cubin), cuobjdump)
         masks = len(re.findall(r"LOP3\.LUT [^;]*0xffff0000", sass))
         unpacks = sass.count("PRMT")
-        values = cfg.thread_values_per_chunk * cfg.num_chunks
+        values = cfg.thread_values
         if widens_by_integer_ops(cfg):
             assert masks >= values // 2 and unpacks < values // 8, (n, masks, unpacks)
         else:

@@ -486,7 +486,7 @@ class CrossEntropyForward(RowKernel):
                     kept.append((z, w))
             if cutlass.const_expr(self.sums_from_share and self.smoothing):
                 # the sum of the shares as the sum of z = s - 2 s r over every value held
-                held_values = Float32(cfg.thread_values_per_chunk * cfg.num_chunks)
+                held_values = Float32(cfg.thread_values)
                 running = (*running[:4], held_values * softcap
                            - (softcap + softcap) * running[4], running[5])
             if cutlass.const_expr(self.capped_placeholders):
@@ -736,7 +736,7 @@ class CrossEntropyForward(RowKernel):
             held = held | held_here
             count = count + cutlass.select_(held_here, Int32(1), Int32(0))
         if cutlass.const_expr(tiles.pad is not None):  # the padded values past the row end
-            count = count + (cfg.thread_values_per_chunk * cfg.num_chunks - tiles.values_in_row())
+            count = count + (cfg.thread_values - tiles.values_in_row())
         placeholders = Float32(count)
         row_max, row_sum, other_sum, z_raw, sum_wz, sum_w = running
         if cutlass.const_expr(self.sums_from_share):

@@ -159,6 +159,11 @@ class RowConfig:
         return self.vec * self.vecs_per_thread
 
     @property
+    def thread_values(self) -> int:
+        """Values one thread holds of each staged tensor over all its chunks."""
+        return self.thread_values_per_chunk * self.num_chunks
+
+    @property
     def cols_per_chunk(self) -> int:
         return self.thread_values_per_chunk * self.threads_per_row
 
@@ -1335,7 +1340,7 @@ def sums_in_registers(cfg: RowConfig) -> bool:
     one-value vectors, whose predicate per value spilled LayerNorm 65537 bf16)."""
     return cfg.num_chunks == 1 or (
         cfg.threads_per_row >= SUM_THREADS_PER_ROW and cfg.vec > 1
-        and cfg.thread_values_per_chunk * cfg.num_chunks <= REGISTER_SUM_VALUES)
+        and cfg.thread_values <= REGISTER_SUM_VALUES)
 
 
 # A per-column vector read for every row block (a norm backward's weight) is staged once

@@ -972,7 +972,7 @@ class RowTiles:
         if cutlass.const_expr(cfg.row_shift):
             return self._shifted_values_in_row()
         if not cfg.needs_col_predicate:
-            return Int32(cfg.thread_values_per_chunk * cfg.num_chunks)
+            return Int32(cfg.thread_values)
         count = Int32(0)
         for c in range(cfg.num_chunks):
             for i in range(cute.size(self.preds[c])):
