@@ -60,7 +60,7 @@ from ..primitives.config import (CE_LOOP_REGISTERS, CE_PLAIN_GRAD_LOOP_REGISTERS
                                  CE_WIDE_GRAD_LOOP_REGISTERS, CAPPED_GRAD_REGISTERS,
                                  REGISTERS_PER_SM,
                                  STREAM_LOSS_REGISTERS, STREAM_UNROLL, RowConfig, loop_ctas_per_sm, loops_over_row_blocks,
-                                 whole_vectors)
+                                 smem_ctas_per_sm, whole_vectors)
 from ..primitives.rows import ReductionSlot, RowKernel, RowTiles, broadcast_rows
 
 
@@ -145,6 +145,7 @@ class CrossEntropyForward(RowKernel):
     # with the kernel before; begin() waits for it, so any kernel before is safe
     programmatic_launch = True
     GRID_SUM_VALUES = 2  # a reduction's sums over the grid: losses and row weights
+    stages_cap_shares = False  # (set in __init__; smem_bytes counts the buffer)
 
     def __init__(self, cfg: RowConfig, dtype, *, weighted: bool, smoothing: bool,
                  zloss: bool, softcap: bool, write_grad: bool, reduce: str = "none",
@@ -187,10 +188,17 @@ class CrossEntropyForward(RowKernel):
             and cfg.staging != "registers"
         # The sums of a staged row that re-caps on the FMA pipe from its cap shares r
         # (_cap_share) too: exp(z - s) one FMUL from r, the sum of z from the sum of r;
-        # z itself is never formed (one FFMA a value fewer). Not where the weight row is
-        # staged (its sum of w z) nor past the row end unpadded (a mask per value).
-        self.sums_from_share = self.recaps_on_fma and cfg.staging == "smem" \
+        # z itself is never formed (one FFMA a value fewer). So for a row kept in
+        # registers, which keeps r for its gradient (grads_from_share). Not where the
+        # weight row is staged (its sum of w z) nor past the row end unpadded (a mask
+        # per value).
+        self.sums_from_share = softcap and fixed_max and write_grad \
+            and cfg.staging in ("smem", "registers") \
+            and (self.recaps_on_fma or cfg.staging == "registers") \
             and not self.stage_weight and (cfg.vec > 1 or not cfg.needs_col_predicate)
+        # the gradient from the cap shares (see the gradient pass)
+        self.grads_from_share = self.recaps_on_fma \
+            or (self.sums_from_share and cfg.staging == "registers")
         # the loss alone of a share re-read from global memory: one streaming pass
         self.streams = cfg.staging == "global" and not write_grad and not self.stage_weight
         # a shifted row streamed: its loads fill -inf outside it (RowTiles.load), which
@@ -262,6 +270,14 @@ class CrossEntropyForward(RowKernel):
         self.values_per_reduction = 2 + int(self.reduces_max) + int(self.reduces_sum) \
             + int(weighted) + int(smoothing) + int(self.stage_weight)
         self.reduce_combine = _combine if self.reduces_max else red.sum_combine
+        # A staged row's cap shares r (fp32) kept for the gradient pass in a buffer of
+        # their own in shared memory, each thread's where only it reads them back, instead
+        # of capping the staged logits again (their conversion, ex2 and reciprocal: 36.9
+        # -> 24.9 instructions a value at 262144 bf16 columns, sm_90a), where two CTAs per
+        # SM still fit (config.STAGED_SHARE_CHUNKS).
+        if self.sums_from_share and cfg.staging == "smem":
+            self.stages_cap_shares = smem_ctas_per_sm(
+                self.smem_bytes() + self._cap_share_buffer_bytes()) >= 2
         # The one-block shares of the fixed-max gradient held to CAPPED_GRAD_REGISTERS: the
         # kept values', and the re-capping shares' staged in shared memory where it leaves
         # room for the CTAs the hold is for (else the hint let the compiler take up to 255
@@ -279,6 +295,24 @@ class CrossEntropyForward(RowKernel):
         if plain and whole_chunks and cfg.num_chunks == 1 and dtype != Float16 and (dtype.width == 16 or loop_ctas_per_sm(
                     cfg, self.smem_bytes(), self.loop_registers) <= 2):
             self.loop_registers = CE_PLAIN_GRAD_LOOP_REGISTERS
+
+    def _cap_share_buffer_layout(self) -> cute.Layout:
+        """(value, chunk, thread) of the staged cap shares: a thread's values in groups of
+        up to 4 (16-byte accesses), consecutive threads' groups side by side so that a
+        warp's accesses take whole 128-byte lines (no bank conflict)."""
+        cfg = self.cfg
+        values = cfg.thread_values_per_chunk
+        group = math.gcd(values, 4)
+        threads = cfg.threads_per_block
+        return cute.make_layout(((group, values // group, cfg.num_chunks), threads),
+                                stride=((1, group * threads, values * threads), group))
+
+    def _cap_share_buffer_bytes(self) -> int:
+        return 4 * self.cfg.thread_values * self.cfg.threads_per_block + 16
+
+    def smem_bytes(self) -> int:
+        shares = self._cap_share_buffer_bytes() if self.stages_cap_shares else 0
+        return super().smem_bytes() + shares
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mTarget: cute.Tensor, mWeight: cute.Tensor,
@@ -339,6 +373,10 @@ class CrossEntropyForward(RowKernel):
             or cfg.row_shift else None
         home = RowTiles(cfg, staged, smem, pad=pad, integer_widening=self.integer_widening)
         slot = ReductionSlot(smem, cfg, self.values_per_reduction, buffers=self.scratch_buffers)
+        cap_shares = None
+        if cutlass.const_expr(self.stages_cap_shares):
+            cap_shares = smem.allocate_tensor(Float32, self._cap_share_buffer_layout(),
+                                              byte_alignment=16)
         if cutlass.const_expr(cfg.stages == 2):
             home.issue_loads()  # the first block; each iteration prefetches the next
         inv_softcap = Float32(0.0)
@@ -347,8 +385,9 @@ class CrossEntropyForward(RowKernel):
         if cutlass.const_expr(cfg.cluster_size > 1):
             cute.arch.cluster_wait()
 
-        options = (home, grid_rows, slot, mTarget, mWeight, mLoss, mRowWeight, mLse, mdX,
-                   mGradScale, ignore_index, smoothing, lse_square_scale, softcap, inv_softcap)
+        options = (home, grid_rows, slot, cap_shares, mTarget, mWeight, mLoss, mRowWeight, mLse,
+                   mdX, mGradScale, ignore_index, smoothing, lse_square_scale, softcap,
+                   inv_softcap)
         if cutlass.const_expr(self.loops):
             self.for_each_row_block(mX.shape[0], grid_rows, self._row_block, *options)
             if cutlass.const_expr(self.reduce != "none"):
@@ -404,7 +443,7 @@ class CrossEntropyForward(RowKernel):
 
     @cute.jit
     def _row_block(self, block_row: Int32, iteration, home: RowTiles, grid_rows: Int32,
-                   slot: ReductionSlot, mTarget: cute.Tensor, mWeight: cute.Tensor,
+                   slot: ReductionSlot, cap_shares, mTarget: cute.Tensor, mWeight: cute.Tensor,
                    mLoss: cute.Tensor, mRowWeight: cute.Tensor, mLse: cute.Tensor,
                    mdX: cute.Tensor, mGradScale: cute.Tensor, ignore_index: Int64,
                    smoothing: Float32, lse_square_scale: Float32, softcap: Float32,
@@ -412,7 +451,8 @@ class CrossEntropyForward(RowKernel):
         """Loss, lse (and gradient) of the rows of block ``block_row``; ``iteration`` is
         the loop count of a looping grid (None: one row block per CTA). ``carry``: None,
         or the (losses, row weights) summed so far of the rows this thread leads, which
-        it returns with this block's added."""
+        it returns with this block's added. ``cap_shares``: the staged cap shares'
+        buffer (stages_cap_shares) or None."""
         cfg = self.cfg
         n_cols = cfg.n_cols
         tiles = home.begin_block(block_row, grid_rows, iteration)
@@ -478,6 +518,8 @@ class CrossEntropyForward(RowKernel):
                     running = (*running[:3], z_target, *running[4:])
                 if cutlass.const_expr(self.sums_from_share):
                     z = self._cap_share(tiles.values(0, c), inv_softcap)
+                    if cutlass.const_expr(self.stages_cap_shares):
+                        cap_shares[(None, None, c), tiles.tidx].store(z)
                 else:
                     z = self._cap(tiles.values(0, c), inv_softcap, softcap)
                 running, w = self._chunk_stats(z, tiles, c, tiles.coords[c], target_col, running,
@@ -593,18 +635,22 @@ class CrossEntropyForward(RowKernel):
             lse_log2 = row_max + log_sumexp * red.LOG2_E
             one_minus_p_target = other_sumexp * cute.arch.rcp_approx(row_sumexp)
             # exp(z - lse) as exp2(v slope + offset) of the values v: the capped logits,
-            # or where recaps_on_fma their cap share r (_cap_share): z log2 e - lse_log2
+            # or where grads_from_share their cap share r (_cap_share): z log2 e - lse_log2
             # = r (-2 s log2 e) + (s log2 e - lse_log2), one FFMA without z, and the
             # chain 4 r (1 - r) with its 4 in the coefficients (2 fewer instructions a
             # value than z and 1 - (z / s)^2)
             slope, offset, chain = Float32(red.LOG2_E), -lse_log2, Float32(1.0)
-            if cutlass.const_expr(self.recaps_on_fma):
+            if cutlass.const_expr(self.grads_from_share):
                 slope = self._share_exponent_slope(softcap)
                 offset = softcap * Float32(red.LOG2_E) - lse_log2
                 chain = Float32(4.0)
             for c in cutlass.range_constexpr(cfg.num_chunks):
                 if cutlass.const_expr(cfg.staging == "registers"):
                     v, w = kept[c]
+                elif cutlass.const_expr(self.stages_cap_shares):
+                    v = cap_shares[(None, None, c), tiles.tidx].load().reshape(
+                        tiles.coords[c].shape)
+                    w = None
                 else:
                     v = tiles.values(0, c)
                     if cutlass.const_expr(self.recaps_on_fma):
@@ -623,7 +669,7 @@ class CrossEntropyForward(RowKernel):
                                                                one_minus_p_target),
                                    p * (coef_p * chain))
                 tiles.store(mdX, c, self._option_terms(g, v, w, coef_w * chain, inv_softcap,
-                                                       from_share=self.recaps_on_fma))
+                                                       from_share=self.grads_from_share))
             if cutlass.const_expr(self.target_aside):
                 p_target = _exp_below(z_target, lse_log2)
                 tiles.store_column(mdX, target_col, self._option_terms(

@@ -582,6 +582,11 @@ SMEM_BYTES_PER_SM = 228 * 1024
 SMEM_RESERVED_PER_CTA = 1024  # the driver's own shared memory per CTA
 
 
+def smem_ctas_per_sm(smem_bytes: int) -> int:
+    """CTAs of ``smem_bytes`` shared memory each that one SM's shared memory holds."""
+    return SMEM_BYTES_PER_SM // (smem_bytes + SMEM_RESERVED_PER_CTA)
+
+
 def loop_ctas_per_sm(cfg: RowConfig, smem_bytes: int,
                      regs_per_thread: int = LOOP_REGS_PER_THREAD) -> int:
     """Resident CTAs per SM of a looping kernel: the fewest that registers, threads and
@@ -590,7 +595,7 @@ def loop_ctas_per_sm(cfg: RowConfig, smem_bytes: int,
     return max(1, min(MAX_LOOP_CTAS_PER_SM,
                       REGISTERS_PER_SM // (regs_per_thread * threads),
                       THREADS_PER_SM // threads,
-                      SMEM_BYTES_PER_SM // (smem_bytes + SMEM_RESERVED_PER_CTA)))
+                      smem_ctas_per_sm(smem_bytes)))
 
 
 # A looping launch of clusters asks for enough shared memory that an SM holds no more
@@ -1852,6 +1857,11 @@ def _short_loss_row_config(n_cols: int, elem: int, max_vec: int | None) -> RowCo
 # gradient leave one such CTA per SM) lost: bf16 8192x151936 47.7% -> 25.8%, 512x262144
 # 45.3% -> 25.6%; at 64 values per thread keeping them took 144 registers.
 KEPT_CAPPED_VALUES = 32
+# 16-bit rows too long for that stage chunks of KEPT_CAPPED_VALUES values over the widest
+# clusters with their fp32 cap shares beside them (kernels.cross_entropy, stages_cap_shares),
+# where at most this many chunks a thread (the row's 32 KiB and the shares' 64 KiB per
+# CTA of 256 threads) leave two CTAs per SM.
+STAGED_SHARE_CHUNKS = 2
 
 # Softcaps up to this bound take s as every row's max (kernels.cross_entropy, fixed_max):
 # capped logits lie in [-s, s], so exp(z - s) >= exp(-2 s) >= e^-80 ~ 1.8e-35 stays a
@@ -1925,8 +1935,10 @@ def cross_entropy_row_config(n_cols: int, elem: int, stage_weight: bool, write_g
     beside them, so accesses are sized for fp32 (4 elements). The loss alone of long
     rows is streamed, not staged, and of short rows spread thin (CE_LOSS_*). The
     gradient with softcap keeps the capped values in registers where a share of
-    KEPT_CAPPED_VALUES can hold them. The loss alone of odd 16-bit rows (no weight row)
-    streams odd_row_forward_share's shares."""
+    KEPT_CAPPED_VALUES can hold them (rows of the looping grid too where that takes a
+    cluster); 16-bit rows too long for that are staged in chunks of that many values
+    with their cap shares beside them (STAGED_SHARE_CHUNKS). The loss alone of odd
+    16-bit rows (no weight row) streams odd_row_forward_share's shares."""
     cfg = _clustered_ce_row_config(n_cols, elem, stage_weight, write_grad, max_vec, softcap)
     if stage_weight or write_grad:
         return cfg
@@ -1966,9 +1978,22 @@ def _clustered_ce_row_config(n_cols: int, elem: int, stage_weight: bool, write_g
         if roomy.staging == "registers" or loops_over_row_blocks(roomy, write_grad) \
                 or whole_chunks_read:
             cfg = roomy
-    if softcap and write_grad and cfg.staging != "registers" \
+    if softcap and write_grad and cfg.staging != "registers":
+        kept = _kept_values_row_config(n_cols, elem, max_vec)
+        # (the looping grid's one-CTA rows where the kept share needs a cluster)
+        if kept is not None \
+                and (kept.cluster_size > 1 or not loops_over_row_blocks(cfg, write_grad)):
+            cfg = kept
+    if softcap and write_grad and elem == 2 and cfg.staging == "smem" \
             and not loops_over_row_blocks(cfg, write_grad):
-        cfg = _kept_values_row_config(n_cols, elem, max_vec) or cfg
+        # 16-bit rows staged with their fp32 cap shares (STAGED_SHARE_CHUNKS)
+        shares = _ce_row_config(n_cols, elem, max_vec=max_vec,
+                                values_per_thread=KEPT_CAPPED_VALUES,
+                                cta_row_bytes=MAX_THREADS_PER_ROW * KEPT_CAPPED_VALUES * elem,
+                                wide_clusters=True)
+        if shares.staging == "smem" and shares.vec > 1 \
+                and shares.thread_values <= STAGED_SHARE_CHUNKS * KEPT_CAPPED_VALUES:
+            cfg = shares
     return cfg
 
 
