@@ -479,8 +479,8 @@ def test_softcap_gradient_keeps_capped_values_in_registers(n, dtype):
     capped values; so do the looping grid's one-CTA rows where such a share needs a
     cluster (16384 bf16 columns), not where one CTA holds it (8192 fp32). 16-bit rows
     too long for that (151936 bf16 columns) are staged in chunks of at most
-    KEPT_CAPPED_VALUES values over the widest clusters, with their shares beside them;
-    fp32 ones and rows of one-element vectors (odd lengths) keep the plain config."""
+    KEPT_CAPPED_VALUES values over the widest clusters, with their shares beside them
+    (softcaps up to CE_FIXED_MAX_SOFTCAP: larger ones keep the plain config); fp32 ones and rows of one-element vectors (odd lengths) keep the plain config."""
     plain = ops.forward_config(n, dtype, False, True)
     capped = ops.forward_config(n, dtype, False, True, softcap=True)
     loops = config.loops_over_row_blocks(plain, True)
@@ -499,6 +499,9 @@ def test_softcap_gradient_keeps_capped_values_in_registers(n, dtype):
                 capped, weighted=False, smoothing=True, zloss=True, softcap=30.0,
                 write_grad=True))
             assert gemma.stages_cap_shares
+            # caps past CE_FIXED_MAX_SOFTCAP keep the running max, not the cap shares
+            wide = ops.forward_config(n, dtype, False, True, softcap=50.0)
+            assert wide == plain
         else:
             assert capped == plain
         return

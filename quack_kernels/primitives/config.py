@@ -1880,8 +1880,14 @@ def ce_fixed_max(softcap: float, cfg: RowConfig, stage_weight: bool, write_grad:
     rows (fp32 32000 columns: 48 -> 64). The looping grid takes it too: its bf16 rows of
     16384 columns, which once spilled 8 bytes at 128 registers with it, no longer do, and
     take 2.1 fewer instructions and 0.36 fewer MUFU ops a value."""
-    return 0.0 < abs(softcap) <= CE_FIXED_MAX_SOFTCAP and not stage_weight \
+    return caps_at_fixed_max(softcap) and not stage_weight \
         and (write_grad or cfg.staging == "global")
+
+
+def caps_at_fixed_max(softcap: float) -> bool:
+    """Whether a softcap (0: none) is small enough to be every row's max
+    (CE_FIXED_MAX_SOFTCAP)."""
+    return 0.0 < abs(softcap) <= CE_FIXED_MAX_SOFTCAP
 
 
 # Registers per thread of the cross-entropy forward's looping grid: at 80, 16-bit rows of
@@ -1929,7 +1935,7 @@ def _kept_values_row_config(n_cols: int, elem: int, max_vec: int | None) -> RowC
 
 
 def cross_entropy_row_config(n_cols: int, elem: int, stage_weight: bool, write_grad: bool,
-                             max_vec: int | None = None, softcap: bool = False) -> RowConfig:
+                             max_vec: int | None = None, softcap: float = 0.0) -> RowConfig:
     """Row config of the cross-entropy forward (before prefetch sizing): logits are the
     one staged row tensor; with weighted label smoothing the fp32 weight row is staged
     beside them, so accesses are sized for fp32 (4 elements). The loss alone of long
@@ -1948,7 +1954,7 @@ def cross_entropy_row_config(n_cols: int, elem: int, stage_weight: bool, write_g
 
 
 def _clustered_ce_row_config(n_cols: int, elem: int, stage_weight: bool, write_grad: bool,
-                             max_vec: int | None, softcap: bool) -> RowConfig:
+                             max_vec: int | None, softcap: float) -> RowConfig:
     """cross_entropy_row_config without its odd-row rule (see there)."""
     if not write_grad and not stage_weight:
         if n_cols * elem >= CE_STREAM_MIN_ROW_BYTES:
@@ -1984,9 +1990,11 @@ def _clustered_ce_row_config(n_cols: int, elem: int, stage_weight: bool, write_g
         if kept is not None \
                 and (kept.cluster_size > 1 or not loops_over_row_blocks(cfg, write_grad)):
             cfg = kept
-    if softcap and write_grad and elem == 2 and cfg.staging == "smem" \
+    if caps_at_fixed_max(softcap) and write_grad and elem == 2 and cfg.staging == "smem" \
             and not loops_over_row_blocks(cfg, write_grad):
-        # 16-bit rows staged with their fp32 cap shares (STAGED_SHARE_CHUNKS)
+        # 16-bit rows staged with their fp32 cap shares (STAGED_SHARE_CHUNKS); the cap
+        # shares are the fixed max's, so not for larger caps (their running max in chunks
+        # of 32 values took 105-115 registers at 151936-262144 bf16 columns against 72-80)
         shares = _ce_row_config(n_cols, elem, max_vec=max_vec,
                                 values_per_thread=KEPT_CAPPED_VALUES,
                                 cta_row_bytes=MAX_THREADS_PER_ROW * KEPT_CAPPED_VALUES * elem,
