@@ -477,10 +477,9 @@ def test_softcap_gradient_keeps_capped_values_in_registers(n, dtype):
     (up to 16 CTAs of MAX_THREADS_PER_ROW threads) whose CTAs hold their share in one
     chunk of at most KEPT_CAPPED_VALUES per thread, so the gradient pass reuses the
     capped values; so do the looping grid's one-CTA rows where such a share needs a
-    cluster (16384 bf16 columns), not where one CTA holds it (8192 fp32). 16-bit rows
-    too long for that (151936 bf16 columns) are staged in chunks of at most
-    KEPT_CAPPED_VALUES values over the widest clusters, with their shares beside them
-    (softcaps up to CE_FIXED_MAX_SOFTCAP: larger ones keep the plain config); fp32 ones and rows of one-element vectors (odd lengths) keep the plain config."""
+    cluster (16384 bf16 columns), not where one CTA holds it (8192 fp32). Rows that
+    cannot (151936 bf16 columns) and rows of one-element vectors (odd lengths) keep the
+    plain config."""
     plain = ops.forward_config(n, dtype, False, True)
     capped = ops.forward_config(n, dtype, False, True, softcap=True)
     loops = config.loops_over_row_blocks(plain, True)
@@ -492,18 +491,7 @@ def test_softcap_gradient_keeps_capped_values_in_registers(n, dtype):
         # CTA would (the looping grid's rows stay there)
         share = config.MAX_THREADS_PER_ROW * config.KEPT_CAPPED_VALUES
         assert n <= share if loops else -(-n // 16) > share
-        if dtype.itemsize == 2 and not loops:
-            assert capped.staging == "smem" and capped.vec == plain.vec
-            assert capped.thread_values_per_chunk == config.KEPT_CAPPED_VALUES
-            gemma = ops.forward_kernel_object(capped, dtype, **ops.kernel_flags(
-                capped, weighted=False, smoothing=True, zloss=True, softcap=30.0,
-                write_grad=True))
-            assert gemma.stages_cap_shares
-            # caps past CE_FIXED_MAX_SOFTCAP keep the running max, not the cap shares
-            wide = ops.forward_config(n, dtype, False, True, softcap=50.0)
-            assert wide == plain
-        else:
-            assert capped == plain
+        assert capped == plain
         return
     per_thread = capped.vec * capped.vecs_per_thread
     assert capped.num_chunks == 1
@@ -651,30 +639,25 @@ def test_staged_16_bit_rows_recap_on_the_fma_pipe(tmp_path, cuobjdump):
     past the fixed max's bound keep both reciprocals on the multi-function unit. Rows
     staged in shared memory, shifted ones included, take their sums from the cap shares
     too (sums_from_share); not one-value vectors (50257 bf16: masked per value) nor
-    global shares. Where two CTAs per SM still fit with the shares (fp32) staged beside
-    the row (stages_cap_shares: fp16 151936 and the shifted 151937, not 524288 nor the
-    shifted 262145), the gradient
-    reads them back instead of capping again: one MUFU.EX2 a value fewer. Rows kept in
-    registers cap once and keep the shares for the gradient (grads_from_share)."""
-    for n, dtype, options, on_fma, from_share, shares, held, shifted in (
-            (16383, torch.bfloat16, "_capped", True, False, False, False, False),  # looping
-            (151936, torch.float16, "_capped", True, True, True, False, False),
-            (262145, torch.bfloat16, "_capped", True, True, False, True, True),
-            (151937, torch.bfloat16, "_capped", True, True, True, False, True),
-            (524288, torch.float16, "_capped", True, True, False, False, False),
-            (50257, torch.bfloat16, "_capped", True, False, False, True, False),
-            (2_000_000, torch.bfloat16, "_capped", True, False, False, False, False),
-            (151936, torch.float32, "_capped", False, False, False, False, False),
-            (16384, torch.bfloat16, "_capped_wide", False, False, False, False, False),
-            (16384, torch.bfloat16, "_capped", False, True, False, True, False),  # kept
-            (65536, torch.bfloat16, "_capped", False, True, False, True, False),  # kept
-            (4096, torch.float32, "_capped", False, True, False, False, False)):
+    global shares. Rows kept in registers cap once and keep the shares for the gradient
+    (grads_from_share)."""
+    for n, dtype, options, on_fma, from_share, held, shifted in (
+            (16383, torch.bfloat16, "_capped", True, False, False, False),  # looping
+            (151936, torch.float16, "_capped", True, True, True, False),
+            (262145, torch.bfloat16, "_capped", True, True, True, True),
+            (524288, torch.float16, "_capped", True, True, False, False),
+            (50257, torch.bfloat16, "_capped", True, False, True, False),
+            (2_000_000, torch.bfloat16, "_capped", True, False, False, False),
+            (151936, torch.float32, "_capped", False, False, False, False),
+            (16384, torch.bfloat16, "_capped_wide", False, False, False, False),
+            (16384, torch.bfloat16, "_capped", False, True, True, False),  # kept
+            (65536, torch.bfloat16, "_capped", False, True, True, False),  # kept
+            (4096, torch.float32, "_capped", False, True, False, False)):
         cfg, flags = ops.variant(n, dtype, shifted, **ops.REPORT_OPTIONS[options])
         kernel = ops.forward_kernel(cfg, dtype, torch.int64, **flags)
         case = (n, dtype, options, cfg.staging, cfg.row_shift)
         assert kernel[0].recaps_on_fma == on_fma, case
         assert kernel[0].sums_from_share == from_share, case
-        assert kernel[0].stages_cap_shares == shares, case
         kept = cfg.staging == "registers"
         assert kernel[0].grads_from_share == (on_fma or (kept and from_share)), case
         assert kernel[0].block_registers == (config.CAPPED_GRAD_REGISTERS if held else None), case
@@ -684,15 +667,10 @@ def test_staged_16_bit_rows_recap_on_the_fma_pipe(tmp_path, cuobjdump):
             assert usage["regs"] <= config.CAPPED_GRAD_REGISTERS, (case, usage)
         values = cfg.thread_values
         rcp = len(re.findall(r"\bMUFU\.RCP\b", sass))
-        ex2 = len(re.findall(r"\bMUFU\.EX2\b", sass))
-        if kept or shares:  # capped once, the shares kept for the gradient
+        if kept:  # capped once, the shares kept for the gradient
             assert values <= rcp < 1.5 * values, (case, rcp, values)
         else:
             assert (rcp < 1.5 * values) if on_fma else (rcp >= 2 * values), (case, rcp, values)
-        if shares:  # the cap's ex2, the sums' and the gradient's; a re-cap takes a fourth
-            assert ex2 < 3.5 * values, (case, ex2, values)
-            # the two CTAs per SM the buffer leaves room for fit the register file too
-            assert 2 * cfg.threads_per_block * usage["regs"] <= config.REGISTERS_PER_SM, case
 
 
 def test_per_row_losses_can_be_modified_in_place():

@@ -60,7 +60,7 @@ from ..primitives.config import (CE_LOOP_REGISTERS, CE_PLAIN_GRAD_LOOP_REGISTERS
                                  CE_WIDE_GRAD_LOOP_REGISTERS, CAPPED_GRAD_REGISTERS,
                                  REGISTERS_PER_SM,
                                  STREAM_LOSS_REGISTERS, STREAM_UNROLL, RowConfig, loop_ctas_per_sm, loops_over_row_blocks,
-                                 smem_ctas_per_sm, whole_vectors)
+                                 whole_vectors)
 from ..primitives.rows import ReductionSlot, RowKernel, RowTiles, broadcast_rows
 
 
@@ -145,7 +145,6 @@ class CrossEntropyForward(RowKernel):
     # with the kernel before; begin() waits for it, so any kernel before is safe
     programmatic_launch = True
     GRID_SUM_VALUES = 2  # a reduction's sums over the grid: losses and row weights
-    stages_cap_shares = False  # (set in __init__; smem_bytes counts the buffer)
 
     def __init__(self, cfg: RowConfig, dtype, *, weighted: bool, smoothing: bool,
                  zloss: bool, softcap: bool, write_grad: bool, reduce: str = "none",
@@ -270,14 +269,6 @@ class CrossEntropyForward(RowKernel):
         self.values_per_reduction = 2 + int(self.reduces_max) + int(self.reduces_sum) \
             + int(weighted) + int(smoothing) + int(self.stage_weight)
         self.reduce_combine = _combine if self.reduces_max else red.sum_combine
-        # A staged row's cap shares r (fp32) kept for the gradient pass in a buffer of
-        # their own in shared memory, each thread's where only it reads them back, instead
-        # of capping the staged logits again (their conversion, ex2 and reciprocal: 36.9
-        # -> 24.9 instructions a value at 262144 bf16 columns, sm_90a), where two CTAs per
-        # SM still fit (config.STAGED_SHARE_CHUNKS).
-        if self.sums_from_share and cfg.staging == "smem":
-            self.stages_cap_shares = smem_ctas_per_sm(
-                self.smem_bytes() + self._cap_share_buffer_bytes()) >= 2
         # The one-block shares of the fixed-max gradient held to CAPPED_GRAD_REGISTERS: the
         # kept values', and the re-capping shares' staged in shared memory where it leaves
         # room for the CTAs the hold is for (else the hint let the compiler take up to 255
@@ -295,24 +286,6 @@ class CrossEntropyForward(RowKernel):
         if plain and whole_chunks and cfg.num_chunks == 1 and dtype != Float16 and (dtype.width == 16 or loop_ctas_per_sm(
                     cfg, self.smem_bytes(), self.loop_registers) <= 2):
             self.loop_registers = CE_PLAIN_GRAD_LOOP_REGISTERS
-
-    def _cap_share_buffer_layout(self) -> cute.Layout:
-        """(value, chunk, thread) of the staged cap shares: a thread's values in groups of
-        up to 4 (16-byte accesses), consecutive threads' groups side by side so that a
-        warp's accesses take whole 128-byte lines (no bank conflict)."""
-        cfg = self.cfg
-        values = cfg.thread_values_per_chunk
-        group = math.gcd(values, 4)
-        threads = cfg.threads_per_block
-        return cute.make_layout(((group, values // group, cfg.num_chunks), threads),
-                                stride=((1, group * threads, values * threads), group))
-
-    def _cap_share_buffer_bytes(self) -> int:
-        return 4 * self.cfg.thread_values * self.cfg.threads_per_block + 16
-
-    def smem_bytes(self) -> int:
-        shares = self._cap_share_buffer_bytes() if self.stages_cap_shares else 0
-        return super().smem_bytes() + shares
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mTarget: cute.Tensor, mWeight: cute.Tensor,
@@ -373,10 +346,6 @@ class CrossEntropyForward(RowKernel):
             or cfg.row_shift else None
         home = RowTiles(cfg, staged, smem, pad=pad, integer_widening=self.integer_widening)
         slot = ReductionSlot(smem, cfg, self.values_per_reduction, buffers=self.scratch_buffers)
-        cap_shares = None
-        if cutlass.const_expr(self.stages_cap_shares):
-            cap_shares = smem.allocate_tensor(Float32, self._cap_share_buffer_layout(),
-                                              byte_alignment=16)
         if cutlass.const_expr(cfg.stages == 2):
             home.issue_loads()  # the first block; each iteration prefetches the next
         inv_softcap = Float32(0.0)
@@ -385,9 +354,8 @@ class CrossEntropyForward(RowKernel):
         if cutlass.const_expr(cfg.cluster_size > 1):
             cute.arch.cluster_wait()
 
-        options = (home, grid_rows, slot, cap_shares, mTarget, mWeight, mLoss, mRowWeight, mLse,
-                   mdX, mGradScale, ignore_index, smoothing, lse_square_scale, softcap,
-                   inv_softcap)
+        options = (home, grid_rows, slot, mTarget, mWeight, mLoss, mRowWeight, mLse, mdX,
+                   mGradScale, ignore_index, smoothing, lse_square_scale, softcap, inv_softcap)
         if cutlass.const_expr(self.loops):
             self.for_each_row_block(mX.shape[0], grid_rows, self._row_block, *options)
             if cutlass.const_expr(self.reduce != "none"):
@@ -443,7 +411,7 @@ class CrossEntropyForward(RowKernel):
 
     @cute.jit
     def _row_block(self, block_row: Int32, iteration, home: RowTiles, grid_rows: Int32,
-                   slot: ReductionSlot, cap_shares, mTarget: cute.Tensor, mWeight: cute.Tensor,
+                   slot: ReductionSlot, mTarget: cute.Tensor, mWeight: cute.Tensor,
                    mLoss: cute.Tensor, mRowWeight: cute.Tensor, mLse: cute.Tensor,
                    mdX: cute.Tensor, mGradScale: cute.Tensor, ignore_index: Int64,
                    smoothing: Float32, lse_square_scale: Float32, softcap: Float32,
@@ -451,8 +419,7 @@ class CrossEntropyForward(RowKernel):
         """Loss, lse (and gradient) of the rows of block ``block_row``; ``iteration`` is
         the loop count of a looping grid (None: one row block per CTA). ``carry``: None,
         or the (losses, row weights) summed so far of the rows this thread leads, which
-        it returns with this block's added. ``cap_shares``: the staged cap shares'
-        buffer (stages_cap_shares) or None."""
+        it returns with this block's added."""
         cfg = self.cfg
         n_cols = cfg.n_cols
         tiles = home.begin_block(block_row, grid_rows, iteration)
@@ -518,8 +485,6 @@ class CrossEntropyForward(RowKernel):
                     running = (*running[:3], z_target, *running[4:])
                 if cutlass.const_expr(self.sums_from_share):
                     z = self._cap_share(tiles.values(0, c), inv_softcap)
-                    if cutlass.const_expr(self.stages_cap_shares):
-                        cap_shares[(None, None, c), tiles.tidx].store(z)
                 else:
                     z = self._cap(tiles.values(0, c), inv_softcap, softcap)
                 running, w = self._chunk_stats(z, tiles, c, tiles.coords[c], target_col, running,
@@ -647,10 +612,6 @@ class CrossEntropyForward(RowKernel):
             for c in cutlass.range_constexpr(cfg.num_chunks):
                 if cutlass.const_expr(cfg.staging == "registers"):
                     v, w = kept[c]
-                elif cutlass.const_expr(self.stages_cap_shares):
-                    v = cap_shares[(None, None, c), tiles.tidx].load().reshape(
-                        tiles.coords[c].shape)
-                    w = None
                 else:
                     v = tiles.values(0, c)
                     if cutlass.const_expr(self.recaps_on_fma):

@@ -1857,11 +1857,6 @@ def _short_loss_row_config(n_cols: int, elem: int, max_vec: int | None) -> RowCo
 # gradient leave one such CTA per SM) lost: bf16 8192x151936 47.7% -> 25.8%, 512x262144
 # 45.3% -> 25.6%; at 64 values per thread keeping them took 144 registers.
 KEPT_CAPPED_VALUES = 32
-# 16-bit rows too long for that stage chunks of KEPT_CAPPED_VALUES values over the widest
-# clusters with their fp32 cap shares beside them (kernels.cross_entropy, stages_cap_shares),
-# where at most this many chunks a thread (the row's 32 KiB and the shares' 64 KiB per
-# CTA of 256 threads) leave two CTAs per SM.
-STAGED_SHARE_CHUNKS = 2
 
 # Softcaps up to this bound take s as every row's max (kernels.cross_entropy, fixed_max):
 # capped logits lie in [-s, s], so exp(z - s) >= exp(-2 s) >= e^-80 ~ 1.8e-35 stays a
@@ -1880,14 +1875,8 @@ def ce_fixed_max(softcap: float, cfg: RowConfig, stage_weight: bool, write_grad:
     rows (fp32 32000 columns: 48 -> 64). The looping grid takes it too: its bf16 rows of
     16384 columns, which once spilled 8 bytes at 128 registers with it, no longer do, and
     take 2.1 fewer instructions and 0.36 fewer MUFU ops a value."""
-    return caps_at_fixed_max(softcap) and not stage_weight \
+    return 0.0 < abs(softcap) <= CE_FIXED_MAX_SOFTCAP and not stage_weight \
         and (write_grad or cfg.staging == "global")
-
-
-def caps_at_fixed_max(softcap: float) -> bool:
-    """Whether a softcap (0: none) is small enough to be every row's max
-    (CE_FIXED_MAX_SOFTCAP)."""
-    return 0.0 < abs(softcap) <= CE_FIXED_MAX_SOFTCAP
 
 
 # Registers per thread of the cross-entropy forward's looping grid: at 80, 16-bit rows of
@@ -1942,9 +1931,8 @@ def cross_entropy_row_config(n_cols: int, elem: int, stage_weight: bool, write_g
     rows is streamed, not staged, and of short rows spread thin (CE_LOSS_*). The
     gradient with softcap keeps the capped values in registers where a share of
     KEPT_CAPPED_VALUES can hold them (rows of the looping grid too where that takes a
-    cluster); 16-bit rows too long for that are staged in chunks of that many values
-    with their cap shares beside them (STAGED_SHARE_CHUNKS). The loss alone of odd
-    16-bit rows (no weight row) streams odd_row_forward_share's shares."""
+    cluster). The loss alone of odd 16-bit rows (no weight row) streams
+    odd_row_forward_share's shares."""
     cfg = _clustered_ce_row_config(n_cols, elem, stage_weight, write_grad, max_vec, softcap)
     if stage_weight or write_grad:
         return cfg
@@ -1990,18 +1978,6 @@ def _clustered_ce_row_config(n_cols: int, elem: int, stage_weight: bool, write_g
         if kept is not None \
                 and (kept.cluster_size > 1 or not loops_over_row_blocks(cfg, write_grad)):
             cfg = kept
-    if caps_at_fixed_max(softcap) and write_grad and elem == 2 and cfg.staging == "smem" \
-            and not loops_over_row_blocks(cfg, write_grad):
-        # 16-bit rows staged with their fp32 cap shares (STAGED_SHARE_CHUNKS); the cap
-        # shares are the fixed max's, so not for larger caps (their running max in chunks
-        # of 32 values took 105-115 registers at 151936-262144 bf16 columns against 72-80)
-        shares = _ce_row_config(n_cols, elem, max_vec=max_vec,
-                                values_per_thread=KEPT_CAPPED_VALUES,
-                                cta_row_bytes=MAX_THREADS_PER_ROW * KEPT_CAPPED_VALUES * elem,
-                                wide_clusters=True)
-        if shares.staging == "smem" and shares.vec > 1 \
-                and shares.thread_values <= STAGED_SHARE_CHUNKS * KEPT_CAPPED_VALUES:
-            cfg = shares
     return cfg
 
 
