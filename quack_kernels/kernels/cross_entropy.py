@@ -187,10 +187,17 @@ class CrossEntropyForward(RowKernel):
             and cfg.staging != "registers"
         # The sums of a staged row that re-caps on the FMA pipe from its cap shares r
         # (_cap_share) too: exp(z - s) one FMUL from r, the sum of z from the sum of r;
-        # z itself is never formed (one FFMA a value fewer). Not where the weight row is
-        # staged (its sum of w z) nor past the row end unpadded (a mask per value).
-        self.sums_from_share = self.recaps_on_fma and cfg.staging == "smem" \
+        # z itself is never formed (one FFMA a value fewer). So for a row kept in
+        # registers, which keeps r for its gradient (grads_from_share). Not where the
+        # weight row is staged (its sum of w z) nor past the row end unpadded (a mask
+        # per value).
+        self.sums_from_share = softcap and fixed_max and write_grad \
+            and cfg.staging in ("smem", "registers") \
+            and (self.recaps_on_fma or cfg.staging == "registers") \
             and not self.stage_weight and (cfg.vec > 1 or not cfg.needs_col_predicate)
+        # the gradient from the cap shares (see the gradient pass)
+        self.grads_from_share = self.recaps_on_fma \
+            or (self.sums_from_share and cfg.staging == "registers")
         # the loss alone of a share re-read from global memory: one streaming pass
         self.streams = cfg.staging == "global" and not write_grad and not self.stage_weight
         # a shifted row streamed: its loads fill -inf outside it (RowTiles.load), which
@@ -593,12 +600,12 @@ class CrossEntropyForward(RowKernel):
             lse_log2 = row_max + log_sumexp * red.LOG2_E
             one_minus_p_target = other_sumexp * cute.arch.rcp_approx(row_sumexp)
             # exp(z - lse) as exp2(v slope + offset) of the values v: the capped logits,
-            # or where recaps_on_fma their cap share r (_cap_share): z log2 e - lse_log2
+            # or where grads_from_share their cap share r (_cap_share): z log2 e - lse_log2
             # = r (-2 s log2 e) + (s log2 e - lse_log2), one FFMA without z, and the
             # chain 4 r (1 - r) with its 4 in the coefficients (2 fewer instructions a
             # value than z and 1 - (z / s)^2)
             slope, offset, chain = Float32(red.LOG2_E), -lse_log2, Float32(1.0)
-            if cutlass.const_expr(self.recaps_on_fma):
+            if cutlass.const_expr(self.grads_from_share):
                 slope = self._share_exponent_slope(softcap)
                 offset = softcap * Float32(red.LOG2_E) - lse_log2
                 chain = Float32(4.0)
@@ -623,7 +630,7 @@ class CrossEntropyForward(RowKernel):
                                                                one_minus_p_target),
                                    p * (coef_p * chain))
                 tiles.store(mdX, c, self._option_terms(g, v, w, coef_w * chain, inv_softcap,
-                                                       from_share=self.recaps_on_fma))
+                                                       from_share=self.grads_from_share))
             if cutlass.const_expr(self.target_aside):
                 p_target = _exp_below(z_target, lse_log2)
                 tiles.store_column(mdX, target_col, self._option_terms(

@@ -582,6 +582,11 @@ SMEM_BYTES_PER_SM = 228 * 1024
 SMEM_RESERVED_PER_CTA = 1024  # the driver's own shared memory per CTA
 
 
+def smem_ctas_per_sm(smem_bytes: int) -> int:
+    """CTAs of ``smem_bytes`` shared memory each that one SM's shared memory holds."""
+    return SMEM_BYTES_PER_SM // (smem_bytes + SMEM_RESERVED_PER_CTA)
+
+
 def loop_ctas_per_sm(cfg: RowConfig, smem_bytes: int,
                      regs_per_thread: int = LOOP_REGS_PER_THREAD) -> int:
     """Resident CTAs per SM of a looping kernel: the fewest that registers, threads and
@@ -590,7 +595,7 @@ def loop_ctas_per_sm(cfg: RowConfig, smem_bytes: int,
     return max(1, min(MAX_LOOP_CTAS_PER_SM,
                       REGISTERS_PER_SM // (regs_per_thread * threads),
                       THREADS_PER_SM // threads,
-                      SMEM_BYTES_PER_SM // (smem_bytes + SMEM_RESERVED_PER_CTA)))
+                      smem_ctas_per_sm(smem_bytes)))
 
 
 # A looping launch of clusters asks for enough shared memory that an SM holds no more
@@ -1919,14 +1924,15 @@ def _kept_values_row_config(n_cols: int, elem: int, max_vec: int | None) -> RowC
 
 
 def cross_entropy_row_config(n_cols: int, elem: int, stage_weight: bool, write_grad: bool,
-                             max_vec: int | None = None, softcap: bool = False) -> RowConfig:
+                             max_vec: int | None = None, softcap: float = 0.0) -> RowConfig:
     """Row config of the cross-entropy forward (before prefetch sizing): logits are the
     one staged row tensor; with weighted label smoothing the fp32 weight row is staged
     beside them, so accesses are sized for fp32 (4 elements). The loss alone of long
     rows is streamed, not staged, and of short rows spread thin (CE_LOSS_*). The
     gradient with softcap keeps the capped values in registers where a share of
-    KEPT_CAPPED_VALUES can hold them. The loss alone of odd 16-bit rows (no weight row)
-    streams odd_row_forward_share's shares."""
+    KEPT_CAPPED_VALUES can hold them (rows of the looping grid too where that takes a
+    cluster). The loss alone of odd 16-bit rows (no weight row) streams
+    odd_row_forward_share's shares."""
     cfg = _clustered_ce_row_config(n_cols, elem, stage_weight, write_grad, max_vec, softcap)
     if stage_weight or write_grad:
         return cfg
@@ -1936,7 +1942,7 @@ def cross_entropy_row_config(n_cols: int, elem: int, stage_weight: bool, write_g
 
 
 def _clustered_ce_row_config(n_cols: int, elem: int, stage_weight: bool, write_grad: bool,
-                             max_vec: int | None, softcap: bool) -> RowConfig:
+                             max_vec: int | None, softcap: float) -> RowConfig:
     """cross_entropy_row_config without its odd-row rule (see there)."""
     if not write_grad and not stage_weight:
         if n_cols * elem >= CE_STREAM_MIN_ROW_BYTES:
@@ -1966,9 +1972,12 @@ def _clustered_ce_row_config(n_cols: int, elem: int, stage_weight: bool, write_g
         if roomy.staging == "registers" or loops_over_row_blocks(roomy, write_grad) \
                 or whole_chunks_read:
             cfg = roomy
-    if softcap and write_grad and cfg.staging != "registers" \
-            and not loops_over_row_blocks(cfg, write_grad):
-        cfg = _kept_values_row_config(n_cols, elem, max_vec) or cfg
+    if softcap and write_grad and cfg.staging != "registers":
+        kept = _kept_values_row_config(n_cols, elem, max_vec)
+        # (the looping grid's one-CTA rows where the kept share needs a cluster)
+        if kept is not None \
+                and (kept.cluster_size > 1 or not loops_over_row_blocks(cfg, write_grad)):
+            cfg = kept
     return cfg
 
 
