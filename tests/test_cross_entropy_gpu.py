@@ -310,8 +310,8 @@ def test_softcap_counts_its_placeholders(v, dtype):
     rows of one large logit over such a floor, at the target or elsewhere, too. The
     largest softcap that takes s as the row max (config.CE_FIXED_MAX_SOFTCAP, floor
     terms exp(-2 s) ~ 1e-35) and one above it, too. Under the fixed max these take
-    their sums from the cap shares (sums_from_share): bf16 10000 and 151936 staged and
-    padded, 1000, 4000 and 128256 kept in registers."""
+    their sums from the cap shares (sums_from_share): bf16 151936 staged and padded;
+    1000, 4000, 10000 (over a 2-CTA cluster) and 128256 kept in registers."""
     m = 12
     x, target = fresh(m, v, dtype)  # rows 1, 6 and 11 ignored
     x[:] = -1e4

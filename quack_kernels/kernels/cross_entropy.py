@@ -191,13 +191,11 @@ class CrossEntropyForward(RowKernel):
         # registers, which keeps r for its gradient (grads_from_share). Not where the
         # weight row is staged (its sum of w z) nor past the row end unpadded (a mask
         # per value).
-        self.sums_from_share = softcap and fixed_max and write_grad \
-            and cfg.staging in ("smem", "registers") \
-            and (self.recaps_on_fma or cfg.staging == "registers") \
+        kept_capped = softcap and fixed_max and write_grad and cfg.staging == "registers"
+        self.sums_from_share = (kept_capped or (self.recaps_on_fma and cfg.staging == "smem")) \
             and not self.stage_weight and (cfg.vec > 1 or not cfg.needs_col_predicate)
         # the gradient from the cap shares (see the gradient pass)
-        self.grads_from_share = self.recaps_on_fma \
-            or (self.sums_from_share and cfg.staging == "registers")
+        self.grads_from_share = self.recaps_on_fma or (kept_capped and self.sums_from_share)
         # the loss alone of a share re-read from global memory: one streaming pass
         self.streams = cfg.staging == "global" and not write_grad and not self.stage_weight
         # a shifted row streamed: its loads fill -inf outside it (RowTiles.load), which

@@ -93,13 +93,13 @@ TARGET_DTYPES = (torch.int32, torch.int64)
 # ----------------------------------------------------------------------------- configs
 @functools.lru_cache(maxsize=None)
 def forward_config(n_cols: int, dtype: torch.dtype, stage_weight: bool, write_grad: bool,
-                   max_vec: int | None = None, softcap: float = 0.0,
+                   max_vec: int | None = None, softcap: bool = False,
                    shifted: bool = False, smoothing: bool = False) -> RowConfig:
     """config.cross_entropy_row_config; rows one CTA holds loop with two staging buffers
     where they fit (prefetch of the next row block), and ask L2 for one block more where
-    config.ce_prefetches_past_buffers says so. ``softcap``: its value (0: none).
-    ``shifted`` (shifts_rows): odd 16-bit rows read from the 16-byte boundary before each
-    (config.shifted_row_share): the loss alone without softcap or ``smoothing`` streamed on the span's streamed share
+    config.ce_prefetches_past_buffers says so. ``shifted`` (shifts_rows): odd 16-bit rows
+    read from the 16-byte boundary before each (config.shifted_row_share): the loss alone
+    without softcap or ``smoothing`` streamed on the span's streamed share
     (config.SHIFTED_STREAMED_LOSS_MIN_COLS), else on the gradient's share where that
     stages the span."""
     elem_bytes = dtype.itemsize
@@ -113,8 +113,7 @@ def forward_config(n_cols: int, dtype: torch.dtype, stage_weight: bool, write_gr
             span_share = functools.partial(streamed_loss_row_config, elem=elem_bytes)
         else:
             span_share = functools.partial(forward_config, dtype=dtype, stage_weight=False,
-                                           write_grad=True,
-                                           softcap=softcap if write_grad else 0.0)
+                                           write_grad=True, softcap=softcap and write_grad)
         shifted_cfg = shifted_row_share(span_share, cfg, elem_bytes, elem_bytes, streams)
         if shifted_cfg is not None:
             return shifted_cfg
@@ -226,7 +225,7 @@ def variant(n_cols: int, dtype: torch.dtype, shifted: bool = False,
     keywords) on rows of ``n_cols`` ``dtype`` logits (``shifted``: where shifts_rows)."""
     stage_weight = options["weighted"] and options["smoothing"]
     cfg = forward_config(n_cols, dtype, stage_weight, options["write_grad"],
-                         softcap=options["softcap"], shifted=shifted,
+                         softcap=options["softcap"] != 0.0, shifted=shifted,
                          smoothing=options["smoothing"])
     return cfg, kernel_flags(cfg, **options)
 
@@ -424,7 +423,7 @@ def _forward_plan(rows: Tensor, target: Tensor, grad_out: Tensor, weighted: bool
     plan = _forward_plans.get(key)
     if plan is None:
         cfg = forward_config(rows.shape[1], rows.dtype, stage_weight, write_grad,
-                             vector_limit(rows, grad_out), softcap, shifted, smoothing)
+                             vector_limit(rows, grad_out), softcap != 0.0, shifted, smoothing)
         flags = kernel_flags(cfg, weighted=weighted, smoothing=smoothing, zloss=zloss,
                              softcap=softcap, write_grad=write_grad, reduce=reduce)
         fn = compile_forward(cfg, rows.dtype, target.dtype, **flags)

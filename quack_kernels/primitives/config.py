@@ -582,11 +582,6 @@ SMEM_BYTES_PER_SM = 228 * 1024
 SMEM_RESERVED_PER_CTA = 1024  # the driver's own shared memory per CTA
 
 
-def smem_ctas_per_sm(smem_bytes: int) -> int:
-    """CTAs of ``smem_bytes`` shared memory each that one SM's shared memory holds."""
-    return SMEM_BYTES_PER_SM // (smem_bytes + SMEM_RESERVED_PER_CTA)
-
-
 def loop_ctas_per_sm(cfg: RowConfig, smem_bytes: int,
                      regs_per_thread: int = LOOP_REGS_PER_THREAD) -> int:
     """Resident CTAs per SM of a looping kernel: the fewest that registers, threads and
@@ -595,7 +590,7 @@ def loop_ctas_per_sm(cfg: RowConfig, smem_bytes: int,
     return max(1, min(MAX_LOOP_CTAS_PER_SM,
                       REGISTERS_PER_SM // (regs_per_thread * threads),
                       THREADS_PER_SM // threads,
-                      smem_ctas_per_sm(smem_bytes)))
+                      SMEM_BYTES_PER_SM // (smem_bytes + SMEM_RESERVED_PER_CTA)))
 
 
 # A looping launch of clusters asks for enough shared memory that an SM holds no more
@@ -1924,7 +1919,7 @@ def _kept_values_row_config(n_cols: int, elem: int, max_vec: int | None) -> RowC
 
 
 def cross_entropy_row_config(n_cols: int, elem: int, stage_weight: bool, write_grad: bool,
-                             max_vec: int | None = None, softcap: float = 0.0) -> RowConfig:
+                             max_vec: int | None = None, softcap: bool = False) -> RowConfig:
     """Row config of the cross-entropy forward (before prefetch sizing): logits are the
     one staged row tensor; with weighted label smoothing the fp32 weight row is staged
     beside them, so accesses are sized for fp32 (4 elements). The loss alone of long
@@ -1942,7 +1937,7 @@ def cross_entropy_row_config(n_cols: int, elem: int, stage_weight: bool, write_g
 
 
 def _clustered_ce_row_config(n_cols: int, elem: int, stage_weight: bool, write_grad: bool,
-                             max_vec: int | None, softcap: float) -> RowConfig:
+                             max_vec: int | None, softcap: bool) -> RowConfig:
     """cross_entropy_row_config without its odd-row rule (see there)."""
     if not write_grad and not stage_weight:
         if n_cols * elem >= CE_STREAM_MIN_ROW_BYTES:
