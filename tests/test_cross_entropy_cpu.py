@@ -540,25 +540,28 @@ def test_long_softcapped_rows_hold_their_logits_and_stage_their_cap_shares(n, dt
     assert not wide.stages_cap_shares
 
 
-def test_held_cap_shares_only_for_the_options_that_fit_them():
+def test_held_cap_shares_only_with_the_fixed_max_gradient():
     """config.holds_cap_shares, through the launches' configs (ops.variant): the
-    gradient with a softcap taken as the fixed max, without class weights nor the loss
-    reduced in the kernel (their 80 registers spilled), and not a shifted row's span
-    (odd 16-bit rows stay shifted)."""
+    gradient with a softcap taken as the fixed max (class weights and the loss reduced
+    in the kernel too, not the weight row staged), and not a shifted row's span (odd
+    16-bit rows stay shifted)."""
     def variant(n, options, shifted=False, **changes):
         return ops.variant(n, torch.bfloat16, shifted,
                            **{**ops.REPORT_OPTIONS[options], **changes})
-    held = variant(128256, "_capped")
-    assert held[0].register_chunks == held[0].num_chunks and held[1]["fixed_max"]
+    for options, changes in (("_capped", {}), ("_capped_mean", {}),
+                             ("_capped", dict(weighted=True, smoothing=False, reduce="sum")),
+                             ("_capped", dict(softcap=-40.0))):
+        cfg, flags = variant(128256, options, **changes)
+        assert cfg.register_chunks == cfg.num_chunks and flags["fixed_max"], (options, changes)
     for options, changes in (("_capped_wide", {}), ("_all", {}), ("_loss", {}),
-                             ("_capped_mean", {}), ("_capped", dict(weighted=True)),
                              ("_capped", dict(softcap=-50.0)), ("_grad", {})):
         cfg, _ = variant(128256, options, **changes)
         assert cfg.register_chunks == 0, (options, changes, cfg)
     shifted, _ = variant(131073, "_capped", shifted=True)
     assert shifted.row_shift and shifted.register_chunks == 0
-    assert config.holds_cap_shares(-30.0, False, False, True, "none")
-    assert not config.holds_cap_shares(30.0, False, False, False, "none")
+    assert config.holds_cap_shares(-30.0, False, True)
+    assert not config.holds_cap_shares(30.0, False, False)
+    assert not config.holds_cap_shares(30.0, True, True)
 
 
 @pytest.mark.parametrize("n", [2, 7, 1000, 1024, 4096, 8192])
@@ -606,9 +609,11 @@ SPILL_CASES = [
     for z in (False, True)
 ] + [
     # held cap shares on 80 registers (three CTAs per SM; 151936 above on 64)
-    (n, dtype, dict(weighted=False, smoothing=s, zloss=s, softcap=30.0, write_grad=True,
-                    reduce="none"))
-    for n in (65536, 262144) for dtype in (torch.bfloat16, torch.float16) for s in (False, True)
+    (n, dtype, dict(weighted=w, smoothing=s, zloss=s, softcap=30.0, write_grad=True, reduce=r))
+    for n in (65536, 262144) for dtype in (torch.bfloat16, torch.float16)
+    for w, s, r in ((False, False, "none"), (False, True, "none"), (True, False, "sum"),
+                    (False, True, "mean"))
+    if r == "none" or not ops.ce_gradient_in_backward(dtype)
 ]
 
 

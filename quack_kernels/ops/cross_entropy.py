@@ -230,8 +230,7 @@ def variant(n_cols: int, dtype: torch.dtype, shifted: bool = False,
     cfg = forward_config(n_cols, dtype, stage_weight, options["write_grad"],
                          softcap=options["softcap"] != 0.0, shifted=shifted,
                          smoothing=options["smoothing"], held_shares=holds_cap_shares(
-                             options["softcap"], options["weighted"], stage_weight,
-                             options["write_grad"], options.get("reduce", "none")))
+                             options["softcap"], stage_weight, options["write_grad"]))
     return cfg, kernel_flags(cfg, **options)
 
 
@@ -429,8 +428,7 @@ def _forward_plan(rows: Tensor, target: Tensor, grad_out: Tensor, weighted: bool
     if plan is None:
         cfg = forward_config(rows.shape[1], rows.dtype, stage_weight, write_grad,
                              vector_limit(rows, grad_out), softcap != 0.0, shifted, smoothing,
-                             holds_cap_shares(softcap, weighted, stage_weight, write_grad,
-                                              reduce))
+                             holds_cap_shares(softcap, stage_weight, write_grad))
         flags = kernel_flags(cfg, weighted=weighted, smoothing=smoothing, zloss=zloss,
                              softcap=softcap, write_grad=write_grad, reduce=reduce)
         fn = compile_forward(cfg, rows.dtype, target.dtype, **flags)

@@ -1879,14 +1879,11 @@ def caps_at_fixed_max(softcap: float, stage_weight: bool) -> bool:
     return 0.0 < abs(softcap) <= CE_FIXED_MAX_SOFTCAP and not stage_weight
 
 
-def holds_cap_shares(softcap: float, weighted: bool, stage_weight: bool, write_grad: bool,
-                     reduce: str) -> bool:
+def holds_cap_shares(softcap: float, stage_weight: bool, write_grad: bool) -> bool:
     """Whether the cross-entropy forward with these options may hold long 16-bit rows in
-    registers and stage their cap shares (HELD_SHARES_MIN_COLS): the gradient at a fixed
-    max, without class weights or the loss reduced in the kernel (their 80 registers
-    spilled 8-32 bytes, sm_90a)."""
-    return write_grad and caps_at_fixed_max(softcap, stage_weight) and not weighted \
-        and reduce == "none"
+    registers and stage their cap shares (HELD_SHARES_MIN_COLS): the gradient with a
+    softcap taken as the fixed max."""
+    return write_grad and caps_at_fixed_max(softcap, stage_weight)
 
 
 # Registers per thread of the cross-entropy forward's looping grid: at 80, 16-bit rows of
