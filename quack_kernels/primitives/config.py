@@ -1936,11 +1936,13 @@ def _kept_values_row_config(n_cols: int, elem: int, max_vec: int | None) -> RowC
 # shared memory for the gradient pass (kernels.cross_entropy, stages_cap_shares): the
 # shared memory a staged row's logits took holds r instead, so the gradient pass neither
 # caps again (4.2 instead of 5.2 multi-function-unit ops a value) nor holds r in
-# registers (kept rows: 32 values a thread over twice the CTAs). H100, kernels alone,
-# bf16, every option but class weights (results/cross_entropy_held_shares_H100_
-# 20261207.txt): 2048x65536 83.7 -> 85.1% of the copy ceiling, 4096x128256 81.9 -> 86.5,
-# 8192x151936 79.0 -> 81.4 (13-CTA clusters, 48 values), 512x262144 75.0 -> 78.0 (3
-# CTAs per SM at 80 registers). Not measured below 65536 columns (kept rows there).
+# registers (kept rows: 32 values a thread over twice the CTAs). H100, bf16, every
+# option but class weights (results/cross_entropy_held_shares_H100_20261207.txt), % of
+# the copy ceiling, kernels alone: 2048x65536 83.7 -> 85.3, 4096x128256 82.0 -> 84.7,
+# 8192x151936 78.8 -> 80.0 (13-CTA clusters of 48 values, 4 CTAs per SM; 10 of 64 lost:
+# 72.3), 512x262144 75.1 -> 78.1 (3 CTAs per SM at 80 registers); the training step
+# (runner, in-kernel mean) 81.5 -> 81.9, 78.4 -> 85.5, 75.8 -> 80.2, 70.4 -> 75.6. Not
+# measured below 65536 columns (kept rows there); 4096x100000 level (74.2 -> 73.6).
 HELD_SHARES_MIN_COLS = 65536
 HELD_SHARE_VALUES = 64
 
