@@ -507,6 +507,63 @@ def test_softcap_gradient_keeps_capped_values_in_registers(n, dtype):
     assert not kernel.loops and kernel.target_aside and kernel.capped_placeholders
 
 
+@pytest.mark.parametrize("n", [32768, 65536, 100000, 128256, 151936, 262144, 262145, 524288])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_long_softcapped_rows_hold_their_logits_and_stage_their_cap_shares(n, dtype):
+    """With held_shares (config.HELD_SHARES_MIN_COLS), 16-bit rows of 65536+ columns in
+    16-byte vectors hold every chunk of 16 values in registers, at most
+    HELD_SHARE_VALUES a thread on a cluster of 256-thread CTAs (config.row_config's for
+    such CTAs: 151936 columns on 13, 48 values a thread), and their kernel stages the cap shares in shared memory, held to the
+    registers of the CTAs per SM that leaves room for (3 or 4). Not fp32 rows, shorter
+    ones (kept in registers), one-value vectors (262145) nor rows past 16 CTAs of 64
+    values (524288)."""
+    unheld = ops.forward_config(n, dtype, False, True, softcap=True)
+    held = ops.forward_config(n, dtype, False, True, softcap=True, held_shares=True)
+    too_long = -(-n // (config.MAX_THREADS_PER_ROW * config.HELD_SHARE_VALUES)) > 16
+    if dtype == torch.float32 or n < config.HELD_SHARES_MIN_COLS or unheld.vec == 1 \
+            or too_long:
+        assert held == unheld
+        return
+    assert held.staging == "smem" and held.register_chunks == held.num_chunks
+    assert held.thread_values_per_chunk == 16 and held.threads_per_row == 256
+    assert held.thread_values <= config.HELD_SHARE_VALUES and held.cols_covered >= n
+    assert held.cluster_size <= 16
+    kernel = ops.forward_kernel_object(held, dtype, weighted=False, smoothing=True,
+                                       zloss=True, softcap=True, write_grad=True,
+                                       fixed_max=True)
+    assert kernel.stages_cap_shares and kernel.sums_from_share and not kernel.loops
+    ctas = config.loop_ctas_per_sm(held, kernel.smem_bytes(), kernel.block_registers)
+    assert ctas in (3, 4) and kernel.block_registers * ctas * 256 <= config.REGISTERS_PER_SM
+    # with the running max (a wide softcap) the kernel stages no shares
+    wide = ops.forward_kernel_object(held, dtype, weighted=False, smoothing=True, zloss=True,
+                                     softcap=True, write_grad=True)
+    assert not wide.stages_cap_shares
+
+
+def test_held_cap_shares_only_with_the_fixed_max_gradient():
+    """config.holds_cap_shares, through the launches' configs (ops.variant): the
+    gradient with a softcap taken as the fixed max (class weights and the loss reduced
+    in the kernel too, not the weight row staged), and not a shifted row's span (odd
+    16-bit rows stay shifted)."""
+    def variant(n, options, shifted=False, **changes):
+        return ops.variant(n, torch.bfloat16, shifted,
+                           **{**ops.REPORT_OPTIONS[options], **changes})
+    for options, changes in (("_capped", {}), ("_capped_mean", {}),
+                             ("_capped", dict(weighted=True, smoothing=False, reduce="sum")),
+                             ("_capped", dict(softcap=-40.0))):
+        cfg, flags = variant(128256, options, **changes)
+        assert cfg.register_chunks == cfg.num_chunks and flags["fixed_max"], (options, changes)
+    for options, changes in (("_capped_wide", {}), ("_all", {}), ("_loss", {}),
+                             ("_capped", dict(softcap=-50.0)), ("_grad", {})):
+        cfg, _ = variant(128256, options, **changes)
+        assert cfg.register_chunks == 0, (options, changes, cfg)
+    shifted, _ = variant(131073, "_capped", shifted=True)
+    assert shifted.row_shift and shifted.register_chunks == 0
+    assert config.holds_cap_shares(-30.0, False, True)
+    assert not config.holds_cap_shares(30.0, False, False)
+    assert not config.holds_cap_shares(30.0, True, True)
+
+
 @pytest.mark.parametrize("n", [2, 7, 1000, 1024, 4096, 8192])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_short_loss_only_rows_keep_threads_busy(n, dtype):
@@ -550,6 +607,13 @@ SPILL_CASES = [
                     reduce="none"))
     for n in (1000, 1024, 4096) for dtype in (torch.float32, torch.bfloat16, torch.float16)
     for z in (False, True)
+] + [
+    # held cap shares on 80 registers (three CTAs per SM; 151936 above on 64)
+    (n, dtype, dict(weighted=w, smoothing=s, zloss=s, softcap=30.0, write_grad=True, reduce=r))
+    for n in (65536, 262144) for dtype in (torch.bfloat16, torch.float16)
+    for w, s, r in ((False, False, "none"), (False, True, "none"), (True, False, "sum"),
+                    (False, True, "mean"))
+    if r == "none" or not ops.ce_gradient_in_backward(dtype)
 ]
 
 
@@ -640,10 +704,12 @@ def test_staged_16_bit_rows_recap_on_the_fma_pipe(tmp_path, cuobjdump):
     staged in shared memory, shifted ones included, take their sums from the cap shares
     too (sums_from_share); not one-value vectors (50257 bf16: masked per value) nor
     global shares. Rows kept in registers cap once and keep the shares for the gradient
-    (grads_from_share)."""
+    (grads_from_share), and so do rows that hold their logits in registers and stage
+    the shares (stages_cap_shares: fp16 151936, config.HELD_SHARES_MIN_COLS): one
+    MUFU.RCP and three MUFU.EX2 a value."""
     for n, dtype, options, on_fma, from_share, held, shifted in (
             (16383, torch.bfloat16, "_capped", True, False, False, False),  # looping
-            (151936, torch.float16, "_capped", True, True, True, False),
+            (151936, torch.float16, "_capped", True, True, True, False),  # held shares
             (262145, torch.bfloat16, "_capped", True, True, True, True),
             (524288, torch.float16, "_capped", True, True, False, False),
             (50257, torch.bfloat16, "_capped", True, False, True, False),
@@ -651,7 +717,7 @@ def test_staged_16_bit_rows_recap_on_the_fma_pipe(tmp_path, cuobjdump):
             (151936, torch.float32, "_capped", False, False, False, False),
             (16384, torch.bfloat16, "_capped_wide", False, False, False, False),
             (16384, torch.bfloat16, "_capped", False, True, True, False),  # kept
-            (65536, torch.bfloat16, "_capped", False, True, True, False),  # kept
+            (32768, torch.bfloat16, "_capped", False, True, True, False),  # kept
             (4096, torch.float32, "_capped", False, True, False, False)):
         cfg, flags = ops.variant(n, dtype, shifted, **ops.REPORT_OPTIONS[options])
         kernel = ops.forward_kernel(cfg, dtype, torch.int64, **flags)
@@ -667,8 +733,11 @@ def test_staged_16_bit_rows_recap_on_the_fma_pipe(tmp_path, cuobjdump):
             assert usage["regs"] <= config.CAPPED_GRAD_REGISTERS, (case, usage)
         values = cfg.thread_values
         rcp = len(re.findall(r"\bMUFU\.RCP\b", sass))
-        if kept:  # capped once, the shares kept for the gradient
+        ex2 = len(re.findall(r"\bMUFU\.EX2\b", sass))
+        if kept or kernel[0].stages_cap_shares:  # capped once, the shares kept
             assert values <= rcp < 1.5 * values, (case, rcp, values)
+            if from_share:  # the cap's exp, the sums' and the gradient's: no second cap
+                assert 3 * values <= ex2 < 3.5 * values, (case, ex2, values)
         else:
             assert (rcp < 1.5 * values) if on_fma else (rcp >= 2 * values), (case, rcp, values)
 

@@ -160,8 +160,9 @@ FLAGS = list(itertools.product([False, True], repeat=4))  # weighted, smoothing,
 @pytest.mark.parametrize("flags", FLAGS, ids=lambda f: "w{}s{}z{}c{}".format(*map(int, f)))
 def test_every_option(v, dtype, flags):
     """Every combination of the options, on rows kept in registers over a cluster (fp16
-    16384), staged and re-capped on the FMA pipe (bf16 151936), of one-value vectors and
-    in the looping grid."""
+    16384), held in registers with their cap shares staged (bf16 151936 without class
+    weights) or staged and re-capped on the FMA pipe (with them), of one-value vectors
+    and in the looping grid."""
     weighted, smoothing, zloss, softcap = flags
     m = 19
     x, target = fresh(m, v, dtype)
@@ -279,10 +280,11 @@ def test_cpp_step_with_int32_targets_and_create_graph():
 def test_softcap_of_infinite_and_nan_logits(v, dtype):
     """softcap caps +-inf logits at +-s (a finite loss and gradient, as torch's tanh
     gives: a set-aside target among them too); a NaN logit makes its row's loss, lse
-    and gradient NaN. bf16 128256 and 16384 columns keep their cap shares in registers
-    between the passes; fp32 151936 re-cap them from shared memory, bf16 151936, 16383
-    (the looping grid) and 524288 with the reciprocal on the FMA pipe, whose clamp meets
-    the +inf (kernels.cross_entropy.fma_reciprocal). A negative softcap is the same cap
+    and gradient NaN. bf16 16384 columns keep their cap shares in registers between the
+    passes, bf16 128256 and 151936 stage them (their logits held in registers); fp32
+    151936 re-cap them from shared memory, bf16 16383 (the looping grid) and 524288
+    with the reciprocal on the FMA pipe, whose clamp meets the +inf
+    (kernels.cross_entropy.fma_reciprocal). A negative softcap is the same cap
     (s tanh(x / s) is even in s); one above config.CE_FIXED_MAX_SOFTCAP keeps the
     running max (kernels.cross_entropy, fixed_max)."""
     m, s = 8, 30.0
@@ -298,6 +300,31 @@ def test_softcap_of_infinite_and_nan_logits(v, dtype):
         check_fused_forward(x, target, None, (-100, 0.1, 1e-3, cap), dtype)
 
 
+@pytest.mark.parametrize("v,dtype", [(65536, torch.bfloat16), (100000, torch.float16),
+                                     (151936, torch.bfloat16), (262144, torch.bfloat16)])
+@pytest.mark.parametrize("smoothing,zloss", [(0.0, 0.0), (0.1, 1e-3)])
+def test_held_rows_stage_their_cap_shares(v, dtype, smoothing, zloss):
+    """Long 16-bit rows with a softcap taken as the fixed max hold their logits in
+    registers and stage the cap shares in shared memory for the gradient
+    (config.HELD_SHARES_MIN_COLS; the kernel's flag checked): loss, lse and gradient
+    against fp64, with targets at the row's first and last columns, either side of every
+    CTA's and chunk's first column and spread over the row, confident rows (target 10
+    above the max) and ignored ones; padded rows (100000, 151936) too."""
+    cfg, flags = ops.variant(v, dtype, False, weighted=False, smoothing=smoothing > 0,
+                             zloss=zloss > 0, softcap=30.0, write_grad=True)
+    assert ops.forward_kernel_object(cfg, dtype, **flags).stages_cap_shares
+    starts = [k * cfg.cols_per_chunk for k in range(cfg.num_chunks * cfg.cluster_size)]
+    picks = sorted({c for start in starts for c in (start - 1, start) if 0 <= c < v} | {v - 1})
+    m = len(picks) + 9
+    x, _ = fresh(m, v, dtype)
+    spread = torch.linspace(0, v - 1, m - len(picks), device="cuda").long()
+    target = torch.cat([torch.tensor(picks, device="cuda"), spread])
+    confident = torch.arange(0, m, 3, device="cuda")
+    x[confident, target[confident]] = (x[confident].float().amax(-1) + 10).to(dtype)
+    target[1::7] = -100
+    check_fused_forward(x, target, None, (-100, smoothing, zloss, 30.0), dtype)
+
+
 @pytest.mark.parametrize("v,dtype", [(1000, torch.float16), (1000, torch.bfloat16),
                                      (4000, torch.float32), (10000, torch.bfloat16),
                                      (128256, torch.bfloat16), (151936, torch.bfloat16),
@@ -310,8 +337,9 @@ def test_softcap_counts_its_placeholders(v, dtype):
     rows of one large logit over such a floor, at the target or elsewhere, too. The
     largest softcap that takes s as the row max (config.CE_FIXED_MAX_SOFTCAP, floor
     terms exp(-2 s) ~ 1e-35) and one above it, too. Under the fixed max these take
-    their sums from the cap shares (sums_from_share): bf16 151936 staged and padded;
-    1000, 4000, 10000 (over a 2-CTA cluster) and 128256 kept in registers."""
+    their sums from the cap shares (sums_from_share): bf16 128256 and 151936 (padded)
+    held in registers with their shares staged; 1000, 4000, 10000 (over a 2-CTA
+    cluster) kept in registers."""
     m = 12
     x, target = fresh(m, v, dtype)  # rows 1, 6 and 11 ignored
     x[:] = -1e4

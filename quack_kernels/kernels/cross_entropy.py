@@ -145,6 +145,7 @@ class CrossEntropyForward(RowKernel):
     # with the kernel before; begin() waits for it, so any kernel before is safe
     programmatic_launch = True
     GRID_SUM_VALUES = 2  # a reduction's sums over the grid: losses and row weights
+    stages_cap_shares = False  # (set in __init__; smem_bytes counts their buffer)
 
     def __init__(self, cfg: RowConfig, dtype, *, weighted: bool, smoothing: bool,
                  zloss: bool, softcap: bool, write_grad: bool, reduce: str = "none",
@@ -275,7 +276,16 @@ class CrossEntropyForward(RowKernel):
         # running max's 80); with the in-kernel reduction's epilogue 64 spilled 16 bytes at
         # 65536 16-bit columns.
         held_ctas = REGISTERS_PER_SM // (CAPPED_GRAD_REGISTERS * cfg.threads_per_block)
-        if fixed_max and write_grad and not self.loops and not weighted and reduce == "none" \
+        # A row whose every chunk is held in registers (config.HELD_SHARES_MIN_COLS) stages
+        # its cap shares r (fp32) in shared memory for the gradient pass instead of capping
+        # its logits again, and is held to the registers that the CTAs its shares leave
+        # room for allow (80 at 3 CTAs of 256 threads per SM).
+        self.stages_cap_shares = self.sums_from_share and cfg.staging == "smem" \
+            and cfg.smem_chunks == 0
+        if self.stages_cap_shares:
+            ctas = loop_ctas_per_sm(cfg, self.smem_bytes(), CAPPED_GRAD_REGISTERS)
+            self.block_registers = REGISTERS_PER_SM // (ctas * cfg.threads_per_block) // 8 * 8
+        elif fixed_max and write_grad and not self.loops and not weighted and reduce == "none" \
                 and (cfg.staging == "registers" or (self.recaps_on_fma and cfg.staging == "smem"
                      and loop_ctas_per_sm(cfg, self.smem_bytes(), CAPPED_GRAD_REGISTERS)
                      == held_ctas)):
@@ -284,6 +294,22 @@ class CrossEntropyForward(RowKernel):
         if plain and whole_chunks and cfg.num_chunks == 1 and dtype != Float16 and (dtype.width == 16 or loop_ctas_per_sm(
                     cfg, self.smem_bytes(), self.loop_registers) <= 2):
             self.loop_registers = CE_PLAIN_GRAD_LOOP_REGISTERS
+
+    def _cap_share_buffer_layout(self) -> cute.Layout:
+        """(value, chunk, thread) of the staged cap shares: a thread's values in groups of
+        up to 4 (16-byte accesses), consecutive threads' groups side by side so that a
+        warp's accesses take whole 128-byte lines (no bank conflict)."""
+        cfg = self.cfg
+        values = cfg.thread_values_per_chunk
+        group = math.gcd(values, 4)
+        threads = cfg.threads_per_block
+        return cute.make_layout(((group, values // group, cfg.num_chunks), threads),
+                                stride=((1, group * threads, values * threads), group))
+
+    def smem_bytes(self) -> int:
+        shares = 4 * self.cfg.thread_values * self.cfg.threads_per_block + 16 \
+            if self.stages_cap_shares else 0
+        return super().smem_bytes() + shares
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mTarget: cute.Tensor, mWeight: cute.Tensor,
@@ -344,6 +370,10 @@ class CrossEntropyForward(RowKernel):
             or cfg.row_shift else None
         home = RowTiles(cfg, staged, smem, pad=pad, integer_widening=self.integer_widening)
         slot = ReductionSlot(smem, cfg, self.values_per_reduction, buffers=self.scratch_buffers)
+        cap_shares = None
+        if cutlass.const_expr(self.stages_cap_shares):
+            cap_shares = smem.allocate_tensor(Float32, self._cap_share_buffer_layout(),
+                                              byte_alignment=16)
         if cutlass.const_expr(cfg.stages == 2):
             home.issue_loads()  # the first block; each iteration prefetches the next
         inv_softcap = Float32(0.0)
@@ -352,8 +382,9 @@ class CrossEntropyForward(RowKernel):
         if cutlass.const_expr(cfg.cluster_size > 1):
             cute.arch.cluster_wait()
 
-        options = (home, grid_rows, slot, mTarget, mWeight, mLoss, mRowWeight, mLse, mdX,
-                   mGradScale, ignore_index, smoothing, lse_square_scale, softcap, inv_softcap)
+        options = (home, grid_rows, slot, cap_shares, mTarget, mWeight, mLoss, mRowWeight, mLse,
+                   mdX, mGradScale, ignore_index, smoothing, lse_square_scale, softcap,
+                   inv_softcap)
         if cutlass.const_expr(self.loops):
             self.for_each_row_block(mX.shape[0], grid_rows, self._row_block, *options)
             if cutlass.const_expr(self.reduce != "none"):
@@ -409,7 +440,7 @@ class CrossEntropyForward(RowKernel):
 
     @cute.jit
     def _row_block(self, block_row: Int32, iteration, home: RowTiles, grid_rows: Int32,
-                   slot: ReductionSlot, mTarget: cute.Tensor, mWeight: cute.Tensor,
+                   slot: ReductionSlot, cap_shares, mTarget: cute.Tensor, mWeight: cute.Tensor,
                    mLoss: cute.Tensor, mRowWeight: cute.Tensor, mLse: cute.Tensor,
                    mdX: cute.Tensor, mGradScale: cute.Tensor, ignore_index: Int64,
                    smoothing: Float32, lse_square_scale: Float32, softcap: Float32,
@@ -417,7 +448,8 @@ class CrossEntropyForward(RowKernel):
         """Loss, lse (and gradient) of the rows of block ``block_row``; ``iteration`` is
         the loop count of a looping grid (None: one row block per CTA). ``carry``: None,
         or the (losses, row weights) summed so far of the rows this thread leads, which
-        it returns with this block's added."""
+        it returns with this block's added. ``cap_shares``: the staged cap shares' buffer
+        (stages_cap_shares) or None."""
         cfg = self.cfg
         n_cols = cfg.n_cols
         tiles = home.begin_block(block_row, grid_rows, iteration)
@@ -472,17 +504,29 @@ class CrossEntropyForward(RowKernel):
                     (row_max, row_sum, other_sum, z_t, sum_wz, sum_w))
             running = (row_max, row_sum, other_sum, z_t, sum_wz, sum_w)
         else:
+            # A row held in registers whole sets its target aside before its first value's
+            # terms: a branch (the target's warp) between two chunks' terms kept the first
+            # one's exps live across it, which spilled 8 bytes at 80 registers (bf16 65536
+            # columns, softcap without label smoothing; sm_90a).
+            takes_target_first = self.target_aside and cfg.staging == "smem" \
+                and cfg.smem_chunks == 0
+            if cutlass.const_expr(takes_target_first):
+                for c in cutlass.range_constexpr(cfg.num_chunks):
+                    z_target = running[3] + tiles.take_column(0, c, target_col, -math.inf)
+                    running = (*running[:3], z_target, *running[4:])
             for c in cutlass.range_constexpr(cfg.num_chunks):
                 tiles.wait_chunk(c)
                 if cutlass.const_expr(self.smoothing_aside):
                     # every class's z, the target's among them, before it is set aside
                     sum_z = running[4] + tiles.in_row_sum(0, c)
                     running = (*running[:4], sum_z, running[5])
-                if cutlass.const_expr(self.target_aside):
+                if cutlass.const_expr(self.target_aside and not takes_target_first):
                     z_target = running[3] + tiles.take_column(0, c, target_col, -math.inf)
                     running = (*running[:3], z_target, *running[4:])
                 if cutlass.const_expr(self.sums_from_share):
                     z = self._cap_share(tiles.values(0, c), inv_softcap)
+                    if cutlass.const_expr(self.stages_cap_shares):
+                        cap_shares[(None, None, c), tiles.tidx].store(z)
                 else:
                     z = self._cap(tiles.values(0, c), inv_softcap, softcap)
                 running, w = self._chunk_stats(z, tiles, c, tiles.coords[c], target_col, running,
@@ -610,6 +654,10 @@ class CrossEntropyForward(RowKernel):
             for c in cutlass.range_constexpr(cfg.num_chunks):
                 if cutlass.const_expr(cfg.staging == "registers"):
                     v, w = kept[c]
+                elif cutlass.const_expr(self.stages_cap_shares):
+                    v = cap_shares[(None, None, c), tiles.tidx].load().reshape(
+                        tiles.coords[c].shape)
+                    w = None
                 else:
                     v = tiles.values(0, c)
                     if cutlass.const_expr(self.recaps_on_fma):

@@ -60,6 +60,7 @@ from ..primitives.config import (
     ce_prefetches_past_buffers,
     ce_reduces_in_kernel,
     grid_sum_slots,
+    holds_cap_shares,
     shifted_row_share,
     streamed_loss_row_config,
     mean_denominator_ctas,
@@ -94,17 +95,19 @@ TARGET_DTYPES = (torch.int32, torch.int64)
 @functools.lru_cache(maxsize=None)
 def forward_config(n_cols: int, dtype: torch.dtype, stage_weight: bool, write_grad: bool,
                    max_vec: int | None = None, softcap: bool = False,
-                   shifted: bool = False, smoothing: bool = False) -> RowConfig:
+                   shifted: bool = False, smoothing: bool = False,
+                   held_shares: bool = False) -> RowConfig:
     """config.cross_entropy_row_config; rows one CTA holds loop with two staging buffers
     where they fit (prefetch of the next row block), and ask L2 for one block more where
     config.ce_prefetches_past_buffers says so. ``shifted`` (shifts_rows): odd 16-bit rows
     read from the 16-byte boundary before each (config.shifted_row_share): the loss alone
     without softcap or ``smoothing`` streamed on the span's streamed share
     (config.SHIFTED_STREAMED_LOSS_MIN_COLS), else on the gradient's share where that
-    stages the span."""
+    stages the span. ``held_shares``: config.holds_cap_shares of the launch's options;
+    not for the spans of shifted rows (RowTiles stages a shifted span)."""
     elem_bytes = dtype.itemsize
     cfg = cross_entropy_row_config(n_cols, elem_bytes, stage_weight, write_grad, max_vec,
-                                   softcap)
+                                   softcap, held_shares)
     if shifted:
         assert not stage_weight, "the weight row is not shifted with the logits"
         streams = not (write_grad or softcap or smoothing) \
@@ -226,7 +229,8 @@ def variant(n_cols: int, dtype: torch.dtype, shifted: bool = False,
     stage_weight = options["weighted"] and options["smoothing"]
     cfg = forward_config(n_cols, dtype, stage_weight, options["write_grad"],
                          softcap=options["softcap"] != 0.0, shifted=shifted,
-                         smoothing=options["smoothing"])
+                         smoothing=options["smoothing"], held_shares=holds_cap_shares(
+                             options["softcap"], stage_weight, options["write_grad"]))
     return cfg, kernel_flags(cfg, **options)
 
 
@@ -423,7 +427,8 @@ def _forward_plan(rows: Tensor, target: Tensor, grad_out: Tensor, weighted: bool
     plan = _forward_plans.get(key)
     if plan is None:
         cfg = forward_config(rows.shape[1], rows.dtype, stage_weight, write_grad,
-                             vector_limit(rows, grad_out), softcap != 0.0, shifted, smoothing)
+                             vector_limit(rows, grad_out), softcap != 0.0, shifted, smoothing,
+                             holds_cap_shares(softcap, stage_weight, write_grad))
         flags = kernel_flags(cfg, weighted=weighted, smoothing=smoothing, zloss=zloss,
                              softcap=softcap, write_grad=write_grad, reduce=reduce)
         fn = compile_forward(cfg, rows.dtype, target.dtype, **flags)

@@ -1870,8 +1870,20 @@ def ce_fixed_max(softcap: float, cfg: RowConfig, stage_weight: bool, write_grad:
     rows (fp32 32000 columns: 48 -> 64). The looping grid takes it too: its bf16 rows of
     16384 columns, which once spilled 8 bytes at 128 registers with it, no longer do, and
     take 2.1 fewer instructions and 0.36 fewer MUFU ops a value."""
-    return 0.0 < abs(softcap) <= CE_FIXED_MAX_SOFTCAP and not stage_weight \
-        and (write_grad or cfg.staging == "global")
+    return caps_at_fixed_max(softcap, stage_weight) and (write_grad or cfg.staging == "global")
+
+
+def caps_at_fixed_max(softcap: float, stage_weight: bool) -> bool:
+    """Whether a softcap is one the kernel may take as its fixed max (ce_fixed_max: with
+    the gradient always)."""
+    return 0.0 < abs(softcap) <= CE_FIXED_MAX_SOFTCAP and not stage_weight
+
+
+def holds_cap_shares(softcap: float, stage_weight: bool, write_grad: bool) -> bool:
+    """Whether the cross-entropy forward with these options may hold long 16-bit rows in
+    registers and stage their cap shares (HELD_SHARES_MIN_COLS): the gradient with a
+    softcap taken as the fixed max."""
+    return write_grad and caps_at_fixed_max(softcap, stage_weight)
 
 
 # Registers per thread of the cross-entropy forward's looping grid: at 80, 16-bit rows of
@@ -1918,17 +1930,53 @@ def _kept_values_row_config(n_cols: int, elem: int, max_vec: int | None) -> RowC
     return cfg if cfg.staging == "registers" else None
 
 
+# The gradient of 16-bit rows of HELD_SHARES_MIN_COLS+ columns with a softcap the kernel
+# takes as its fixed max: the logits are loaded straight into registers, at most
+# HELD_SHARE_VALUES a thread in chunks of 16, and their cap shares r (fp32) are staged in
+# shared memory for the gradient pass (kernels.cross_entropy, stages_cap_shares): the
+# shared memory a staged row's logits took holds r instead, so the gradient pass neither
+# caps again (4.2 instead of 5.2 multi-function-unit ops a value) nor holds r in
+# registers (kept rows: 32 values a thread over twice the CTAs). H100, bf16, every
+# option but class weights (results/cross_entropy_held_shares_H100_20261207.txt), % of
+# the copy ceiling, kernels alone: 2048x65536 83.7 -> 85.3, 4096x128256 82.0 -> 84.7,
+# 8192x151936 78.8 -> 80.0 (13-CTA clusters of 48 values, 4 CTAs per SM; 10 of 64 lost:
+# 72.3), 512x262144 75.1 -> 78.1 (3 CTAs per SM at 80 registers); the training step
+# (runner, in-kernel mean) 81.5 -> 81.9, 78.4 -> 85.5, 75.8 -> 80.2, 70.4 -> 75.6. Not
+# measured below 65536 columns (kept rows there); 4096x100000 level (74.2 -> 73.6).
+HELD_SHARES_MIN_COLS = 65536
+HELD_SHARE_VALUES = 64
+
+
+def _held_shares_row_config(n_cols: int, elem: int, max_vec: int | None) -> RowConfig | None:
+    """The smallest cluster whose CTAs of MAX_THREADS_PER_ROW threads hold at most
+    HELD_SHARE_VALUES values a thread in chunks of 16, every chunk held in registers
+    (see HELD_SHARES_MIN_COLS), or None."""
+    if elem != 2 or vector_width(n_cols, elem, max_vec) == 1:
+        return None
+    cfg = row_config(n_cols, elem, max_vec=max_vec, values_per_thread=16,
+                     min_vecs_per_thread=CE_MIN_VECS_PER_THREAD,
+                     max_threads_per_row=MAX_THREADS_PER_ROW,
+                     cta_row_bytes=MAX_THREADS_PER_ROW * HELD_SHARE_VALUES * elem,
+                     wide_clusters=True)
+    if cfg.staging != "smem" or cfg.thread_values > HELD_SHARE_VALUES:
+        return None
+    return dataclasses.replace(cfg, register_chunks=cfg.num_chunks)
+
+
 def cross_entropy_row_config(n_cols: int, elem: int, stage_weight: bool, write_grad: bool,
-                             max_vec: int | None = None, softcap: bool = False) -> RowConfig:
+                             max_vec: int | None = None, softcap: bool = False,
+                             held_shares: bool = False) -> RowConfig:
     """Row config of the cross-entropy forward (before prefetch sizing): logits are the
     one staged row tensor; with weighted label smoothing the fp32 weight row is staged
     beside them, so accesses are sized for fp32 (4 elements). The loss alone of long
     rows is streamed, not staged, and of short rows spread thin (CE_LOSS_*). The
     gradient with softcap keeps the capped values in registers where a share of
     KEPT_CAPPED_VALUES can hold them (rows of the looping grid too where that takes a
-    cluster). The loss alone of odd 16-bit rows (no weight row) streams
-    odd_row_forward_share's shares."""
-    cfg = _clustered_ce_row_config(n_cols, elem, stage_weight, write_grad, max_vec, softcap)
+    cluster), and with ``held_shares`` (holds_cap_shares) holds long 16-bit rows'
+    logits in registers and stages their cap shares (HELD_SHARES_MIN_COLS). The loss
+    alone of odd 16-bit rows (no weight row) streams odd_row_forward_share's shares."""
+    cfg = _clustered_ce_row_config(n_cols, elem, stage_weight, write_grad, max_vec, softcap,
+                                   held_shares)
     if stage_weight or write_grad:
         return cfg
     share = functools.partial(row_config, n_cols, elem, max_vec=max_vec,
@@ -1937,7 +1985,7 @@ def cross_entropy_row_config(n_cols: int, elem: int, stage_weight: bool, write_g
 
 
 def _clustered_ce_row_config(n_cols: int, elem: int, stage_weight: bool, write_grad: bool,
-                             max_vec: int | None, softcap: bool) -> RowConfig:
+                             max_vec: int | None, softcap: bool, held_shares: bool) -> RowConfig:
     """cross_entropy_row_config without its odd-row rule (see there)."""
     if not write_grad and not stage_weight:
         if n_cols * elem >= CE_STREAM_MIN_ROW_BYTES:
@@ -1967,6 +2015,10 @@ def _clustered_ce_row_config(n_cols: int, elem: int, stage_weight: bool, write_g
         if roomy.staging == "registers" or loops_over_row_blocks(roomy, write_grad) \
                 or whole_chunks_read:
             cfg = roomy
+    held = held_shares and write_grad and n_cols >= HELD_SHARES_MIN_COLS \
+        and _held_shares_row_config(n_cols, elem, max_vec)
+    if held:
+        return held
     if softcap and write_grad and cfg.staging != "registers":
         kept = _kept_values_row_config(n_cols, elem, max_vec)
         # (the looping grid's one-CTA rows where the kept share needs a cluster)

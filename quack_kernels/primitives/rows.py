@@ -442,7 +442,7 @@ class RowTiles:
         assert cfg.register_chunks == 0 or (cfg.staging == "smem" and cfg.stages == 1), \
             "register chunks: one staging buffer of a share in shared memory"
         for mX in staged:
-            if cutlass.const_expr(cfg.staging != "global"):
+            if cutlass.const_expr(cfg.staging != "global" and cfg.smem_chunks > 0):
                 self.smem_tiles.append(
                     smem.allocate_tensor(
                         mX.element_type,
@@ -1018,7 +1018,20 @@ class RowTiles:
         what it copied itself."""
         held, offset = self.holds_column(chunk, col)
         value = Float32(0.0)
-        if held:
+        if cutlass.const_expr(self.in_registers(chunk)):
+            # (the values compared inside the branch: only the warp holding the column
+            # pays for them)
+            raw = self.held[i, chunk]
+            landing = cute.make_rmem_tensor(raw.shape, raw.dtype)
+            landing.store(raw)
+            if held:
+                at = tiling.is_column(self.coords[chunk], col, True)
+                x = landing.load()
+                value = red.thread_reduce(cute.where(at, x.to(Float32), Float32(0.0)),
+                                          cute.ReductionOp.ADD, 0.0)
+                landing.store(cute.where(at, raw.dtype(fill), x))
+            self.held[i, chunk] = landing.load()
+        elif held:
             cfg = self.cfg
             tile = self._smem_slot(i, chunk)
             at = (self.tidx // cfg.threads_per_row,
