@@ -512,21 +512,21 @@ def test_softcap_gradient_keeps_capped_values_in_registers(n, dtype):
 def test_long_softcapped_rows_hold_their_logits_and_stage_their_cap_shares(n, dtype):
     """With held_shares (config.HELD_SHARES_MIN_COLS), 16-bit rows of 65536+ columns in
     16-byte vectors hold every chunk of 16 values in registers, at most
-    HELD_SHARE_VALUES a thread on a cluster of 256-thread CTAs (config.row_config's for
-    such CTAs: 151936 columns on 13, 48 values a thread), and their kernel stages the cap shares in shared memory, held to the
-    registers of the CTAs per SM that leaves room for (3 or 4). Not fp32 rows, shorter
-    ones (kept in registers), one-value vectors (262145) nor rows past 16 CTAs of 64
-    values (524288)."""
+    HELD_CAP_SHARE_VALUES a thread on a cluster of 256-thread CTAs (config.row_config's
+    for such CTAs: 151936 columns on 13, 48 values a thread), and their kernel stages the
+    cap shares in shared memory, held to the registers of the CTAs per SM that leaves
+    room for (3 or 4). Not fp32 rows, shorter ones (kept in registers), one-value
+    vectors (262145) nor rows past 16 CTAs of 64 values (524288)."""
     unheld = ops.forward_config(n, dtype, False, True, softcap=True)
     held = ops.forward_config(n, dtype, False, True, softcap=True, held_shares=True)
-    too_long = -(-n // (config.MAX_THREADS_PER_ROW * config.HELD_SHARE_VALUES)) > 16
+    too_long = -(-n // (config.MAX_THREADS_PER_ROW * config.HELD_CAP_SHARE_VALUES)) > 16
     if dtype == torch.float32 or n < config.HELD_SHARES_MIN_COLS or unheld.vec == 1 \
             or too_long:
         assert held == unheld
         return
     assert held.staging == "smem" and held.register_chunks == held.num_chunks
     assert held.thread_values_per_chunk == 16 and held.threads_per_row == 256
-    assert held.thread_values <= config.HELD_SHARE_VALUES and held.cols_covered >= n
+    assert held.thread_values <= config.HELD_CAP_SHARE_VALUES and held.cols_covered >= n
     assert held.cluster_size <= 16
     kernel = ops.forward_kernel_object(held, dtype, weighted=False, smoothing=True,
                                        zloss=True, softcap=True, write_grad=True,
@@ -534,10 +534,10 @@ def test_long_softcapped_rows_hold_their_logits_and_stage_their_cap_shares(n, dt
     assert kernel.stages_cap_shares and kernel.sums_from_share and not kernel.loops
     ctas = config.loop_ctas_per_sm(held, kernel.smem_bytes(), kernel.block_registers)
     assert ctas in (3, 4) and kernel.block_registers * ctas * 256 <= config.REGISTERS_PER_SM
-    # with the running max (a wide softcap) the kernel stages no shares
-    wide = ops.forward_kernel_object(held, dtype, weighted=False, smoothing=True, zloss=True,
-                                     softcap=True, write_grad=True)
-    assert not wide.stages_cap_shares
+    # the running max (a wide softcap) takes no cap shares: the kernel refuses the config
+    with pytest.raises(AssertionError, match="held in registers whole"):
+        ops.forward_kernel_object(held, dtype, weighted=False, smoothing=True, zloss=True,
+                                  softcap=True, write_grad=True)
 
 
 def test_held_cap_shares_only_with_the_fixed_max_gradient():
@@ -723,6 +723,7 @@ def test_staged_16_bit_rows_recap_on_the_fma_pipe(tmp_path, cuobjdump):
         kernel = ops.forward_kernel(cfg, dtype, torch.int64, **flags)
         case = (n, dtype, options, cfg.staging, cfg.row_shift)
         assert kernel[0].recaps_on_fma == on_fma, case
+        assert kernel[0].stages_cap_shares == ((n, dtype) == (151936, torch.float16)), case
         assert kernel[0].sums_from_share == from_share, case
         kept = cfg.staging == "registers"
         assert kernel[0].grads_from_share == (on_fma or (kept and from_share)), case

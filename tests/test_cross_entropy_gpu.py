@@ -160,9 +160,9 @@ FLAGS = list(itertools.product([False, True], repeat=4))  # weighted, smoothing,
 @pytest.mark.parametrize("flags", FLAGS, ids=lambda f: "w{}s{}z{}c{}".format(*map(int, f)))
 def test_every_option(v, dtype, flags):
     """Every combination of the options, on rows kept in registers over a cluster (fp16
-    16384), held in registers with their cap shares staged (bf16 151936 without class
-    weights) or staged and re-capped on the FMA pipe (with them), of one-value vectors
-    and in the looping grid."""
+    16384), on bf16 151936 (with softcap the logits held in registers with their cap
+    shares staged; with class weights and smoothing, the weight row staged beside them,
+    the running max), of one-value vectors and in the looping grid."""
     weighted, smoothing, zloss, softcap = flags
     m = 19
     x, target = fresh(m, v, dtype)

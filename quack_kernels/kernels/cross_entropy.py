@@ -280,8 +280,10 @@ class CrossEntropyForward(RowKernel):
         # its cap shares r (fp32) in shared memory for the gradient pass instead of capping
         # its logits again, and is held to the registers that the CTAs its shares leave
         # room for allow (80 at 3 CTAs of 256 threads per SM).
-        self.stages_cap_shares = self.sums_from_share and cfg.staging == "smem" \
-            and cfg.smem_chunks == 0
+        holds_whole_row = cfg.staging == "smem" and cfg.smem_chunks == 0
+        self.stages_cap_shares = self.sums_from_share and holds_whole_row
+        assert self.stages_cap_shares or not holds_whole_row, \
+            "a row held in registers whole is for the cap shares (config.holds_cap_shares)"
         if self.stages_cap_shares:
             ctas = loop_ctas_per_sm(cfg, self.smem_bytes(), CAPPED_GRAD_REGISTERS)
             self.block_registers = REGISTERS_PER_SM // (ctas * cfg.threads_per_block) // 8 * 8
@@ -508,8 +510,7 @@ class CrossEntropyForward(RowKernel):
             # terms: a branch (the target's warp) between two chunks' terms kept the first
             # one's exps live across it, which spilled 8 bytes at 80 registers (bf16 65536
             # columns, softcap without label smoothing; sm_90a).
-            takes_target_first = self.target_aside and cfg.staging == "smem" \
-                and cfg.smem_chunks == 0
+            takes_target_first = self.target_aside and self.stages_cap_shares
             if cutlass.const_expr(takes_target_first):
                 for c in cutlass.range_constexpr(cfg.num_chunks):
                     z_target = running[3] + tiles.take_column(0, c, target_col, -math.inf)

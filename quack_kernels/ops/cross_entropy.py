@@ -236,7 +236,8 @@ def variant(n_cols: int, dtype: torch.dtype, shifted: bool = False,
 
 # option sets in the resource report, by name: plain loss + gradient, every option on
 # (the weight row staged), every option but class weights (the capped values kept in
-# registers, config.KEPT_CAPPED_VALUES), smoothing + softcap without the gradient,
+# registers, config.KEPT_CAPPED_VALUES, or on long 16-bit rows the logits held with their
+# cap shares staged, config.HELD_SHARES_MIN_COLS), smoothing + softcap without the gradient,
 # with Gemma's softcap 30 (a fixed max, config.CE_FIXED_MAX_SOFTCAP), and the mean reduced
 # in the kernel (the weighted loss alone; the plain loss alone, held to
 # config.STREAM_LOSS_REGISTERS on long rows; the plain loss + gradient; "_capped" + gradient,

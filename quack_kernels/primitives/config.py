@@ -1909,10 +1909,11 @@ CE_WIDE_GRAD_LOOP_REGISTERS = 104
 CE_PLAIN_GRAD_LOOP_REGISTERS = 80
 # Registers per thread the one-block shares of the fixed-max gradient are held to (4
 # CTAs of 256 threads per SM): the kept values', and the 16-bit ones re-capped on the FMA
-# pipe from shared memory where it leaves room for those 4 CTAs (kernels.cross_entropy).
+# pipe from shared memory where it leaves room for those 4 CTAs (kernels.cross_entropy;
+# held cap shares take what their shared memory leaves, HELD_SHARES_MIN_COLS).
 # Unbounded, fp32 rows of 128256 columns compiled to 80 (3 CTAs), the count at which
 # the every-option kernel lost 8 points (fourteenth session), and bf16 rows of 151936
-# to 74.
+# (staged, before held shares) to 74.
 CAPPED_GRAD_REGISTERS = 64
 
 
@@ -1932,8 +1933,8 @@ def _kept_values_row_config(n_cols: int, elem: int, max_vec: int | None) -> RowC
 
 # The gradient of 16-bit rows of HELD_SHARES_MIN_COLS+ columns with a softcap the kernel
 # takes as its fixed max: the logits are loaded straight into registers, at most
-# HELD_SHARE_VALUES a thread in chunks of 16, and their cap shares r (fp32) are staged in
-# shared memory for the gradient pass (kernels.cross_entropy, stages_cap_shares): the
+# HELD_CAP_SHARE_VALUES a thread in chunks of 16, and their cap shares r (fp32) are staged
+# in shared memory for the gradient pass (kernels.cross_entropy, stages_cap_shares): the
 # shared memory a staged row's logits took holds r instead, so the gradient pass neither
 # caps again (4.2 instead of 5.2 multi-function-unit ops a value) nor holds r in
 # registers (kept rows: 32 values a thread over twice the CTAs). H100, bf16, every
@@ -1944,21 +1945,21 @@ def _kept_values_row_config(n_cols: int, elem: int, max_vec: int | None) -> RowC
 # (runner, in-kernel mean) 81.5 -> 81.9, 78.4 -> 85.5, 75.8 -> 80.2, 70.4 -> 75.6. Not
 # measured below 65536 columns (kept rows there); 4096x100000 level (74.2 -> 73.6).
 HELD_SHARES_MIN_COLS = 65536
-HELD_SHARE_VALUES = 64
+HELD_CAP_SHARE_VALUES = 64
 
 
 def _held_shares_row_config(n_cols: int, elem: int, max_vec: int | None) -> RowConfig | None:
     """The smallest cluster whose CTAs of MAX_THREADS_PER_ROW threads hold at most
-    HELD_SHARE_VALUES values a thread in chunks of 16, every chunk held in registers
+    HELD_CAP_SHARE_VALUES values a thread in chunks of 16, every chunk held in registers
     (see HELD_SHARES_MIN_COLS), or None."""
     if elem != 2 or vector_width(n_cols, elem, max_vec) == 1:
         return None
     cfg = row_config(n_cols, elem, max_vec=max_vec, values_per_thread=16,
                      min_vecs_per_thread=CE_MIN_VECS_PER_THREAD,
                      max_threads_per_row=MAX_THREADS_PER_ROW,
-                     cta_row_bytes=MAX_THREADS_PER_ROW * HELD_SHARE_VALUES * elem,
+                     cta_row_bytes=MAX_THREADS_PER_ROW * HELD_CAP_SHARE_VALUES * elem,
                      wide_clusters=True)
-    if cfg.staging != "smem" or cfg.thread_values > HELD_SHARE_VALUES:
+    if cfg.staging != "smem" or cfg.thread_values > HELD_CAP_SHARE_VALUES:
         return None
     return dataclasses.replace(cfg, register_chunks=cfg.num_chunks)
 
@@ -2015,7 +2016,9 @@ def _clustered_ce_row_config(n_cols: int, elem: int, stage_weight: bool, write_g
         if roomy.staging == "registers" or loops_over_row_blocks(roomy, write_grad) \
                 or whole_chunks_read:
             cfg = roomy
-    held = held_shares and write_grad and n_cols >= HELD_SHARES_MIN_COLS \
+    assert not held_shares or (softcap and write_grad and not stage_weight), \
+        "held cap shares: the softcapped gradient without the weight row (holds_cap_shares)"
+    held = held_shares and n_cols >= HELD_SHARES_MIN_COLS \
         and _held_shares_row_config(n_cols, elem, max_vec)
     if held:
         return held

@@ -1020,7 +1020,8 @@ class RowTiles:
         value = Float32(0.0)
         if cutlass.const_expr(self.in_registers(chunk)):
             # (the values compared inside the branch: only the warp holding the column
-            # pays for them)
+            # pays for them; is_column takes no shift)
+            assert not self.cfg.row_shift, "a shifted row's register chunk"
             raw = self.held[i, chunk]
             landing = cute.make_rmem_tensor(raw.shape, raw.dtype)
             landing.store(raw)
