@@ -651,6 +651,34 @@ def test_strided_and_misaligned_logits():
     assert_close(grad, ref_grad, torch.bfloat16, scale=2.0)
 
 
+@pytest.mark.parametrize("offset", [2, 4])
+def test_held_rows_of_narrow_accesses_and_reduced_weighted_losses(offset):
+    """Held cap shares (config.HELD_SHARES_MIN_COLS) on rows read in 4- or 8-byte
+    vectors (a view's base and row stride ``offset`` bf16 elements off 16 bytes), and,
+    through the public loss, with class weights and the loss summed or averaged in the
+    kernel, against fp64."""
+    m, v, dtype = 12, 65536, torch.bfloat16
+    x, target = fresh(m, v, dtype)
+    wide = torch.zeros(m, v + 8, device="cuda", dtype=dtype)
+    wide[:, offset:offset + v] = x
+    view = wide[:, offset:offset + v]
+    cfg = ops.forward_config(v, dtype, False, True, ops.vector_limit(view), True,
+                             held_shares=True)
+    assert cfg.vec == offset and cfg.register_chunks == cfg.num_chunks
+    check_fused_forward(view, target, None, (-100, 0.1, 1e-3, 30.0), dtype)
+    weight = torch.rand(v, device="cuda") + 0.5
+    kw = dict(lse_square_scale=1e-3, softcap=30.0)
+    for reduction in ("sum", "mean"):
+        leaf = x.clone().requires_grad_()
+        loss = qk.cross_entropy(leaf, target, weight, reduction=reduction, **kw)
+        loss.backward()
+        xr = x.double().requires_grad_()
+        ref = torch_cross_entropy(xr, target, weight.double(), reduction=reduction, **kw)
+        ref.backward()
+        assert_close(loss, ref, LOSS_TOL, scale=LOSS_SCALE, name=reduction)
+        assert_close(leaf.grad, xr.grad, dtype, scale=2.0, name=f"grad ({reduction})")
+
+
 def test_torch_compile_fullgraph():
     x, target = fresh(64, 32000, torch.bfloat16)
     weight = torch.rand(32000, device="cuda") + 0.5
