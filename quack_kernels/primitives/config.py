@@ -1921,14 +1921,23 @@ def _kept_values_row_config(n_cols: int, elem: int, max_vec: int | None) -> RowC
     """The smallest cluster whose CTAs of MAX_THREADS_PER_ROW threads hold their share
     in one chunk of at most KEPT_CAPPED_VALUES per thread, or None; not for rows of
     one-element vectors (262143 bf16 columns compiled to 128 registers)."""
+    cfg = _capped_grad_share(n_cols, elem, max_vec, KEPT_CAPPED_VALUES, KEPT_CAPPED_VALUES)
+    return cfg if cfg is not None and cfg.staging == "registers" else None
+
+
+def _capped_grad_share(n_cols: int, elem: int, max_vec: int | None, chunk_values: int,
+                       thread_values: int) -> RowConfig | None:
+    """row_config's share of CTAs of MAX_THREADS_PER_ROW threads in chunks of
+    ``chunk_values`` on the smallest cluster (wide_clusters) whose CTAs hold at most
+    ``thread_values`` a thread, for the softcapped gradient's kept and held shares; None
+    for rows of one-element vectors."""
     if vector_width(n_cols, elem, max_vec) == 1:
         return None
-    cfg = row_config(n_cols, elem, max_vec=max_vec, values_per_thread=KEPT_CAPPED_VALUES,
-                     min_vecs_per_thread=CE_MIN_VECS_PER_THREAD,
-                     max_threads_per_row=MAX_THREADS_PER_ROW,
-                     cta_row_bytes=MAX_THREADS_PER_ROW * KEPT_CAPPED_VALUES * elem,
-                     wide_clusters=True)
-    return cfg if cfg.staging == "registers" else None
+    return row_config(n_cols, elem, max_vec=max_vec, values_per_thread=chunk_values,
+                      min_vecs_per_thread=CE_MIN_VECS_PER_THREAD,
+                      max_threads_per_row=MAX_THREADS_PER_ROW,
+                      cta_row_bytes=MAX_THREADS_PER_ROW * thread_values * elem,
+                      wide_clusters=True)
 
 
 # The gradient of 16-bit rows of HELD_SHARES_MIN_COLS+ columns with a softcap the kernel
@@ -1952,14 +1961,9 @@ def _held_shares_row_config(n_cols: int, elem: int, max_vec: int | None) -> RowC
     """The smallest cluster whose CTAs of MAX_THREADS_PER_ROW threads hold at most
     HELD_CAP_SHARE_VALUES values a thread in chunks of 16, every chunk held in registers
     (see HELD_SHARES_MIN_COLS), or None."""
-    if elem != 2 or vector_width(n_cols, elem, max_vec) == 1:
-        return None
-    cfg = row_config(n_cols, elem, max_vec=max_vec, values_per_thread=16,
-                     min_vecs_per_thread=CE_MIN_VECS_PER_THREAD,
-                     max_threads_per_row=MAX_THREADS_PER_ROW,
-                     cta_row_bytes=MAX_THREADS_PER_ROW * HELD_CAP_SHARE_VALUES * elem,
-                     wide_clusters=True)
-    if cfg.staging != "smem" or cfg.thread_values > HELD_CAP_SHARE_VALUES:
+    cfg = _capped_grad_share(n_cols, elem, max_vec, 16, HELD_CAP_SHARE_VALUES) \
+        if elem == 2 else None
+    if cfg is None or cfg.staging != "smem" or cfg.thread_values > HELD_CAP_SHARE_VALUES:
         return None
     return dataclasses.replace(cfg, register_chunks=cfg.num_chunks)
 
@@ -1988,6 +1992,8 @@ def cross_entropy_row_config(n_cols: int, elem: int, stage_weight: bool, write_g
 def _clustered_ce_row_config(n_cols: int, elem: int, stage_weight: bool, write_grad: bool,
                              max_vec: int | None, softcap: bool, held_shares: bool) -> RowConfig:
     """cross_entropy_row_config without its odd-row rule (see there)."""
+    assert not held_shares or (softcap and write_grad and not stage_weight), \
+        "held cap shares: the softcapped gradient without the weight row (holds_cap_shares)"
     if not write_grad and not stage_weight:
         if n_cols * elem >= CE_STREAM_MIN_ROW_BYTES:
             return streamed_loss_row_config(n_cols, elem, max_vec)
@@ -1997,6 +2003,10 @@ def _clustered_ce_row_config(n_cols: int, elem: int, stage_weight: bool, write_g
     if stage_weight:
         return _ce_row_config(n_cols, 4, staged_tensors=2, bytes_per_col=elem + 4,
                               max_vec=max_vec)
+    held = held_shares and n_cols >= HELD_SHARES_MIN_COLS \
+        and _held_shares_row_config(n_cols, elem, max_vec)
+    if held:
+        return held
     # H200 sweeps (benchmarks/sweep_cross_entropy.py): 16 values per thread, in more and
     # smaller shared-memory chunks for rows split over a cluster (fp32 131072: 66% vs
     # 59% at 32 values, loss only), but 32 for 16-bit rows that fit one chunk of 32
@@ -2016,12 +2026,6 @@ def _clustered_ce_row_config(n_cols: int, elem: int, stage_weight: bool, write_g
         if roomy.staging == "registers" or loops_over_row_blocks(roomy, write_grad) \
                 or whole_chunks_read:
             cfg = roomy
-    assert not held_shares or (softcap and write_grad and not stage_weight), \
-        "held cap shares: the softcapped gradient without the weight row (holds_cap_shares)"
-    held = held_shares and n_cols >= HELD_SHARES_MIN_COLS \
-        and _held_shares_row_config(n_cols, elem, max_vec)
-    if held:
-        return held
     if softcap and write_grad and cfg.staging != "registers":
         kept = _kept_values_row_config(n_cols, elem, max_vec)
         # (the looping grid's one-CTA rows where the kept share needs a cluster)
