@@ -514,8 +514,9 @@ def test_long_softcapped_rows_hold_their_logits_and_stage_their_cap_shares(n, dt
     16-byte vectors hold every chunk of 16 values in registers, at most
     HELD_CAP_SHARE_VALUES a thread on a cluster of 256-thread CTAs (config.row_config's
     for such CTAs: 151936 columns on 13, 48 values a thread), and their kernel stages the
-    cap shares in shared memory, held to the registers of the CTAs per SM that leaves
-    room for (3 or 4). Not fp32 rows, shorter ones (kept in registers), one-value
+    cap shares of up to three chunks in shared memory (config.HELD_STAGED_SHARE_BYTES;
+    a fourth keeps its shares in registers), held to the registers of the 4 CTAs per SM
+    that leaves room for. Not fp32 rows, shorter ones (kept in registers), one-value
     vectors (262145) nor rows past 16 CTAs of 64 values (524288)."""
     unheld = ops.forward_config(n, dtype, False, True, softcap=True)
     held = ops.forward_config(n, dtype, False, True, softcap=True, held_shares=True)
@@ -532,8 +533,9 @@ def test_long_softcapped_rows_hold_their_logits_and_stage_their_cap_shares(n, dt
                                        zloss=True, softcap=True, write_grad=True,
                                        fixed_max=True)
     assert kernel.stages_cap_shares and kernel.sums_from_share and not kernel.loops
+    assert kernel.share_chunks == config.staged_share_chunks(held) == min(held.num_chunks, 3)
     ctas = config.loop_ctas_per_sm(held, kernel.smem_bytes(), kernel.block_registers)
-    assert ctas in (3, 4) and kernel.block_registers * ctas * 256 <= config.REGISTERS_PER_SM
+    assert ctas == 4 and kernel.block_registers * ctas * 256 <= config.REGISTERS_PER_SM
     # the running max (a wide softcap) takes no cap shares: the kernel refuses the config
     with pytest.raises(AssertionError, match="held in registers whole"):
         ops.forward_kernel_object(held, dtype, weighted=False, smoothing=True, zloss=True,

@@ -1957,6 +1957,20 @@ HELD_SHARES_MIN_COLS = 65536
 HELD_CAP_SHARE_VALUES = 64
 
 
+# A held row stages the cap shares of at most this many bytes a CTA; the chunks past them
+# (its last) keep their shares in registers for the gradient pass, so that 4 CTAs of
+# CAPPED_GRAD_REGISTERS fit an SM where every chunk's shares (64 KiB at 64 values a
+# thread) left room for 3 at 80 registers.
+HELD_STAGED_SHARE_BYTES = 48 * 1024
+
+
+def staged_share_chunks(cfg: RowConfig) -> int:
+    """How many of a held row's chunks (holds_row_in_registers) stage their cap shares
+    (the first ones): those within HELD_STAGED_SHARE_BYTES."""
+    chunk_bytes = 4 * cfg.thread_values_per_chunk * cfg.threads_per_block
+    return min(cfg.num_chunks, HELD_STAGED_SHARE_BYTES // chunk_bytes)
+
+
 def _held_shares_row_config(n_cols: int, elem: int, max_vec: int | None) -> RowConfig | None:
     """The smallest cluster whose CTAs of MAX_THREADS_PER_ROW threads hold at most
     HELD_CAP_SHARE_VALUES values a thread in chunks of 16, every chunk held in registers
