@@ -1965,10 +1965,11 @@ HELD_STAGED_SHARE_BYTES = 48 * 1024
 
 
 def staged_share_chunks(cfg: RowConfig) -> int:
-    """How many of a held row's chunks (holds_row_in_registers) stage their cap shares
-    (the first ones): those within HELD_STAGED_SHARE_BYTES."""
+    """How many of a held row's chunks (_held_shares_row_config: every chunk in
+    registers) stage their cap shares (the first ones): those within
+    HELD_STAGED_SHARE_BYTES, at least one."""
     chunk_bytes = 4 * cfg.thread_values_per_chunk * cfg.threads_per_block
-    return min(cfg.num_chunks, HELD_STAGED_SHARE_BYTES // chunk_bytes)
+    return max(1, min(cfg.num_chunks, HELD_STAGED_SHARE_BYTES // chunk_bytes))
 
 
 def _held_shares_row_config(n_cols: int, elem: int, max_vec: int | None) -> RowConfig | None:
