@@ -512,10 +512,11 @@ def test_softcap_gradient_keeps_capped_values_in_registers(n, dtype):
 def test_long_softcapped_rows_hold_their_logits_and_stage_their_cap_shares(n, dtype):
     """With held_shares (config.HELD_SHARES_MIN_COLS), 16-bit rows of 65536+ columns in
     16-byte vectors hold every chunk of 16 values in registers, at most
-    HELD_CAP_SHARE_VALUES a thread on a cluster of 256-thread CTAs (config.row_config's
-    for such CTAs: 151936 columns on 13, 48 values a thread), and their kernel stages the
-    cap shares in shared memory, held to the registers of the CTAs per SM that leaves
-    room for (3 or 4). Not fp32 rows, shorter ones (kept in registers), one-value
+    HELD_CAP_SHARE_VALUES a thread on the fewest 256-thread CTAs that hold them, of any
+    count (151936 columns on 10, not 13 of 48 values a thread), and their kernel stages the
+    cap shares of up to three chunks in shared memory (config.HELD_STAGED_SHARE_BYTES;
+    a fourth keeps its shares in registers), held to the registers of the 4 CTAs per SM
+    that leaves room for. Not fp32 rows, shorter ones (kept in registers), one-value
     vectors (262145) nor rows past 16 CTAs of 64 values (524288)."""
     unheld = ops.forward_config(n, dtype, False, True, softcap=True)
     held = ops.forward_config(n, dtype, False, True, softcap=True, held_shares=True)
@@ -527,13 +528,14 @@ def test_long_softcapped_rows_hold_their_logits_and_stage_their_cap_shares(n, dt
     assert held.staging == "smem" and held.register_chunks == held.num_chunks
     assert held.thread_values_per_chunk == 16 and held.threads_per_row == 256
     assert held.thread_values <= config.HELD_CAP_SHARE_VALUES and held.cols_covered >= n
-    assert held.cluster_size <= 16
+    assert held.cluster_size == -(-n // (256 * config.HELD_CAP_SHARE_VALUES)) <= 16
     kernel = ops.forward_kernel_object(held, dtype, weighted=False, smoothing=True,
                                        zloss=True, softcap=True, write_grad=True,
                                        fixed_max=True)
     assert kernel.stages_cap_shares and kernel.sums_from_share and not kernel.loops
+    assert kernel.share_chunks == config.staged_share_chunks(held) == min(held.num_chunks, 3)
     ctas = config.loop_ctas_per_sm(held, kernel.smem_bytes(), kernel.block_registers)
-    assert ctas in (3, 4) and kernel.block_registers * ctas * 256 <= config.REGISTERS_PER_SM
+    assert ctas == 4 and kernel.block_registers * ctas * 256 <= config.REGISTERS_PER_SM
     # the running max (a wide softcap) takes no cap shares: the kernel refuses the config
     with pytest.raises(AssertionError, match="held in registers whole"):
         ops.forward_kernel_object(held, dtype, weighted=False, smoothing=True, zloss=True,
@@ -608,7 +610,7 @@ SPILL_CASES = [
     for n in (1000, 1024, 4096) for dtype in (torch.float32, torch.bfloat16, torch.float16)
     for z in (False, True)
 ] + [
-    # held cap shares on 80 registers (three CTAs per SM; 151936 above on 64)
+    # held cap shares on 64 registers (four CTAs per SM), as 151936 above
     (n, dtype, dict(weighted=w, smoothing=s, zloss=s, softcap=30.0, write_grad=True, reduce=r))
     for n in (65536, 262144) for dtype in (torch.bfloat16, torch.float16)
     for w, s, r in ((False, False, "none"), (False, True, "none"), (True, False, "sum"),

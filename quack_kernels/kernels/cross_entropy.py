@@ -60,7 +60,7 @@ from ..primitives.config import (CE_LOOP_REGISTERS, CE_PLAIN_GRAD_LOOP_REGISTERS
                                  CE_WIDE_GRAD_LOOP_REGISTERS, CAPPED_GRAD_REGISTERS,
                                  REGISTERS_PER_SM,
                                  STREAM_LOSS_REGISTERS, STREAM_UNROLL, RowConfig, loop_ctas_per_sm, loops_over_row_blocks,
-                                 whole_vectors)
+                                 staged_share_chunks, whole_vectors)
 from ..primitives.rows import ReductionSlot, RowKernel, RowTiles, broadcast_rows
 
 
@@ -145,7 +145,7 @@ class CrossEntropyForward(RowKernel):
     # with the kernel before; begin() waits for it, so any kernel before is safe
     programmatic_launch = True
     GRID_SUM_VALUES = 2  # a reduction's sums over the grid: losses and row weights
-    stages_cap_shares = False  # (set in __init__; smem_bytes counts their buffer)
+    share_chunks = 0  # chunks of staged cap shares (set in __init__; smem_bytes counts them)
 
     def __init__(self, cfg: RowConfig, dtype, *, weighted: bool, smoothing: bool,
                  zloss: bool, softcap: bool, write_grad: bool, reduce: str = "none",
@@ -279,9 +279,12 @@ class CrossEntropyForward(RowKernel):
         # A row whose every chunk is held in registers (config.HELD_SHARES_MIN_COLS) stages
         # its cap shares r (fp32) in shared memory for the gradient pass instead of capping
         # its logits again, and is held to the registers that the CTAs its shares leave
-        # room for allow (80 at 3 CTAs of 256 threads per SM).
+        # room for allow (64 at 4 CTAs of 256 threads per SM).
         holds_whole_row = cfg.staging == "smem" and cfg.smem_chunks == 0
         self.stages_cap_shares = self.sums_from_share and holds_whole_row
+        # the chunks whose shares are staged (config.staged_share_chunks); the rest keep
+        # theirs in registers
+        self.share_chunks = staged_share_chunks(cfg) if self.stages_cap_shares else 0
         assert self.stages_cap_shares or not holds_whole_row, \
             "a row held in registers whole is for the cap shares (config.holds_cap_shares)"
         if self.stages_cap_shares:
@@ -305,13 +308,13 @@ class CrossEntropyForward(RowKernel):
         values = cfg.thread_values_per_chunk
         group = math.gcd(values, 4)
         threads = cfg.threads_per_block
-        return cute.make_layout(((group, values // group, cfg.num_chunks), threads),
+        return cute.make_layout(((group, values // group, self.share_chunks), threads),
                                 stride=((1, group * threads, values * threads), group))
 
     def smem_bytes(self) -> int:
-        shares = 4 * self.cfg.thread_values * self.cfg.threads_per_block + 16 \
-            if self.stages_cap_shares else 0
-        return super().smem_bytes() + shares
+        cfg = self.cfg
+        shares = 4 * cfg.thread_values_per_chunk * self.share_chunks * cfg.threads_per_block
+        return super().smem_bytes() + (shares + 16 if shares else 0)
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mTarget: cute.Tensor, mWeight: cute.Tensor,
@@ -481,7 +484,7 @@ class CrossEntropyForward(RowKernel):
         if lead:
             mRowWeight[row] = row_weight
 
-        kept = []
+        kept = {}  # chunk -> (values, weights) kept in registers for the gradient
         zero = Float32(0.0)
         # this thread's (max, sumexp, sumexp over the non-target classes, z_t, sum w z, W)
         running = (Float32(-math.inf), zero, zero, zero, zero, zero)
@@ -526,14 +529,16 @@ class CrossEntropyForward(RowKernel):
                     running = (*running[:3], z_target, *running[4:])
                 if cutlass.const_expr(self.sums_from_share):
                     z = self._cap_share(tiles.values(0, c), inv_softcap)
-                    if cutlass.const_expr(self.stages_cap_shares):
+                    if cutlass.const_expr(c < self.share_chunks):
                         cap_shares[(None, None, c), tiles.tidx].store(z)
                 else:
                     z = self._cap(tiles.values(0, c), inv_softcap, softcap)
                 running, w = self._chunk_stats(z, tiles, c, tiles.coords[c], target_col, running,
                                                softcap)
-                if cutlass.const_expr(cfg.staging == "registers" and self.write_grad):
-                    kept.append((z, w))
+                # (a held row keeps the shares of its chunks past the staged ones)
+                keeps = cfg.staging == "registers" or c >= self.share_chunks > 0
+                if cutlass.const_expr(keeps and self.write_grad):
+                    kept[c] = (z, w)
             if cutlass.const_expr(self.sums_from_share and self.smoothing):
                 # the sum of the shares as the sum of z = s - 2 s r over every value held
                 held_values = Float32(cfg.thread_values)
@@ -652,8 +657,10 @@ class CrossEntropyForward(RowKernel):
                 slope = self._share_exponent_slope(softcap)
                 offset = softcap * Float32(red.LOG2_E) - lse_log2
                 chain = Float32(4.0)
-            for c in cutlass.range_constexpr(cfg.num_chunks):
-                if cutlass.const_expr(cfg.staging == "registers"):
+            # the kept chunks first, their registers free before the staged shares are
+            # read (the other order spilled 16 bytes of held rows at 64 registers)
+            for c in sorted(range(cfg.num_chunks), key=lambda chunk: chunk not in kept):
+                if cutlass.const_expr(c in kept):
                     v, w = kept[c]
                 elif cutlass.const_expr(self.stages_cap_shares):
                     v = cap_shares[(None, None, c), tiles.tidx].load().reshape(

@@ -209,16 +209,19 @@ def threads_per_row_for(vectors: int, max_vecs_per_thread: int, max_threads: int
 
 
 def cluster_size_for(row_bytes: int, cta_row_bytes: int, looping: bool = False,
-                     narrow_share_bytes: int = 0, wide: bool = False) -> int:
+                     narrow_share_bytes: int = 0, wide: bool = False,
+                     fewest: bool = False) -> int:
     """Smallest power-of-two cluster whose CTAs each own at most ``cta_row_bytes`` of
-    the row; capped at 16 (beyond that a CTA's share grows instead). A one-block-per-CTA
+    the row, or with ``fewest`` the smallest of any size; capped at 16 (beyond that a
+    CTA's share grows instead). A one-block-per-CTA
     kernel takes 8 CTAs instead of 16 when their shares stay within
     ``narrow_share_bytes`` (a kernel family's measured bound), or when the 16-CTA shares
     would be WIDE_CLUSTER_SHARE_BYTES or more and the 8-CTA ones stay within
     NARROW_CLUSTER_SHARE_BYTES (see there). Looping kernels were not measured that way
     and keep 16, as do kernels that ask for ``wide`` clusters (measured faster)."""
-    cluster = min(MAX_CLUSTER_SIZE, _next_pow2(math.ceil(row_bytes / cta_row_bytes)))
-    if looping or wide or cluster < MAX_CLUSTER_SIZE:
+    ctas = math.ceil(row_bytes / cta_row_bytes)
+    cluster = min(MAX_CLUSTER_SIZE, ctas if fewest else _next_pow2(ctas))
+    if looping or wide or fewest or cluster < MAX_CLUSTER_SIZE:
         return cluster
     narrow_share = row_bytes / (cluster // 2)
     if narrow_share <= narrow_share_bytes or (
@@ -453,12 +456,14 @@ def row_config(n_cols: int, elem_bytes: int, staged_tensors: int = 1,
                min_threads_per_block: int = MIN_THREADS_PER_BLOCK,
                cta_row_bytes: int = CTA_ROW_BYTES, looping: bool = False,
                narrow_share_bytes: int = 0, wide_clusters: bool = False,
+               fewest_ctas: bool = False,
                min_vecs_per_thread: int | None = None) -> RowConfig:
     """Configuration for rows of ``n_cols`` elements of ``elem_bytes`` each (the widest
     staged dtype), with ``staged_tensors`` row tensors kept on chip together (e.g. y and
     dy in a backward). ``bytes_per_col`` is the staged bytes per column over all of
     them (defaults to staged_tensors * elem_bytes). ``looping``: the kernel loops over row
-    blocks; ``narrow_share_bytes`` and ``wide_clusters``: see cluster_size_for.
+    blocks; ``narrow_share_bytes``, ``wide_clusters`` and ``fewest_ctas`` (its
+    ``fewest``): see cluster_size_for.
     The keyword limits default to the tuned constants above (``max_threads_per_row``:
     MAX_THREADS_PER_ROW, or GLOBAL_STAGED_THREADS_PER_ROW for rows that end up re-read
     from global memory, or FP32_ROW_THREADS_PER_ROW for the one-CTA fp32 rows it names;
@@ -482,7 +487,7 @@ def row_config(n_cols: int, elem_bytes: int, staged_tensors: int = 1,
     max_vecs_per_thread = max(1, values_per_thread // (vec * staged_tensors))
     vectors = math.ceil(n_cols / vec)
     cluster = cluster_size_for(n_cols * bytes_per_col, cta_row_bytes, looping,
-                               narrow_share_bytes, wide_clusters)
+                               narrow_share_bytes, wide_clusters, fewest_ctas)
     vectors_per_cta = math.ceil(vectors / cluster)
     split = functools.partial(_split_share, n_cols, vec, cluster, vectors_per_cta,
                               bytes_per_col=bytes_per_col,
@@ -1926,18 +1931,18 @@ def _kept_values_row_config(n_cols: int, elem: int, max_vec: int | None) -> RowC
 
 
 def _capped_grad_share(n_cols: int, elem: int, max_vec: int | None, chunk_values: int,
-                       thread_values: int) -> RowConfig | None:
+                       thread_values: int, fewest_ctas: bool = False) -> RowConfig | None:
     """row_config's share of CTAs of MAX_THREADS_PER_ROW threads in chunks of
-    ``chunk_values`` on the smallest cluster (wide_clusters) whose CTAs hold at most
-    ``thread_values`` a thread, for the softcapped gradient's kept and held shares; None
-    for rows of one-element vectors."""
+    ``chunk_values`` on the smallest cluster (wide_clusters; ``fewest_ctas``: of any
+    size) whose CTAs hold at most ``thread_values`` a thread, for the softcapped
+    gradient's kept and held shares; None for rows of one-element vectors."""
     if vector_width(n_cols, elem, max_vec) == 1:
         return None
     return row_config(n_cols, elem, max_vec=max_vec, values_per_thread=chunk_values,
                       min_vecs_per_thread=CE_MIN_VECS_PER_THREAD,
                       max_threads_per_row=MAX_THREADS_PER_ROW,
                       cta_row_bytes=MAX_THREADS_PER_ROW * thread_values * elem,
-                      wide_clusters=True)
+                      wide_clusters=True, fewest_ctas=fewest_ctas)
 
 
 # The gradient of 16-bit rows of HELD_SHARES_MIN_COLS+ columns with a softcap the kernel
@@ -1949,20 +1954,39 @@ def _capped_grad_share(n_cols: int, elem: int, max_vec: int | None, chunk_values
 # registers (kept rows: 32 values a thread over twice the CTAs). H100, bf16, every
 # option but class weights (results/cross_entropy_held_shares_H100_20261207.txt), % of
 # the copy ceiling, kernels alone: 2048x65536 83.7 -> 85.3, 4096x128256 82.0 -> 84.7,
-# 8192x151936 78.8 -> 80.0 (13-CTA clusters of 48 values, 4 CTAs per SM; 10 of 64 lost:
-# 72.3), 512x262144 75.1 -> 78.1 (3 CTAs per SM at 80 registers); the training step
+# 8192x151936 78.8 -> 80.0 (13-CTA clusters of 48 values, 4 CTAs per SM; 10 of 64 at 3
+# per SM lost: 72.3), 512x262144 75.1 -> 78.1 (3 CTAs per SM at 80 registers); the step
 # (runner, in-kernel mean) 81.5 -> 81.9, 78.4 -> 85.5, 75.8 -> 80.2, 70.4 -> 75.6. Not
 # measured below 65536 columns (kept rows there); 4096x100000 level (74.2 -> 73.6).
 HELD_SHARES_MIN_COLS = 65536
 HELD_CAP_SHARE_VALUES = 64
 
 
+# A held row stages the cap shares of at most this many bytes a CTA; the chunks past them
+# (its last) keep their shares in registers for the gradient pass, so that 4 CTAs of
+# CAPPED_GRAD_REGISTERS fit an SM where every chunk's shares (64 KiB at 64 values a
+# thread) left room for 3 at 80 registers. With 4 per SM the fewest CTAs of 64 values
+# (any cluster size) beat 48 values on more: 151936 on 10, not 13. H100, kernels alone
+# as above (results/cross_entropy_held_recap_H100_20261207.txt): 2048x65536 85.7 -> 87.7,
+# 4096x128256 84.9 -> 89.7, 512x262144 78.4 -> 82.9 (28 resident 16-CTA clusters, not
+# 21), 8192x151936 80.3 -> 82.8 (10 CTAs; 80.3 on 13 at 4 per SM).
+HELD_STAGED_SHARE_BYTES = 48 * 1024
+
+
+def staged_share_chunks(cfg: RowConfig) -> int:
+    """How many of a held row's chunks (_held_shares_row_config: every chunk in
+    registers) stage their cap shares (the first ones): those within
+    HELD_STAGED_SHARE_BYTES, at least one."""
+    chunk_bytes = 4 * cfg.thread_values_per_chunk * cfg.threads_per_block
+    return max(1, min(cfg.num_chunks, HELD_STAGED_SHARE_BYTES // chunk_bytes))
+
+
 def _held_shares_row_config(n_cols: int, elem: int, max_vec: int | None) -> RowConfig | None:
-    """The smallest cluster whose CTAs of MAX_THREADS_PER_ROW threads hold at most
-    HELD_CAP_SHARE_VALUES values a thread in chunks of 16, every chunk held in registers
-    (see HELD_SHARES_MIN_COLS), or None."""
-    cfg = _capped_grad_share(n_cols, elem, max_vec, 16, HELD_CAP_SHARE_VALUES) \
-        if elem == 2 else None
+    """The smallest cluster, of any size, whose CTAs of MAX_THREADS_PER_ROW threads hold
+    at most HELD_CAP_SHARE_VALUES values a thread in chunks of 16, every chunk held in
+    registers (see HELD_SHARES_MIN_COLS), or None."""
+    cfg = _capped_grad_share(n_cols, elem, max_vec, 16, HELD_CAP_SHARE_VALUES,
+                             fewest_ctas=True) if elem == 2 else None
     if cfg is None or cfg.staging != "smem" or cfg.thread_values > HELD_CAP_SHARE_VALUES:
         return None
     return dataclasses.replace(cfg, register_chunks=cfg.num_chunks)
