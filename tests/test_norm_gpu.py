@@ -19,6 +19,24 @@ pytestmark = pytest.mark.gpu
 # that a wrapper never wraps another test's (in the -n 14 suite on an H100, one test's
 # wrapper met configs another test's wrapper had made)
 FORWARD_CONFIG, BACKWARD_CONFIG = ops.forward_config, ops.backward_config
+
+
+@pytest.fixture
+def wrap_config(monkeypatch):
+    """wrap_config(name, wrapper): swap ops' config function ``name`` for this test,
+    with the config and launch caches emptied before and after it: the launches keep
+    the configs they were planned with, and a shifted config computes its unshifted one
+    through the module's (wrapped) name, so its cache kept the wrapper's result for later
+    tests (on the H100, a later test found stages=1 from test_rows_prefetched_to_l2's)."""
+    def clear():
+        FORWARD_CONFIG.cache_clear()
+        BACKWARD_CONFIG.cache_clear()
+        ops._forward_plans.clear()
+        ops._backward_plans.clear()
+    clear()
+    yield lambda name, wrapper: monkeypatch.setattr(ops, name, wrapper)
+    clear()
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 NS = [1, 7, 769, 1000, 4097, 131073]
 F64 = torch.float64
@@ -602,15 +620,15 @@ def test_layer_norm_backward_of_16bit_rows_far_from_zero(n, dtype, mean_value):
 @pytest.mark.parametrize("n, dtype", [(262144, torch.float32), (65536, torch.bfloat16),
                                       (65528, torch.bfloat16)])
 @pytest.mark.parametrize("rms", [True, False])
-def test_rows_prefetched_to_l2(n, dtype, rms, monkeypatch):
+def test_rows_prefetched_to_l2(n, dtype, rms, wrap_config):
     """Forward (with a residual) and looping backward whose CTAs ask L2 for the rows of
     a later row block (RowConfig.l2_prefetch: the forward 3 blocks ahead, the backward
     with one staging buffer 3 iterations ahead, both past M at the end; 65528: the
     cluster's last CTA holds less than a share), against the fp64 reference."""
     with_l2 = lambda config_fn: lambda *a, **k: dataclasses.replace(  # noqa: E731
         config_fn(*a, **k), l2_prefetch=3, stages=1)
-    monkeypatch.setattr(ops, "forward_config", with_l2(FORWARD_CONFIG))
-    monkeypatch.setattr(ops, "backward_config", with_l2(BACKWARD_CONFIG))
+    wrap_config("forward_config", with_l2(FORWARD_CONFIG))
+    wrap_config("backward_config", with_l2(BACKWARD_CONFIG))
     m = 40
     x, r = fresh((m, n), dtype), fresh((m, n), dtype)
     w, b = fresh(n, dtype, 0.5, 1.0), None if rms else fresh(n, dtype, 0.5)
@@ -626,7 +644,7 @@ def test_rows_prefetched_to_l2(n, dtype, rms, monkeypatch):
 @pytest.mark.parametrize("n, dtype", [(65536, torch.bfloat16), (65536, torch.float32),
                                       (16384, torch.bfloat16)])
 @pytest.mark.parametrize("rms", [True, False])
-def test_backward_prefetching_past_two_buffers(n, dtype, rms, monkeypatch):
+def test_backward_prefetching_past_two_buffers(n, dtype, rms, monkeypatch, wrap_config):
     """The looping backward with two staging buffers asking L2 for the row block after
     the second buffer's (config.norm_backward_prefetches_past_buffers; forced here where
     the sums stay in registers), on a grid held to two row blocks so that 40 rows take
@@ -637,7 +655,7 @@ def test_backward_prefetching_past_two_buffers(n, dtype, rms, monkeypatch):
         assert cfg.stages == 2
         return dataclasses.replace(cfg, l2_prefetch=1)
 
-    monkeypatch.setattr(ops, "backward_config", prefetching)
+    wrap_config("backward_config", prefetching)
     monkeypatch.setattr(ops, "resident_row_blocks", lambda kernel, device: 2)
     m = 40
     x = fresh((m, n), dtype)
