@@ -213,12 +213,12 @@ def cluster_size_for(row_bytes: int, cta_row_bytes: int, looping: bool = False,
                      fewest: bool = False) -> int:
     """Smallest power-of-two cluster whose CTAs each own at most ``cta_row_bytes`` of
     the row, or with ``fewest`` the smallest of any size; capped at 16 (beyond that a
-    CTA's share grows instead). A one-block-per-CTA
-    kernel takes 8 CTAs instead of 16 when their shares stay within
-    ``narrow_share_bytes`` (a kernel family's measured bound), or when the 16-CTA shares
-    would be WIDE_CLUSTER_SHARE_BYTES or more and the 8-CTA ones stay within
-    NARROW_CLUSTER_SHARE_BYTES (see there). Looping kernels were not measured that way
-    and keep 16, as do kernels that ask for ``wide`` clusters (measured faster)."""
+    CTA's share grows instead). A one-block-per-CTA kernel takes 8 CTAs instead of 16
+    when their shares stay within ``narrow_share_bytes`` (a kernel family's measured
+    bound), or when the 16-CTA shares would be WIDE_CLUSTER_SHARE_BYTES or more and the
+    8-CTA ones stay within NARROW_CLUSTER_SHARE_BYTES (see there). Looping kernels were
+    not measured that way and keep 16, as do kernels that ask for ``wide`` clusters
+    (measured faster)."""
     ctas = math.ceil(row_bytes / cta_row_bytes)
     cluster = min(MAX_CLUSTER_SIZE, ctas if fewest else _next_pow2(ctas))
     if looping or wide or fewest or cluster < MAX_CLUSTER_SIZE:
