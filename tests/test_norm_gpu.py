@@ -19,6 +19,9 @@ pytestmark = pytest.mark.gpu
 # that a wrapper never wraps another test's (in the -n 14 suite on an H100, one test's
 # wrapper met configs another test's wrapper had made)
 FORWARD_CONFIG, BACKWARD_CONFIG = ops.forward_config, ops.backward_config
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+NS = [1, 7, 769, 1000, 4097, 131073]
+F64 = torch.float64
 
 
 @pytest.fixture
@@ -36,10 +39,6 @@ def wrap_config(monkeypatch):
     clear()
     yield lambda name, wrapper: monkeypatch.setattr(ops, name, wrapper)
     clear()
-
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-NS = [1, 7, 769, 1000, 4097, 131073]
-F64 = torch.float64
 
 
 def fresh(shape, dtype, scale=1.0, shift=0.0):
