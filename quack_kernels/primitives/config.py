@@ -1971,6 +1971,11 @@ HELD_CAP_SHARE_VALUES = 64
 # 4096x128256 84.9 -> 89.7, 512x262144 78.4 -> 82.9 (28 resident 16-CTA clusters, not
 # 21), 8192x151936 80.3 -> 82.8 (10 CTAs; 80.3 on 13 at 4 per SM).
 HELD_STAGED_SHARE_BYTES = 48 * 1024
+# A held row's first pass takes the cap reciprocal of every HELD_FMA_CAP_STRIDE-th chunk
+# on the FMA pipe (CrossEntropyForward.caps_on_fma), the others on the multi-function
+# unit: sm_90a SASS of the bf16 every-option kernel, 64 values a thread, MUFU 267 -> 235
+# a thread at stride 2 (every chunk, stride 1: 203, and 8 bytes spilled at 262144).
+HELD_FMA_CAP_STRIDE = 2
 
 
 def staged_share_chunks(cfg: RowConfig) -> int:
