@@ -707,11 +707,13 @@ def test_staged_16_bit_rows_recap_on_the_fma_pipe(tmp_path, cuobjdump):
     too (sums_from_share); not one-value vectors (50257 bf16: masked per value) nor
     global shares. Rows kept in registers cap once and keep the shares for the gradient
     (grads_from_share), and so do rows that hold their logits in registers and stage
-    the shares (stages_cap_shares: fp16 151936, config.HELD_SHARES_MIN_COLS): one
-    MUFU.RCP and three MUFU.EX2 a value."""
+    the shares (stages_cap_shares: fp16 151936 and bf16 262144,
+    config.HELD_SHARES_MIN_COLS): three MUFU.EX2 a value and one MUFU.RCP, but for the
+    chunks whose first-pass reciprocal is on the FMA pipe (caps_on_fma)."""
     for n, dtype, options, on_fma, from_share, held, shifted in (
             (16383, torch.bfloat16, "_capped", True, False, False, False),  # looping
             (151936, torch.float16, "_capped", True, True, True, False),  # held shares
+            (262144, torch.bfloat16, "_capped", True, True, True, False),
             (262145, torch.bfloat16, "_capped", True, True, True, True),
             (524288, torch.float16, "_capped", True, True, False, False),
             (50257, torch.bfloat16, "_capped", True, False, True, False),
@@ -725,7 +727,8 @@ def test_staged_16_bit_rows_recap_on_the_fma_pipe(tmp_path, cuobjdump):
         kernel = ops.forward_kernel(cfg, dtype, torch.int64, **flags)
         case = (n, dtype, options, cfg.staging, cfg.row_shift)
         assert kernel[0].recaps_on_fma == on_fma, case
-        assert kernel[0].stages_cap_shares == ((n, dtype) == (151936, torch.float16)), case
+        held_shares = (n, dtype) in ((151936, torch.float16), (262144, torch.bfloat16))
+        assert kernel[0].stages_cap_shares == held_shares, case
         assert kernel[0].sums_from_share == from_share, case
         kept = cfg.staging == "registers"
         assert kernel[0].grads_from_share == (on_fma or (kept and from_share)), case
@@ -737,8 +740,11 @@ def test_staged_16_bit_rows_recap_on_the_fma_pipe(tmp_path, cuobjdump):
         values = cfg.thread_values
         rcp = len(re.findall(r"\bMUFU\.RCP\b", sass))
         ex2 = len(re.findall(r"\bMUFU\.EX2\b", sass))
-        if kept or kernel[0].stages_cap_shares:  # capped once, the shares kept
-            assert values <= rcp < 1.5 * values, (case, rcp, values)
+        if kept or held_shares:  # capped once, the shares kept
+            on_fma = sum(cfg.thread_values_per_chunk for c in range(cfg.num_chunks)
+                         if kernel[0].caps_on_fma(c))
+            assert 0 < on_fma < values if held_shares else on_fma == 0, (case, on_fma)
+            assert values - on_fma <= rcp < 1.5 * values - on_fma, (case, rcp, values)
             if from_share:  # the cap's exp, the sums' and the gradient's: no second cap
                 assert 3 * values <= ex2 < 3.5 * values, (case, ex2, values)
         else:

@@ -276,12 +276,13 @@ def test_cpp_step_with_int32_targets_and_create_graph():
 @pytest.mark.parametrize("v,dtype", [(4096, torch.float32), (128256, torch.bfloat16),
                                      (151936, torch.float32), (16384, torch.bfloat16),
                                      (151936, torch.bfloat16), (16383, torch.bfloat16),
-                                     (524288, torch.bfloat16)])
+                                     (524288, torch.bfloat16), (262144, torch.bfloat16)])
 def test_softcap_of_infinite_and_nan_logits(v, dtype):
     """softcap caps +-inf logits at +-s (a finite loss and gradient, as torch's tanh
     gives: a set-aside target among them too); a NaN logit makes its row's loss, lse
     and gradient NaN. bf16 16384 columns keep their cap shares in registers between the
-    passes, bf16 128256 and 151936 stage them (their logits held in registers); fp32
+    passes, bf16 128256, 151936 and 262144 stage them (their logits held in registers,
+    262144's NaN in a chunk whose reciprocal or sum terms are on the FMA pipe); fp32
     151936 re-cap them from shared memory, bf16 16383 (the looping grid) and 524288
     with the reciprocal on the FMA pipe, whose clamp meets the +inf
     (kernels.cross_entropy.fma_reciprocal). A negative softcap is the same cap

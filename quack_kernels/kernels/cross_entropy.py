@@ -58,7 +58,7 @@ from ..primitives import reduce as red
 from ..primitives import tiling
 from ..primitives.config import (CE_LOOP_REGISTERS, CE_PLAIN_GRAD_LOOP_REGISTERS,
                                  CE_WIDE_GRAD_LOOP_REGISTERS, CAPPED_GRAD_REGISTERS,
-                                 REGISTERS_PER_SM,
+                                 HELD_FMA_CAP_STRIDE, REGISTERS_PER_SM,
                                  STREAM_LOSS_REGISTERS, STREAM_UNROLL, RowConfig, loop_ctas_per_sm, loops_over_row_blocks,
                                  staged_share_chunks, whole_vectors)
 from ..primitives.rows import ReductionSlot, RowKernel, RowTiles, broadcast_rows
@@ -300,6 +300,13 @@ class CrossEntropyForward(RowKernel):
                     cfg, self.smem_bytes(), self.loop_registers) <= 2):
             self.loop_registers = CE_PLAIN_GRAD_LOOP_REGISTERS
 
+    def caps_on_fma(self, chunk: int) -> bool:
+        """Whether a held row's first pass takes chunk ``chunk``'s cap reciprocal on the
+        FMA pipe (every HELD_FMA_CAP_STRIDE-th chunk, the last of each stride): the
+        multi-function unit does its cap's ex2 and rcp, the sum's ex2 and the gradient's
+        ex2, 4.2 ops a value where 2.8 values a clock an SM leave it about 73% busy."""
+        return self.stages_cap_shares and chunk % HELD_FMA_CAP_STRIDE == HELD_FMA_CAP_STRIDE - 1
+
     def _cap_share_buffer_layout(self) -> cute.Layout:
         """(value, chunk, thread) of the staged cap shares: a thread's values in groups of
         up to 4 (16-byte accesses), consecutive threads' groups side by side so that a
@@ -345,13 +352,12 @@ class CrossEntropyForward(RowKernel):
         """exp(z - s) = exp2(r (-2 s log2 e)) of a cap share r (_cap_share)."""
         return softcap * Float32(-2.0 * red.LOG2_E)
 
-    def _cap_share(self, x, inv_softcap: Float32, recap: bool = False):
+    def _cap_share(self, x, inv_softcap: Float32, on_fma: bool = False):
         """r = 1 / (1 + exp(2 x / s)) of logits ``x``, which the capped logit z = s - 2 s r
-        and its gradient's chain 1 - (z / s)^2 = 4 r (1 - r) take. ``recap``: the gradient
-        pass capping a staged row again, its reciprocal on the FMA pipe where
-        ``recaps_on_fma``."""
+        and its gradient's chain 1 - (z / s)^2 = 4 r (1 - r) take; ``on_fma``: its
+        reciprocal on the FMA pipe (fma_reciprocal) instead of the multi-function unit."""
         e = cute.math.exp2(x * (inv_softcap * Float32(2.0 * red.LOG2_E)), fastmath=True)
-        if recap and self.recaps_on_fma:
+        if on_fma:
             return fma_reciprocal(e + Float32(1.0))
         return cute.math.rcp(e + Float32(1.0), approx=True, ftz=True)
 
@@ -528,7 +534,8 @@ class CrossEntropyForward(RowKernel):
                     z_target = running[3] + tiles.take_column(0, c, target_col, -math.inf)
                     running = (*running[:3], z_target, *running[4:])
                 if cutlass.const_expr(self.sums_from_share):
-                    z = self._cap_share(tiles.values(0, c), inv_softcap)
+                    z = self._cap_share(tiles.values(0, c), inv_softcap,
+                                        on_fma=self.caps_on_fma(c))
                     if cutlass.const_expr(c < self.share_chunks):
                         cap_shares[(None, None, c), tiles.tidx].store(z)
                 else:
@@ -669,7 +676,7 @@ class CrossEntropyForward(RowKernel):
                 else:
                     v = tiles.values(0, c)
                     if cutlass.const_expr(self.recaps_on_fma):
-                        v = self._cap_share(v, inv_softcap, recap=True)
+                        v = self._cap_share(v, inv_softcap, on_fma=True)
                     else:
                         v = self._cap(v, inv_softcap, softcap)
                     w = None

@@ -1971,6 +1971,14 @@ HELD_CAP_SHARE_VALUES = 64
 # 4096x128256 84.9 -> 89.7, 512x262144 78.4 -> 82.9 (28 resident 16-CTA clusters, not
 # 21), 8192x151936 80.3 -> 82.8 (10 CTAs; 80.3 on 13 at 4 per SM).
 HELD_STAGED_SHARE_BYTES = 48 * 1024
+# A held row's first pass takes the cap reciprocal of every HELD_FMA_CAP_STRIDE-th chunk
+# on the FMA pipe (CrossEntropyForward.caps_on_fma), the others on the multi-function
+# unit: sm_90a SASS of the bf16 every-option kernel, 64 values a thread, MUFU 267 -> 235
+# a thread, 2032 -> 2224 instructions. H100, kernels alone, % of the copy ceiling
+# (results/cross_entropy_held_fma_cap_H100_20261207.txt): 8192x151936 82.6 -> 84.1,
+# 4096x128256 89.5 -> 90.1, 2048x65536 87.6 -> 88.0, 512x262144 82.5 -> 82.7. Every
+# chunk (stride 1: MUFU 203, an 8-byte spill at 262144) lost 262144 (79.8).
+HELD_FMA_CAP_STRIDE = 2
 
 
 def staged_share_chunks(cfg: RowConfig) -> int:
