@@ -709,7 +709,8 @@ def test_staged_16_bit_rows_recap_on_the_fma_pipe(tmp_path, cuobjdump):
     (grads_from_share), and so do rows that hold their logits in registers and stage
     the shares (stages_cap_shares: fp16 151936 and bf16 262144,
     config.HELD_SHARES_MIN_COLS): three MUFU.EX2 a value and one MUFU.RCP, but for the
-    chunks whose first-pass reciprocal is on the FMA pipe (caps_on_fma)."""
+    chunks whose first-pass reciprocal (caps_on_fma) or, in unpadded rows, sum terms
+    (sums_on_fma) are on the FMA pipe: one op of each chunk's two."""
     for n, dtype, options, on_fma, from_share, held, shifted in (
             (16383, torch.bfloat16, "_capped", True, False, False, False),  # looping
             (151936, torch.float16, "_capped", True, True, True, False),  # held shares
@@ -743,10 +744,15 @@ def test_staged_16_bit_rows_recap_on_the_fma_pipe(tmp_path, cuobjdump):
         if kept or held_shares:  # capped once, the shares kept
             on_fma = sum(cfg.thread_values_per_chunk for c in range(cfg.num_chunks)
                          if kernel[0].caps_on_fma(c))
+            sums_on_fma = sum(cfg.thread_values_per_chunk for c in range(cfg.num_chunks)
+                              if kernel[0].sums_on_fma(c))
             assert 0 < on_fma < values if held_shares else on_fma == 0, (case, on_fma)
+            assert sums_on_fma == (values - on_fma if held_shares and not cfg.needs_col_predicate
+                                   else 0), (case, sums_on_fma)
             assert values - on_fma <= rcp < 1.5 * values - on_fma, (case, rcp, values)
             if from_share:  # the cap's exp, the sums' and the gradient's: no second cap
-                assert 3 * values <= ex2 < 3.5 * values, (case, ex2, values)
+                assert 3 * values - sums_on_fma <= ex2 < 3.5 * values - sums_on_fma, \
+                    (case, ex2, values)
         else:
             assert (rcp < 1.5 * values) if on_fma else (rcp >= 2 * values), (case, rcp, values)
 

@@ -94,6 +94,25 @@ def _with_target(other_max: Float32, other_sumexp: Float32, z_target: Float32, v
     return row_max, other + cutlass.select_(valid, target, Float32(0.0)), other
 
 
+def _words(v: cute.TensorSSA):
+    """The int32 words of fp32 values ``v`` (an MLIR vector)."""
+    return vector.bitcast(ir.VectorType.get([cute.size(v.shape)], Int32.mlir_type), v)
+
+
+def _floats(words, shape) -> cute.TensorSSA:
+    """fp32 values of shape ``shape`` from their int32 ``words`` (_words)."""
+    count = cute.size(shape)
+    return cute.TensorSSA(vector.bitcast(ir.VectorType.get([count], Float32.mlir_type), words),
+                          shape, Float32)
+
+
+def _splat_words(count: int, value: int):
+    """An int32 vector of ``count`` copies of ``value``."""
+    words_type = ir.VectorType.get([count], Int32.mlir_type)
+    return arith.constant(words_type, ir.DenseElementsAttr.get_splat(
+        words_type, ir.IntegerAttr.get(Int32.mlir_type, value)))
+
+
 # fma_reciprocal's first guess 1/y ~ bits(RECIPROCAL_GUESS - bits(y)) (5e-2 relative over
 # [1, 2^100]) and the bound it clamps y to: 1/2^100 is below every cap's rounding, and an
 # exponent that large keeps the guess a normal fp32.
@@ -107,16 +126,37 @@ def fma_reciprocal(y: cute.TensorSSA) -> cute.TensorSSA:
     guess take its 5e-2 relative error to 2.6e-3, 6.6e-6 and 6e-8 (fp32 emulation against
     fp64 over [1, 2^100]: MUFU.RCP's level). y = inf gives 2^-100."""
     y = cute.where(y > Float32(RECIPROCAL_CLAMP), Float32(RECIPROCAL_CLAMP), y)
-    count = cute.size(y.shape)
-    words_type = ir.VectorType.get([count], Int32.mlir_type)
-    guess = arith.subi(arith.constant(words_type, ir.DenseElementsAttr.get_splat(
-        words_type, ir.IntegerAttr.get(Int32.mlir_type, RECIPROCAL_GUESS))),
-        vector.bitcast(words_type, y))
-    r = cute.TensorSSA(vector.bitcast(ir.VectorType.get([count], Float32.mlir_type), guess),
-                       y.shape, Float32)
+    guess = arith.subi(_splat_words(cute.size(y.shape), RECIPROCAL_GUESS), _words(y))
+    r = _floats(guess, y.shape)
     for _ in range(3):
         r = r * (Float32(2.0) - y * r)
     return r
+
+
+# fma_exp2's 2^f on [-1/2, 1/2], lowest power first: a degree-5 fit of the relative
+# error (7.5e-8 in fp64; fma_exp2 in fp32 emulation against fp64 over [-126, 0]: 2.3e-7,
+# MUFU.EX2's level). Adding ROUNDING_SHIFT to an fp32 under 2^22 in magnitude rounds it
+# to an integer n, which the sum's low mantissa bits hold: shifted up 23 bits and added
+# to the word of 1.0 they are the word of 2^n.
+EXP2_POLYNOMIAL = (1.0000000716554343, 0.6931469670620429, 0.24022119720074434,
+                   0.055507132760937, 0.009675541540094703, 0.0013276471737340791)
+ROUNDING_SHIFT = 1.5 * 2.0 ** 23
+ONE_WORD = 0x3F800000
+
+
+def fma_exp2(x: cute.TensorSSA) -> cute.TensorSSA:
+    """2^x for x in [-126, 127] (NaN stays NaN) on the FMA pipe, where MUFU.EX2 would
+    wait for the multi-function unit: 2^n p(f) for x = n + f, n an integer and f in
+    [-1/2, 1/2], in 10 instructions a value (3 FADD, 5 FFMA, an IMAD and an FMUL)."""
+    rounded = x + Float32(ROUNDING_SHIFT)
+    f = x - (rounded - Float32(ROUNDING_SHIFT))
+    p = f * Float32(EXP2_POLYNOMIAL[-1]) + Float32(EXP2_POLYNOMIAL[-2])
+    for coefficient in reversed(EXP2_POLYNOMIAL[:-2]):
+        p = p * f + Float32(coefficient)
+    count = cute.size(x.shape)
+    power_words = arith.addi(arith.muli(_words(rounded), _splat_words(count, 1 << 23)),
+                             _splat_words(count, ONE_WORD))
+    return p * _floats(power_words, x.shape)
 
 
 def _target_gradient(p_target, coef_p, coef_t, one_minus_p_target):
@@ -302,10 +342,20 @@ class CrossEntropyForward(RowKernel):
 
     def caps_on_fma(self, chunk: int) -> bool:
         """Whether a held row's first pass takes chunk ``chunk``'s cap reciprocal on the
-        FMA pipe (every HELD_FMA_CAP_STRIDE-th chunk, the last of each stride): the
+        FMA pipe (every HELD_FMA_CAP_STRIDE-th chunk, the first of each stride): the
         multi-function unit does its cap's ex2 and rcp, the sum's ex2 and the gradient's
         ex2, 4.2 ops a value where 2.8 values a clock an SM leave it about 73% busy."""
-        return self.stages_cap_shares and chunk % HELD_FMA_CAP_STRIDE == HELD_FMA_CAP_STRIDE - 1
+        return self.stages_cap_shares and chunk % HELD_FMA_CAP_STRIDE == 0
+
+    def sums_on_fma(self, chunk: int) -> bool:
+        """Whether a held row's first pass takes chunk ``chunk``'s sum terms exp(z - s)
+        on the FMA pipe (fma_exp2): the chunks whose cap reciprocal stays on the
+        multi-function unit (caps_on_fma), so that each moves one of its two ops there;
+        measured on unpadded rows only (151936 columns, padded, compiles to 203 MUFU ops
+        a thread without a spill with it too, but was not timed). Its exponents
+        r (-2 s log2 e) lie in [-116, 0] (CE_FIXED_MAX_SOFTCAP), fma_exp2's range."""
+        return self.stages_cap_shares and not self.caps_on_fma(chunk) \
+            and not self.cfg.needs_col_predicate
 
     def _cap_share_buffer_layout(self) -> cute.Layout:
         """(value, chunk, thread) of the staged cap shares: a thread's values in groups of
@@ -738,7 +788,11 @@ class CrossEntropyForward(RowKernel):
         if cutlass.const_expr(self.sums_from_share):
             # z the cap share r: exp(z - s) = exp2(r (-2 s log2 e))
             chunk_max = softcap * red.LOG2_E
-            e = cute.math.exp2(z * self._share_exponent_slope(softcap), fastmath=True)
+            exponent = z * self._share_exponent_slope(softcap)
+            if cutlass.const_expr(self.sums_on_fma(chunk)):
+                e = fma_exp2(exponent)
+            else:
+                e = cute.math.exp2(exponent, fastmath=True)
         else:
             bound = softcap if self.fixed_max \
                 else red.thread_reduce(z_max_in, cute.ReductionOp.MAX, -math.inf)

@@ -1975,9 +1975,14 @@ HELD_STAGED_SHARE_BYTES = 48 * 1024
 # on the FMA pipe (CrossEntropyForward.caps_on_fma), the others on the multi-function
 # unit: sm_90a SASS of the bf16 every-option kernel, 64 values a thread, MUFU 267 -> 235
 # a thread, 2032 -> 2224 instructions. H100, kernels alone, % of the copy ceiling
-# (results/cross_entropy_held_fma_cap_H100_20261207.txt): 8192x151936 82.6 -> 84.1,
-# 4096x128256 89.5 -> 90.1, 2048x65536 87.6 -> 88.0, 512x262144 82.5 -> 82.7. Every
-# chunk (stride 1: MUFU 203, an 8-byte spill at 262144) lost 262144 (79.8).
+# (results/cross_entropy_held_fma_cap_H100_20261207.txt, chunks 1 and 3 then):
+# 8192x151936 82.6 -> 84.1, 4096x128256 89.5 -> 90.1, 2048x65536 87.6 -> 88.0,
+# 512x262144 82.5 -> 82.7. Every chunk (stride 1: MUFU 203, an 8-byte spill at 262144)
+# lost 262144 (79.8). Then chunks 0 and 2, with the sum terms of 1 and 3 on the FMA pipe
+# too in unpadded rows (sums_on_fma: MUFU 203, 2480 instructions at 262144, no spill;
+# chunks 1 and 3 with sums of 0 and 2 spilled 40 bytes): 8192x151936 84.1 -> 85.0,
+# 512x262144 82.5 -> 82.9, 2048x65536 88.1 -> 87.3 (results/cross_entropy_held_fma_exp_
+# H100_20261207.txt).
 HELD_FMA_CAP_STRIDE = 2
 
 
