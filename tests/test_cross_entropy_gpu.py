@@ -329,7 +329,7 @@ def test_held_rows_stage_their_cap_shares(v, dtype, smoothing, zloss):
 @pytest.mark.parametrize("v,dtype", [(1000, torch.float16), (1000, torch.bfloat16),
                                      (4000, torch.float32), (10000, torch.bfloat16),
                                      (128256, torch.bfloat16), (151936, torch.bfloat16),
-                                     (151936, torch.float32)])
+                                     (151936, torch.float32), (262144, torch.bfloat16)])
 def test_softcap_counts_its_placeholders(v, dtype):
     """With softcap the set-aside target and the padding past the row end cap to -s and
     are counted out of each thread's sums (kernels.cross_entropy, capped_placeholders).
@@ -339,8 +339,9 @@ def test_softcap_counts_its_placeholders(v, dtype):
     largest softcap that takes s as the row max (config.CE_FIXED_MAX_SOFTCAP, floor
     terms exp(-2 s) ~ 1e-35) and one above it, too. Under the fixed max these take
     their sums from the cap shares (sums_from_share): bf16 128256 and 151936 (padded)
-    held in registers with their shares staged; 1000, 4000, 10000 (over a 2-CTA
-    cluster) kept in registers."""
+    held in registers with their shares staged, and 262144, whose set-aside target's
+    term may be summed by fma_exp2 and taken out by MUFU.EX2 (sums_on_fma); 1000,
+    4000, 10000 (over a 2-CTA cluster) kept in registers."""
     m = 12
     x, target = fresh(m, v, dtype)  # rows 1, 6 and 11 ignored
     x[:] = -1e4
