@@ -742,16 +742,18 @@ def test_staged_16_bit_rows_recap_on_the_fma_pipe(tmp_path, cuobjdump):
         rcp = len(re.findall(r"\bMUFU\.RCP\b", sass))
         ex2 = len(re.findall(r"\bMUFU\.EX2\b", sass))
         if kept or held_shares:  # capped once, the shares kept
-            on_fma = sum(cfg.thread_values_per_chunk for c in range(cfg.num_chunks)
-                         if kernel[0].caps_on_fma(c))
-            sums_on_fma = sum(cfg.thread_values_per_chunk for c in range(cfg.num_chunks)
-                              if kernel[0].sums_on_fma(c))
-            assert 0 < on_fma < values if held_shares else on_fma == 0, (case, on_fma)
-            assert sums_on_fma == (values - on_fma if held_shares and not cfg.needs_col_predicate
-                                   else 0), (case, sums_on_fma)
-            assert values - on_fma <= rcp < 1.5 * values - on_fma, (case, rcp, values)
+            def values_moved(moves_chunk):  # a thread's values in the chunks it moves
+                return sum(cfg.thread_values_per_chunk for c in range(cfg.num_chunks)
+                           if moves_chunk(c))
+
+            caps_moved = values_moved(kernel[0].caps_on_fma)
+            sums_moved = values_moved(kernel[0].sums_on_fma)
+            assert 0 < caps_moved < values if held_shares else caps_moved == 0, (case, caps_moved)
+            assert sums_moved == (values - caps_moved if held_shares and not cfg.needs_col_predicate
+                                  else 0), (case, sums_moved)
+            assert values - caps_moved <= rcp < 1.5 * values - caps_moved, (case, rcp, values)
             if from_share:  # the cap's exp, the sums' and the gradient's: no second cap
-                assert 3 * values - sums_on_fma <= ex2 < 3.5 * values - sums_on_fma, \
+                assert 3 * values - sums_moved <= ex2 < 3.5 * values - sums_moved, \
                     (case, ex2, values)
         else:
             assert (rcp < 1.5 * values) if on_fma else (rcp >= 2 * values), (case, rcp, values)
