@@ -351,8 +351,9 @@ class CrossEntropyForward(RowKernel):
         """Whether a held row's first pass takes chunk ``chunk``'s sum terms exp(z - s)
         on the FMA pipe (fma_exp2): the chunks whose cap reciprocal stays on the
         multi-function unit (caps_on_fma), so that each moves one of its two ops there;
-        measured on unpadded rows only (151936 columns, padded, compiles to 203 MUFU ops
-        a thread without a spill with it too, but was not timed). Its exponents
+        unpadded rows only: padded 8192x151936 bf16 compiled to 203 MUFU ops a thread
+        without a spill with it too, but lost on the H100 (85.1 -> 83.6% of the copy
+        ceiling, results/cross_entropy_held_fma_padded_H100_20261208.txt). Its exponents
         r (-2 s log2 e) lie in [-116, 0] (CE_FIXED_MAX_SOFTCAP), fma_exp2's range."""
         return self.stages_cap_shares and not self.caps_on_fma(chunk) \
             and not self.cfg.needs_col_predicate
